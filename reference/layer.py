@@ -1,0 +1,239 @@
+"""One DeepSeek-V4 block in pure fp32 (or fp64), with the state that lets it run in pieces.
+
+`ReferenceLayer.forward` takes the hyper-connection streams of a run of consecutive tokens (a whole
+prompt, a prefill chunk of any size, or one decode token) and the layer's `LayerState`, and returns
+the output streams. The state carries exactly what spec §10.3 lists — the last W−1 window kv rows,
+each compressor's incomplete window (and CSA's previous Ca half), the compressed caches — so a prompt
+split anywhere gives the same result as one pass, and decode steps continue from a prefill.
+
+Read against spec §2 (block), §3 (mHC), §4 (attention), §5 (compressors, indexer), §6 (MoE), §7 (QAT
+switches). Queries are processed in blocks sized from a memory budget: no T×T buffer ever exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reference.config import ModelConfig
+from reference.ops.attention import (kv_path, output_path, query_path, sparse_attention_with_sink,
+                                     window_keys)
+from reference.ops.compressor import CompressorState, CompressorWeights, compress, visible_rows
+from reference.ops.indexer import indexer_scores, select_rows
+from reference.ops.mhc import hc_post, hc_pre
+from reference.ops.moe import moe_forward, route
+from reference.ops.norms import rms_norm
+from reference.ops.rope import apply_rope, cos_sin, layer_inverse_frequencies
+from reference.probes import NULL_SINK, ProbeSink
+from reference.quant import fp4_fake_quant, fp8_fake_quant, hadamard_matrix
+from reference.weights.source import TensorBundle
+
+QUERY_BLOCK_BUDGET_ELEMENTS = 1 << 25
+"""Temporaries per query block, in elements (~128 MB in fp32): bounds memory at any sequence length."""
+
+
+@dataclass(frozen=True)
+class ParityOptions:
+    """The official code's QAT rounding steps (spec §7); the pure reference leaves them off.
+
+    fp8_kv:      round the nope dims of every window kv row and every main-compressor row through FP8
+                 e4m3 with a UE8M0 scale per 64 elements (scale = 2^ceil(log2(max(amax,1e-4)/448))).
+    indexer_fp4: rotate indexer q (after RoPE) and indexer-compressor rows (after norm and RoPE) by the
+                 orthonormal Hadamard matrix, then round through FP4 e2m1 with a UE8M0 scale per 32.
+                 Without the FP4 step the rotation would cancel in q·k.
+    """
+
+    fp8_kv: bool = False
+    indexer_fp4: bool = False
+
+
+@dataclass
+class LayerState:
+    """Everything layer L remembers about the tokens it has already processed (spec §10.3)."""
+
+    position: int  # absolute position of the next token
+    window_kv: torch.Tensor  # [≤ W−1, d] kv rows of the most recent tokens
+    compressor: CompressorState | None  # main KV compressor (CSA, HCA)
+    indexer: CompressorState | None  # indexer compressor (CSA)
+
+
+class ReferenceLayer:
+    """Block `layer` of the model, its weights dequantized to `dtype` once at construction."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, weights: TensorBundle, dtype: torch.dtype = torch.float32,
+                 parity: ParityOptions = ParityOptions(), device: torch.device | str = "cpu") -> None:
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"the reference computes in float32 or float64, not {dtype}")
+        self.cfg, self.layer, self.dtype, self.parity, self.device = cfg, layer, dtype, parity, torch.device(device)
+        self.kind = cfg.layer_kind(layer)
+        self.ratio = cfg.compress_ratio(layer)
+        self.weights = weights
+        w = lambda name: weights.dense(name, dtype).to(self.device)  # noqa: E731
+        self.w = {name: w(name) for name in weights.names() if not name.startswith("ffn.experts.")}
+        self.inv_freq = layer_inverse_frequencies(cfg, layer).to(self.device)
+        if self.kind != "swa":
+            self.compressor_w = self._compressor_weights("attn.compressor")
+        if self.kind == "csa":
+            self.indexer_compressor_w = self._compressor_weights("attn.indexer.compressor")
+            self.hadamard = hadamard_matrix(cfg.index_head_dim, dtype, self.device) if parity.indexer_fp4 else None
+
+    def _compressor_weights(self, prefix: str) -> CompressorWeights:
+        return CompressorWeights(self.w[f"{prefix}.wkv.weight"], self.w[f"{prefix}.wgate.weight"],
+                                 self.w[f"{prefix}.ape"], self.w[f"{prefix}.norm.weight"])
+
+    def new_state(self) -> LayerState:
+        cfg, dt, dev = self.cfg, self.dtype, self.device
+        comp = idx = None
+        if self.kind != "swa":
+            comp = CompressorState.empty(self.ratio, self.kind == "csa", cfg.head_dim, dt, dev)
+        if self.kind == "csa":
+            idx = CompressorState.empty(self.ratio, True, cfg.index_head_dim, dt, dev)
+        return LayerState(0, torch.zeros(0, cfg.head_dim, dtype=dt, device=dev), comp, idx)
+
+    # ------------------------------------------------------------------------------------------
+    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, state: LayerState,
+                sink: ProbeSink = NULL_SINK) -> torch.Tensor:
+        """Block_l (spec §2) over tokens at positions state.position … state.position+S−1.
+
+        streams [S, n, D] in self.dtype; token_ids [S] (hash routing reads them). Mutates `state`.
+        """
+        cfg, w = self.cfg, self.w
+        positions = torch.arange(state.position, state.position + streams.shape[0], device=self.device)
+        if sink.wants("layer.in"):
+            sink.emit("layer.in", positions, streams=streams)
+
+        a, mix = hc_pre(streams, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"],
+                        cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        if sink.wants("attn.hc"):
+            sink.emit("attn.hc", positions, pre=mix.pre, post=mix.post, comb=mix.comb, mixed=a)
+        attn_out = self._attention(rms_norm(a, w["attn_norm.weight"], cfg.rms_norm_eps), positions, state, sink)
+        if sink.wants("attn.out"):
+            sink.emit("attn.out", positions, out=attn_out)
+        streams = hc_post(attn_out, streams, mix)
+
+        a, mix = hc_pre(streams, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"],
+                        cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        if sink.wants("ffn.hc"):
+            sink.emit("ffn.hc", positions, pre=mix.pre, post=mix.post, comb=mix.comb, mixed=a)
+        moe_out = self._moe(rms_norm(a, w["ffn_norm.weight"], cfg.rms_norm_eps), token_ids, positions, sink)
+        if sink.wants("moe.out"):
+            sink.emit("moe.out", positions, out=moe_out)
+        streams = hc_post(moe_out, streams, mix)
+
+        if sink.wants("layer.out"):
+            sink.emit("layer.out", positions, streams=streams)
+        state.position += streams.shape[0]
+        return streams
+
+    # ------------------------------------------------------------------------------------------
+    def _attention(self, x: torch.Tensor, positions: torch.Tensor, state: LayerState, sink: ProbeSink) -> torch.Tensor:
+        cfg, w, nope = self.cfg, self.w, self.cfg.nope_head_dim
+        cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
+        q_lat, q = query_path(x, w["attn.wq_a.weight"], w["attn.q_norm.weight"], w["attn.wq_b.weight"],
+                              cfg.num_attention_heads, cos, sin, cfg.rms_norm_eps)
+        kv = kv_path(x, w["attn.wkv.weight"], w["attn.kv_norm.weight"], cos, sin, cfg.rms_norm_eps)
+        if self.parity.fp8_kv:
+            kv = self._fp8_nope(kv)
+        if sink.wants("attn.q"):
+            sink.emit("attn.q", positions, q=q)
+        if sink.wants("attn.kv"):
+            sink.emit("attn.kv", positions, kv=kv)
+
+        history = torch.cat([state.window_kv, kv], 0)
+        history_start = state.position - state.window_kv.shape[0]
+
+        if self.kind != "swa":
+            rows = compress(state.compressor, x, positions, self.compressor_w, cfg.rms_norm_eps, self.inv_freq,
+                            self._fp8_nope if self.parity.fp8_kv else None)
+            self._emit_rows(sink, "compressor.rows", rows, state.compressor)
+        if self.kind == "csa":
+            rows = compress(state.indexer, x, positions, self.indexer_compressor_w, cfg.rms_norm_eps,
+                            self.inv_freq, self._indexer_fp4 if self.parity.indexer_fp4 else None)
+            self._emit_rows(sink, "indexer.rows", rows, state.indexer)
+            q_idx = (q_lat @ w["attn.indexer.wq_b.weight"].T).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+            q_idx = apply_rope(q_idx, cos[:, None], sin[:, None])
+            if self.parity.indexer_fp4:
+                q_idx = self._indexer_fp4(q_idx)
+            idx_weights = (x @ w["attn.indexer.weights_proj.weight"].T) * (
+                cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+
+        out = torch.empty_like(q)
+        for start in range(0, positions.numel(), self._query_block(state)):
+            blk = slice(start, start + self._query_block(state))
+            pos = positions[blk]
+            keys, window_pos, valid = window_keys(history, history_start, pos, cfg.sliding_window)
+            comp_rows = torch.zeros(pos.numel(), 0, dtype=torch.int64, device=self.device)
+            if self.kind == "hca":
+                rows = state.compressor.rows
+                ids = torch.arange(rows.shape[0], device=self.device)
+                comp_valid = ids[None, :] < visible_rows(pos, self.ratio)[:, None]
+                comp_rows = torch.where(comp_valid, ids[None, :], -1)
+                keys = torch.cat([keys, rows[None].expand(pos.numel(), -1, -1)], 1)
+                valid = torch.cat([valid, comp_valid], 1)
+            elif self.kind == "csa":
+                scores = indexer_scores(q_idx[blk], idx_weights[blk], state.indexer.rows)
+                chosen, comp_valid = select_rows(scores, pos, self.ratio, cfg.index_topk)
+                if sink.wants("indexer.scores"):
+                    hidden = torch.arange(scores.shape[1], device=self.device)[None] >= visible_rows(pos, self.ratio)[:, None]
+                    sink.emit("indexer.scores", pos, scores=scores.masked_fill(hidden, float("-inf")))
+                if sink.wants("indexer.selected"):
+                    sink.emit("indexer.selected", pos, row_ids=chosen, valid=comp_valid)
+                comp_rows = torch.where(comp_valid, chosen, -1)
+                keys = torch.cat([keys, state.compressor.rows[chosen]], 1)
+                valid = torch.cat([valid, comp_valid], 1)
+            res = sparse_attention_with_sink(q[blk], keys, valid, w["attn.attn_sink"])
+            if sink.wants("attn.probs"):
+                sink.emit("attn.probs", pos, window_pos=window_pos, comp_rows=comp_rows, probs=res.probs,
+                          sink_prob=res.sink_prob)
+            if sink.wants("attn.lse"):
+                sink.emit("attn.lse", pos, lse=res.lse, max_logit=res.max_logit)
+            out[blk] = res.out
+
+        state.window_kv = history[max(0, history.shape[0] - (cfg.sliding_window - 1)):]
+        return output_path(out, cos, sin, w["attn.wo_a.weight"], w["attn.wo_b.weight"], cfg.o_groups)
+
+    def _query_block(self, state: LayerState) -> int:
+        """Queries per block so that the block's temporaries stay within QUERY_BLOCK_BUDGET_ELEMENTS."""
+        cfg = self.cfg
+        n_keys = cfg.sliding_window
+        per_query = 0
+        if self.kind == "csa":
+            n_keys += cfg.index_topk
+            per_query += cfg.index_n_heads * (state.indexer.n_rows + 1) * 2  # head dots + relu
+        elif self.kind == "hca":
+            n_keys += state.compressor.n_rows + 1
+        per_query += n_keys * (cfg.head_dim + 3 * cfg.num_attention_heads)  # gathered keys, logits, exp, probs
+        return max(1, min(4096, QUERY_BLOCK_BUDGET_ELEMENTS // per_query))
+
+    def _fp8_nope(self, rows: torch.Tensor) -> torch.Tensor:
+        nope = self.cfg.nope_head_dim
+        return torch.cat([fp8_fake_quant(rows[..., :nope], block=64), rows[..., nope:]], -1)
+
+    def _indexer_fp4(self, x: torch.Tensor) -> torch.Tensor:
+        return fp4_fake_quant(x @ self.hadamard, block=32)
+
+    @staticmethod
+    def _emit_rows(sink: ProbeSink, tap: str, rows: torch.Tensor, state: CompressorState) -> None:
+        if sink.wants(tap):
+            ids = torch.arange(state.n_rows - rows.shape[0], state.n_rows, device=rows.device)
+            sink.emit(tap, ids * state.ratio, rows=rows, row_ids=ids)
+
+    # ------------------------------------------------------------------------------------------
+    def _moe(self, y: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, sink: ProbeSink) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        hashed = cfg.is_hash_layer(self.layer)
+        routing = route(y, w["ffn.gate.weight"], cfg.num_experts_per_tok, cfg.routed_scaling_factor,
+                        bias=None if hashed else w["ffn.gate.bias"],
+                        tid2eid=w["ffn.gate.tid2eid"] if hashed else None, token_ids=token_ids.to(self.device))
+        if sink.wants("moe.router"):
+            sink.emit("moe.router", positions, scores=routing.scores, expert_ids=routing.expert_ids,
+                      weights=routing.weights)
+        shared = None
+        if cfg.n_shared_experts:
+            shared = tuple(w[f"ffn.shared_experts.{p}.weight"] for p in ("w1", "w3", "w2"))
+        return moe_forward(y, routing, self._expert, shared, cfg.swiglu_limit)
+
+    def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(self.weights.dense(f"ffn.experts.{e}.{p}.weight", self.dtype).to(self.device)
+                     for p in ("w1", "w3", "w2"))

@@ -1,0 +1,67 @@
+"""Manifold-constrained hyper-connections (spec §3): HC_pre with Sinkhorn, HC_post, HC head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reference.ops.norms import unweighted_rms_norm
+
+
+@dataclass
+class HCMix:
+    """Per-token mixing weights of one sub-layer: pre [T, n], post [T, n], comb [T, n, n] (C[j, k])."""
+
+    pre: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+
+
+def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
+    """m = ρ·(fn · x̂) with x̂ = the n·D streams flattened stream-major, ρ = 1/sqrt(mean(x̂²)+rms_eps) (§3.1 steps 1-3)."""
+    flat = streams.flatten(-2)  # index k·D + j
+    return unweighted_rms_norm(flat, rms_eps) @ fn.T
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """§3.1 step 7: row softmax + eps, column normalise, then (iters−1)× (row normalise, column normalise).
+
+    Every denominator carries +eps; the last step is a column normalisation, so columns sum to ~1.
+    """
+    c = torch.softmax(logits, dim=-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           rms_eps: float, hc_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, HCMix]:
+    """HC_pre (§3.1): returns the sub-layer input a_t = Σ_k pre_k X_t[k] (un-normalised streams) and the mixes.
+
+    streams [T, n, D]; fn [(2+n)n, n·D]; base [(2+n)n]; scale [3].
+    """
+    n = streams.shape[-2]
+    m = hc_mixes(streams, fn, rms_eps)
+    pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(m[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb_logits = (m[..., 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n))  # row-major Ĉ[j][k]
+    comb = sinkhorn(comb_logits, sinkhorn_iters, hc_eps)
+    a = (pre.unsqueeze(-1) * streams).sum(-2)
+    return a, HCMix(pre, post, comb)
+
+
+def hc_post(f: torch.Tensor, streams: torch.Tensor, mix: HCMix) -> torch.Tensor:
+    """HC_post (§3.2): X'[k] = post_k·f + Σ_j C[j, k]·X[j] — comb contracted over its FIRST index."""
+    mixed = torch.einsum("tjk,tjd->tkd", mix.comb, streams)
+    return mix.post.unsqueeze(-1) * f.unsqueeze(-2) + mixed
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+            rms_eps: float, hc_eps: float) -> torch.Tensor:
+    """HCHead (§3.3): pre_k = sigmoid(m_k·scale + base_k) + hc_eps; h = Σ_k pre_k X[k]; no post, no Sinkhorn."""
+    m = hc_mixes(streams, fn, rms_eps)
+    pre = torch.sigmoid(m * scale[0] + base) + hc_eps
+    return (pre.unsqueeze(-1) * streams).sum(-2)

@@ -1,0 +1,51 @@
+"""The probe stream: named taps that every stack emits identically (DESIGN §3, Probes).
+
+A stack calls `sink.emit(tap, positions, **tensors)` at fixed points of each layer; `positions` are
+the absolute token positions [B] that the tensors' first dimension is aligned with. The harness
+implements the sink (pairing reference and variant taps, computing metrics as they stream past);
+the model code only needs this protocol, so `reference/` never imports `harness/`.
+
+Canonical taps (values are keyword tensors; [B] = the positions given):
+  layer.in            streams [B, n, D]
+  attn.hc / ffn.hc    pre [B, n], post [B, n], comb [B, n, n], mixed [B, D] (the sub-layer input a)
+  attn.q              q [B, H, d] (after per-head norm and RoPE)
+  attn.kv             kv [B, d] (as stored in the window cache)
+  compressor.rows     rows [R, d], row_ids [R] (rows emitted by this call; `positions` = row start w·m)
+  indexer.rows        rows [R, d_I], row_ids [R]
+  indexer.scores      scores [B, R_total] over every row emitted so far (−inf where not visible)
+  indexer.selected    row_ids [B, k], valid [B, k]
+  attn.probs          window_pos [B, W], comp_rows [B, K], probs [B, H, W+K], sink_prob [B, H]
+  attn.lse            lse [B, H], max_logit [B, H]
+  attn.out            out [B, D] (attention sub-layer output, before HC_post)
+  moe.router          scores [B, E], expert_ids [B, k], weights [B, k]
+  moe.out             out [B, D]
+  layer.out           streams [B, n, D]
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class ProbeSink(Protocol):
+    def wants(self, tap: str) -> bool:
+        """False lets a stack skip building a tap's tensors."""
+        ...
+
+    def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
+        ...
+
+
+class NullSink:
+    """Wants nothing; the default when no harness is listening."""
+
+    def wants(self, tap: str) -> bool:
+        return False
+
+    def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
+        pass
+
+
+NULL_SINK = NullSink()

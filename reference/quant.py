@@ -1,0 +1,287 @@
+"""Number formats of the DeepSeek-V4 checkpoint and serving stack, decoded and encoded exactly.
+
+Shared by the synthetic weight source (which stores weights the way the real checkpoint does, so
+the weight format itself is never counted as drift), the checkpoint readers, the reference's
+optional QAT simulation (spec §7) and the optimized stack (which computes in these formats).
+
+Every function here is exact, elementwise IEEE arithmetic (power-of-two scaling, table lookups,
+round-to-nearest-even) so it gives bit-identical results on every device.
+
+Formats (spec §8.2, optimized-stack §0.1, §6.1):
+- E8M0 / UE8M0 scale byte u -> 2^(u-127).
+- FP8 e4m3fn: torch.float8_e4m3fn (max 448).
+- FP4 e2m1: 4-bit code, bit 3 sign, magnitudes [0, .5, 1, 1.5, 2, 3, 4, 6]; two per byte, even
+  element in the low nibble.
+- NVFP4: e2m1 with one e4m3 scale per 16 elements and one fp32 global scale per tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+# ---------------------------------------------------------------------------------------------
+# power-of-two scales
+# ---------------------------------------------------------------------------------------------
+
+
+def ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """Exact ceil(log2(x)) for positive finite x, as int32 (frexp: x = m·2^e, m in [0.5, 1))."""
+    mantissa, exponent = torch.frexp(x.float())
+    return torch.where(mantissa == 0.5, exponent - 1, exponent).to(torch.int32)
+
+
+def pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2^exponent in fp32, exact (ldexp)."""
+    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent.to(torch.int32))
+
+
+def e8m0_decode(u: torch.Tensor) -> torch.Tensor:
+    """UE8M0 byte (uint8) -> fp32 power of two 2^(u-127). u = 255 (NaN) is rejected by the readers."""
+    return pow2(u.to(torch.int32) - 127)
+
+
+def e8m0_encode(exponent: torch.Tensor) -> torch.Tensor:
+    """Power-of-two exponent (int) -> UE8M0 byte (uint8)."""
+    e = exponent.to(torch.int32) + 127
+    if bool(((e < 0) | (e > 254)).any()):
+        raise ValueError("scale exponent outside the UE8M0 range [-127, 127]")
+    return e.to(torch.uint8)
+
+
+def ue8m0_scale_for(amax: torch.Tensor, format_max: float, floor: float) -> torch.Tensor:
+    """Exponent of the smallest power of two s with amax/s <= format_max: 2^ceil(log2(max(amax,floor)/max)).
+
+    The rule of the official act_quant / KV writer (optimized-stack §0.1) and of the checkpoint's block scales.
+    """
+    return ceil_log2(torch.clamp(amax.float(), min=floor) / format_max)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 e4m3
+# ---------------------------------------------------------------------------------------------
+
+
+def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 to the nearest e4m3fn value (RNE), saturating at ±448, returned as fp32."""
+    return torch.clamp(x.float(), -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# FP4 e2m1
+# ---------------------------------------------------------------------------------------------
+
+# Round-to-nearest-even decision points between consecutive e2m1 magnitudes; at an exact midpoint
+# the even code wins (codes 0,2,4,6 are even): 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
+_E2M1_UPPER = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_E2M1_TIE_GOES_UP = torch.tensor([False, True, False, True, False, True, False])
+
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> 4-bit e2m1 code (uint8 in [0, 15]), RNE, saturating at ±6."""
+    mag = x.float().abs()
+    upper = _E2M1_UPPER.to(x.device)
+    up = _E2M1_TIE_GOES_UP.to(x.device)
+    # code = number of decision points that mag is beyond (strictly, or at a tie that rounds up)
+    beyond = (mag.unsqueeze(-1) > upper) | ((mag.unsqueeze(-1) == upper) & up)
+    code = beyond.sum(-1).to(torch.uint8)
+    sign = (x < 0) | ((x == 0) & torch.signbit(x))
+    return code | (sign.to(torch.uint8) << 3)
+
+
+def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
+    """4-bit e2m1 code (uint8) -> fp32."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=code.device)
+    mag = table[(code & 7).long()]
+    return torch.where((code & 8) != 0, -mag, mag)
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    return e2m1_decode(e2m1_encode(x))
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """[..., n] codes -> [..., n/2] bytes, element 2k in the low nibble (spec §8.2)."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"FP4 packing needs an even last dimension, got {tuple(codes.shape)}")
+    lo = codes[..., 0::2]
+    hi = codes[..., 1::2]
+    return (lo | (hi << 4)).to(torch.uint8)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n/2] bytes -> [..., n] codes."""
+    p = packed.view(torch.uint8) if packed.dtype != torch.uint8 else packed
+    lo = p & 0x0F
+    hi = (p >> 4) & 0x0F
+    return torch.stack([lo, hi], dim=-1).flatten(-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# block helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    n = x.shape[dim]
+    pad = (-n) % multiple
+    if pad == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, torch.zeros(shape, dtype=x.dtype, device=x.device)], dim=dim)
+
+
+def blockwise_amax_last(x: torch.Tensor, block: int) -> torch.Tensor:
+    """amax over consecutive blocks of `block` along the last dim (last block may be partial)."""
+    n = x.shape[-1]
+    xp = _pad_to(x.abs().float(), -1, block)
+    return xp.view(*x.shape[:-1], -1, block).amax(-1)[..., : (n + block - 1) // block]
+
+
+def expand_blocks_last(s: torch.Tensor, block: int, n: int) -> torch.Tensor:
+    """Per-block values along the last dim -> per-element (length n)."""
+    return s.repeat_interleave(block, dim=-1)[..., :n]
+
+
+# ---------------------------------------------------------------------------------------------
+# fake-quant (QAT simulation, spec §7) and activation quantization
+# ---------------------------------------------------------------------------------------------
+
+
+def fp8_fake_quant(x: torch.Tensor, block: int = 64, amax_floor: float = 1e-4) -> torch.Tensor:
+    """Round-trip x through FP8 e4m3 with one UE8M0 scale per `block` elements of the last dim.
+
+    Spec §7: scale = 2^ceil(log2(max(amax, 1e-4)/448)); q = e4m3_RNE(clamp(x/scale, ±448)); x <- q·scale.
+    Used for the 448 nope dims of kv rows (block 64) and for FP8 activations (block 128).
+    Returns x's dtype.
+    """
+    n = x.shape[-1]
+    exp = ue8m0_scale_for(blockwise_amax_last(x, block), FP8_MAX, amax_floor)
+    scale = expand_blocks_last(pow2(exp), block, n)
+    return (round_to_e4m3(x.float() / scale) * scale).to(x.dtype)
+
+
+def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Round-trip x through FP4 e2m1 with one UE8M0 scale per `block` elements of the last dim.
+
+    Spec §7: scale = 2^ceil(log2(max(amax, 6·2^-126)/6)); q = e2m1_RNE(clamp(x/scale, ±6)); x <- q·scale.
+    """
+    n = x.shape[-1]
+    exp = ue8m0_scale_for(blockwise_amax_last(x, block), FP4_MAX, FP4_MAX * 2.0**-126)
+    scale = expand_blocks_last(pow2(exp), block, n)
+    return (round_to_e2m1(x.float() / scale) * scale).to(x.dtype)
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Sylvester Hadamard matrix in natural order, scaled by 1/sqrt(n) (orthonormal); n a power of two."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / n**0.5).to(dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# stored weight formats
+# ---------------------------------------------------------------------------------------------
+
+WEIGHT_FORMATS = ("fp8_block128", "fp4_mx32", "nvfp4")
+
+
+@dataclass
+class QuantizedTensor:
+    """A weight kept in its storage format; `dequantize()` is exact in fp32.
+
+    - fp8_block128: codes float8_e4m3fn [out, in]; scale uint8 UE8M0 [ceil(out/128), ceil(in/128)].
+    - fp4_mx32:     codes uint8 packed e2m1 [out, in/2]; scale uint8 UE8M0 [out, in/32].
+    - nvfp4:        codes uint8 packed e2m1 [out, in/2]; scale float8_e4m3fn [out, in/16];
+                    global_scale fp32 scalar; input_scale optional fp32 scalar (W4A4 activations).
+    """
+
+    format: str
+    codes: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows = self.codes.shape[0]
+        cols = self.codes.shape[1] * (1 if self.format == "fp8_block128" else 2)
+        return (rows, cols)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def to(self, device: torch.device | str) -> "QuantizedTensor":
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return QuantizedTensor(self.format, self.codes.to(device), self.scale.to(device),
+                               mv(self.global_scale), mv(self.input_scale))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out, inp = self.shape
+        if self.format == "fp8_block128":
+            s = e8m0_decode(self.scale)
+            s = s.repeat_interleave(128, 0)[:out].repeat_interleave(128, 1)[:, :inp]
+            return (self.codes.float() * s).to(dtype)
+        vals = e2m1_decode(unpack_e2m1(self.codes))
+        if self.format == "fp4_mx32":
+            s = e8m0_decode(self.scale).repeat_interleave(32, 1)[:, :inp]
+            return (vals * s).to(dtype)
+        if self.format == "nvfp4":
+            assert self.global_scale is not None
+            s = self.scale.float().repeat_interleave(16, 1)[:, :inp]
+            return (vals * s * self.global_scale.float()).to(dtype)
+        raise ValueError(f"unknown weight format {self.format!r}")
+
+
+def quantize_fp8_block128(w: torch.Tensor) -> QuantizedTensor:
+    """fp32 [out, in] -> FP8 e4m3 with one UE8M0 scale per 128x128 block (checkpoint layout, spec §8.2)."""
+    out, inp = w.shape
+    wp = _pad_to(_pad_to(w.float(), 0, 128), 1, 128)
+    blocks = wp.view(wp.shape[0] // 128, 128, wp.shape[1] // 128, 128)
+    amax = blocks.abs().amax(dim=(1, 3))
+    exp = ue8m0_scale_for(amax, FP8_MAX, 2.0**-120)
+    s = pow2(exp).repeat_interleave(128, 0)[:out].repeat_interleave(128, 1)[:, :inp]
+    codes = torch.clamp(w.float() / s, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedTensor("fp8_block128", codes, e8m0_encode(exp))
+
+
+def quantize_fp4_mx32(w: torch.Tensor) -> QuantizedTensor:
+    """fp32 [out, in] -> packed e2m1 with one UE8M0 scale per 32 inputs (routed-expert layout, spec §8.2)."""
+    out, inp = w.shape
+    if inp % 32:
+        raise ValueError(f"FP4 expert weights need in_features % 32 == 0, got {inp}")
+    exp = ue8m0_scale_for(blockwise_amax_last(w, 32), FP4_MAX, 2.0**-120)
+    s = pow2(exp).repeat_interleave(32, 1)
+    codes = e2m1_encode(w.float() / s)
+    return QuantizedTensor("fp4_mx32", pack_e2m1(codes), e8m0_encode(exp))
+
+
+def mx32_to_nvfp4(q: QuantizedTensor) -> QuantizedTensor:
+    """Lossless MXFP4 -> NVFP4 (spec §8.4): same e2m1 codes, per-16 e4m3 scale = 2^e / global.
+
+    A power of two 2^e is exact in e4m3 when it lies in [2^-9, 448]; choose the global scale as the
+    largest per-32 scale divided by 2^8 (a power of two), so every block scale 2^(e-emax+8) is exact as
+    long as the tensor's scale exponents span at most 17 binades (checked; else ValueError).
+    """
+    if q.format != "fp4_mx32":
+        raise ValueError(f"expected an fp4_mx32 tensor, got {q.format}")
+    exp = q.scale.to(torch.int32) - 127
+    emax = int(exp.max())
+    rel = exp - emax + 8  # in [-9, 8] when the span is <= 17 binades
+    if int(rel.min()) < -9:
+        raise ValueError("per-32 scales span more than 17 binades; NVFP4 conversion would not be lossless")
+    block16 = pow2(rel).repeat_interleave(2, dim=1).to(torch.float8_e4m3fn)
+    global_scale = pow2(torch.tensor(emax - 8))
+    return QuantizedTensor("nvfp4", q.codes.clone(), block16, global_scale.reshape(()), None)
