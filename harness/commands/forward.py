@@ -1,0 +1,93 @@
+"""`dsv4-drift forward`: golden outputs — logits for every prompt and decode position (and layer outputs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from harness.environment import environment_record
+from harness.errors import UsageError
+from harness.sources import open_weights
+from harness.token_files import read_token_file
+from reference.layer import ParityOptions
+from reference.model import ReferenceModel
+
+PARITY_SWITCHES = {"fp8-kv": "fp8_kv", "indexer-fp4": "indexer_fp4"}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "forward",
+        help="run one stack over a token file and write logits (and layer outputs) to safetensors",
+        description="Golden outputs: logits float32 [n_prompt + n_decode, vocab], one row per position, decode "
+                    "tokens fed one at a time after the prompt (teacher-forced); with --dump-layers also "
+                    "layers.{L}.out [T, hc_mult, hidden] for every layer.",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="model preset for synthetic weights: flash, flash-mini (default), tiny")
+    src.add_argument("--checkpoint", type=Path, help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--seed", type=int, default=0, help="synthetic weight seed (default 0)")
+    p.add_argument("--tokens", type=Path, required=True, help="JSON list of prompt token ids")
+    p.add_argument("--decode-tokens", type=Path, help="JSON list of decode token ids, fed one at a time")
+    p.add_argument("--chunk-size", type=int, help="prefill chunk size in tokens (default: the whole prompt at once)")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="reference precision")
+    p.add_argument("--parity", default="", help="official QAT simulation steps to switch on, comma separated: "
+                                                 + ", ".join(PARITY_SWITCHES))
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dump-layers", action="store_true", help="also write layers.{L}.out for every layer")
+    p.add_argument("--out", type=Path, required=True, help="output .safetensors file")
+    p.set_defaults(func=run)
+
+
+def parse_parity(text: str) -> ParityOptions:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in PARITY_SWITCHES]
+    if unknown:
+        raise UsageError(f"--parity: unknown switch(es) {unknown}; known: {sorted(PARITY_SWITCHES)}")
+    return ParityOptions(**{PARITY_SWITCHES[n]: True for n in names})
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    source = open_weights(args.model, args.seed, args.checkpoint)
+    cfg = source.config
+    prompt = read_token_file(args.tokens, cfg.vocab_size, "--tokens file")
+    decode = read_token_file(args.decode_tokens, cfg.vocab_size, "--decode-tokens file") if args.decode_tokens else []
+    if not prompt:
+        raise UsageError(f"--tokens file {args.tokens} holds no tokens")
+    if args.chunk_size is not None and args.chunk_size <= 0:
+        raise UsageError(f"--chunk-size must be positive, got {args.chunk_size}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    dtype = getattr(torch, args.dtype)
+    model = ReferenceModel(source, dtype, args.device, parse_parity(args.parity))
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"reference {args.dtype}", total=cfg.num_hidden_layers)
+        result = model.forward(prompt, decode, args.chunk_size, keep_layer_outputs=args.dump_layers,
+                               progress=lambda done, total: bar.update(task, completed=done))
+
+    tensors = {"logits": result.logits.float().contiguous().cpu()}
+    for layer, out in enumerate(result.layer_outputs):
+        tensors[f"layers.{layer}.out"] = out.contiguous()
+    meta = {
+        "stack": "reference",
+        "dtype": args.dtype,
+        "chunk_size": str(args.chunk_size or len(prompt)),
+        "n_prompt": str(len(prompt)),
+        "n_decode": str(len(decode)),
+        "parity": args.parity,
+        "weights": json.dumps(source.describe()),
+        "config": json.dumps(cfg.to_dict()),
+        "environment": json.dumps(environment_record(args.device)),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(args.out), metadata=meta)
+    print(f"wrote {args.out}: logits {tuple(tensors['logits'].shape)}"
+          + (f" and {len(result.layer_outputs)} layer outputs" if result.layer_outputs else ""))
+    return 0
