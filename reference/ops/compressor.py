@@ -62,37 +62,43 @@ def compress(state: CompressorState, x: torch.Tensor, positions: torch.Tensor, w
 
     Returns the rows emitted by this call ([n_new, d]); their indices are the previous n_rows onward.
     """
-    m, width = state.ratio, w.norm.shape[0]
-    if positions.numel() and int(positions[0]) != state.n_rows * m + state.pending_kv.shape[0]:
-        raise ValueError(f"compressor fed position {int(positions[0])}, expected "
-                         f"{state.n_rows * m + state.pending_kv.shape[0]} (tokens must arrive in order)")
     kv = x @ w.wkv.T  # v_i
-    gate = x @ w.wgate.T + w.ape[positions % m]  # z_i + ape[i mod m]
+    gate = x @ w.wgate.T + w.ape[positions % state.ratio]  # z_i + ape[i mod m]
+    first_row = state.n_rows
+    pooled = pool_new_windows(state, kv, gate, positions)
+    rows = rms_norm(pooled, w.norm, rms_eps)
+    row_ids = torch.arange(first_row, first_row + rows.shape[0], device=x.device)
+    cos, sin = cos_sin(inv_freq, row_ids * state.ratio, rows.dtype)  # RoPE at p_w = w·m (§5.1 step 2)
+    rows = apply_rope(rows, cos, sin)
+    if postprocess is not None:
+        rows = postprocess(rows)
+    state.rows = torch.cat([state.rows, rows], 0)
+    return rows
+
+
+def pool_new_windows(state: CompressorState, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor
+                     ) -> torch.Tensor:
+    """Add projected tokens (kv, gate incl. ape) to the pending window(s); pool every window that is now
+    complete into one pre-norm row [n_new, d]; keep the rest (and CSA's last Ca half) in `state`."""
+    m = state.ratio
+    expected = state.n_rows * m + state.pending_kv.shape[0]
+    if positions.numel() and int(positions[0]) != expected:
+        raise ValueError(f"compressor fed position {int(positions[0])}, expected {expected} "
+                         "(tokens must arrive in order)")
+    width = kv.shape[-1] // (2 if state.overlap else 1)
     all_kv = torch.cat([state.pending_kv, kv], 0)
     all_gate = torch.cat([state.pending_gate, gate], 0)
     n_new = all_kv.shape[0] // m
     windows_kv = all_kv[: n_new * m].unflatten(0, (n_new, m))  # [n_new, m, c·d]
     windows_gate = all_gate[: n_new * m].unflatten(0, (n_new, m))
-
-    if n_new == 0:
-        rows = torch.zeros(0, width, dtype=x.dtype, device=x.device)
-    else:
-        rows = _pool_windows(state, windows_kv, windows_gate, width)
-        rows = rms_norm(rows, w.norm, rms_eps)
-        row_ids = torch.arange(state.n_rows, state.n_rows + n_new, device=x.device)
-        cos, sin = cos_sin(inv_freq, row_ids * m, rows.dtype)  # RoPE at p_w = w·m (§5.1 step 2)
-        rows = apply_rope(rows, cos, sin)
-        if postprocess is not None:
-            rows = postprocess(rows)
-
-    if n_new:
-        if state.overlap:
-            state.prev_kv = windows_kv[-1, :, :width]
-            state.prev_gate = windows_gate[-1, :, :width]
-        state.rows = torch.cat([state.rows, rows], 0)
+    pooled = (_pool_windows(state, windows_kv, windows_gate, width) if n_new
+              else torch.zeros(0, width, dtype=kv.dtype, device=kv.device))
+    if n_new and state.overlap:
+        state.prev_kv = windows_kv[-1, :, :width]
+        state.prev_gate = windows_gate[-1, :, :width]
     state.pending_kv = all_kv[n_new * m :]
     state.pending_gate = all_gate[n_new * m :]
-    return rows
+    return pooled
 
 
 def _pool_windows(state: CompressorState, windows_kv: torch.Tensor, windows_gate: torch.Tensor,
