@@ -33,6 +33,19 @@ QUERY_BLOCK_BUDGET_ELEMENTS = 1 << 25
 """Temporaries per query block, in elements (~128 MB in fp32): bounds memory at any sequence length."""
 
 
+def query_block_size(cfg: ModelConfig, kind: str, main_rows: int, index_rows: int) -> int:
+    """Queries per block so that a block's temporaries stay within QUERY_BLOCK_BUDGET_ELEMENTS."""
+    n_keys = cfg.sliding_window
+    per_query = 0
+    if kind == "csa":
+        n_keys += cfg.index_topk
+        per_query += cfg.index_n_heads * (index_rows + 1) * 2  # per-head dots and their ReLU
+    elif kind == "hca":
+        n_keys += main_rows + 1
+    per_query += n_keys * (cfg.head_dim + 3 * cfg.num_attention_heads)  # gathered keys, logits, exp, probs
+    return max(1, min(4096, QUERY_BLOCK_BUDGET_ELEMENTS // per_query))
+
+
 @dataclass(frozen=True)
 class ParityOptions:
     """The official code's QAT rounding steps (spec §7); the pure reference leaves them off.
@@ -59,12 +72,16 @@ class LayerState:
 
 
 class ReferenceLayer:
-    """Block `layer` of the model, its weights dequantized to `dtype` once at construction."""
+    """Block `layer` of the model, its weights dequantized to `dtype` once at construction.
+
+    dtype is float32 (the reference) or float64 (its own noise floor); bfloat16 re-executes the same graph
+    naively in bf16 — the *yardstick* of DESIGN §3, never the reference.
+    """
 
     def __init__(self, cfg: ModelConfig, layer: int, weights: TensorBundle, dtype: torch.dtype = torch.float32,
                  parity: ParityOptions = ParityOptions(), device: torch.device | str = "cpu") -> None:
-        if dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"the reference computes in float32 or float64, not {dtype}")
+        if dtype not in (torch.float32, torch.float64, torch.bfloat16):
+            raise ValueError(f"the reference graph runs in float32, float64 or (yardstick) bfloat16, not {dtype}")
         self.cfg, self.layer, self.dtype, self.parity, self.device = cfg, layer, dtype, parity, torch.device(device)
         self.kind = cfg.layer_kind(layer)
         self.ratio = cfg.compress_ratio(layer)
@@ -159,8 +176,9 @@ class ReferenceLayer:
                 cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
 
         out = torch.empty_like(q)
-        for start in range(0, positions.numel(), self._query_block(state)):
-            blk = slice(start, start + self._query_block(state))
+        block = self._query_block(state)
+        for start in range(0, positions.numel(), block):
+            blk = slice(start, start + block)
             pos = positions[blk]
             keys, window_pos, valid = window_keys(history, history_start, pos, cfg.sliding_window)
             comp_rows = torch.zeros(pos.numel(), 0, dtype=torch.int64, device=self.device)
@@ -194,17 +212,8 @@ class ReferenceLayer:
         return output_path(out, cos, sin, w["attn.wo_a.weight"], w["attn.wo_b.weight"], cfg.o_groups)
 
     def _query_block(self, state: LayerState) -> int:
-        """Queries per block so that the block's temporaries stay within QUERY_BLOCK_BUDGET_ELEMENTS."""
-        cfg = self.cfg
-        n_keys = cfg.sliding_window
-        per_query = 0
-        if self.kind == "csa":
-            n_keys += cfg.index_topk
-            per_query += cfg.index_n_heads * (state.indexer.n_rows + 1) * 2  # head dots + relu
-        elif self.kind == "hca":
-            n_keys += state.compressor.n_rows + 1
-        per_query += n_keys * (cfg.head_dim + 3 * cfg.num_attention_heads)  # gathered keys, logits, exp, probs
-        return max(1, min(4096, QUERY_BLOCK_BUDGET_ELEMENTS // per_query))
+        return query_block_size(self.cfg, self.kind, state.compressor.n_rows if state.compressor else 0,
+                                state.indexer.n_rows if state.indexer else 0)
 
     def _fp8_nope(self, rows: torch.Tensor) -> torch.Tensor:
         nope = self.cfg.nope_head_dim

@@ -141,7 +141,7 @@ def blockwise_amax_last(x: torch.Tensor, block: int) -> torch.Tensor:
     """amax over consecutive blocks of `block` along the last dim (last block may be partial)."""
     n = x.shape[-1]
     xp = _pad_to(x.abs().float(), -1, block)
-    return xp.view(*x.shape[:-1], -1, block).amax(-1)[..., : (n + block - 1) // block]
+    return xp.view(*x.shape[:-1], xp.shape[-1] // block, block).amax(-1)[..., : (n + block - 1) // block]
 
 
 def expand_blocks_last(s: torch.Tensor, block: int, n: int) -> torch.Tensor:

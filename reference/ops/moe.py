@@ -52,13 +52,14 @@ def moe_forward(y: torch.Tensor, routing: Routing,
                 expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                 shared_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, limit: float) -> torch.Tensor:
     """Σ_{e∈ids} w_e·expert_e(y) + shared(y). Tokens are grouped per expert; expert weights are
-    materialised one expert at a time (`expert_weights(e)` -> (w1, w3, w2)) so only one is resident."""
-    out = torch.zeros_like(y)
+    materialised one expert at a time (`expert_weights(e)` -> (w1, w3, w2)) so only one is resident.
+    Each (token, slot) result lands in its own row of a [S, k, D] buffer, summed over slots in slot order."""
+    per_slot = torch.zeros(*routing.expert_ids.shape, y.shape[-1], dtype=y.dtype, device=y.device)
     for e in torch.unique(routing.expert_ids).tolist():
         token_idx, slot = torch.nonzero(routing.expert_ids == e, as_tuple=True)
         w1, w3, w2 = expert_weights(e)
-        contrib = swiglu_expert(y[token_idx], w1, w3, w2, limit) * routing.weights[token_idx, slot, None]
-        out.index_add_(0, token_idx, contrib)
+        per_slot[token_idx, slot] = swiglu_expert(y[token_idx], w1, w3, w2, limit) * routing.weights[token_idx, slot, None]
+    out = per_slot.sum(1)
     if shared_weights is not None:
         out = out + swiglu_expert(y, *shared_weights, limit)
     return out

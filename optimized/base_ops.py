@@ -1,0 +1,198 @@
+"""The stock low-precision engine's op implementations (spec §7.1, optimized-stack §0.1).
+
+This is the deployed path before the mission's patches: bf16 activations and residual streams, FP8
+linears with 1×128 activation quantization, FP4 experts, FP8 paged KV (nope) with bf16 rope dims,
+FP8 indexer keys with per-row scales, fp32 logits/softmax statistics with bf16 probabilities for P·V.
+Each function's docstring names the deployed numerics it emulates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from optimized.numerics import bf16, bf16_linear, fp8_activation, fp8_linear, fp32_linear, rms_norm_bf16
+from optimized.ops import OpContext, Routing
+from optimized.paged_cache import quantize_fp8_per_row
+from reference.ops.compressor import pool_new_windows, visible_rows
+from reference.ops.mhc import HCMix, sinkhorn
+from reference.ops.rope import apply_rope, cos_sin
+
+LINEAR_PRECISION = {
+    "attn.wq_a": "fp8", "attn.wq_b": "fp8", "attn.wkv": "fp8", "attn.wo_b": "fp8", "attn.indexer.wq_b": "fp8",
+    "ffn.shared_experts.w1": "fp8", "ffn.shared_experts.w3": "fp8", "ffn.shared_experts.w2": "fp8",
+    "attn.wo_a": "bf16", "attn.indexer.weights_proj": "bf16",
+    "attn.compressor.wkv": "fp32", "attn.compressor.wgate": "fp32",
+    "attn.indexer.compressor.wkv": "fp32", "attn.indexer.compressor.wgate": "fp32", "ffn.gate": "fp32",
+}
+"""Base precision per linear site (spec §7.1): FP8 GEMMs, plain bf16 (wo_a on dequantized weights,
+indexer weights_proj), fp32 (compressor projections and router)."""
+
+
+def linear(ctx: OpContext, x: torch.Tensor, site: str) -> torch.Tensor:
+    precision = LINEAR_PRECISION.get(site)
+    if precision is None:
+        raise KeyError(f"unknown linear site '{site}'")
+    w = ctx.weight(site + ".weight")
+    if site == "attn.wo_a":  # grouped: x [S, G, (H/G)·d], wo_a viewed [G, R_o, (H/G)·d] (spec §4.6)
+        wg = bf16(w).unflatten(0, (ctx.cfg.o_groups, -1))
+        return bf16(torch.einsum("sgi,gri->sgr", bf16(x), wg))
+    if precision == "fp8":
+        return fp8_linear(x, w)
+    if precision == "bf16":
+        return bf16_linear(x, w)
+    return fp32_linear(x, w)
+
+
+def hc_prelinear(ctx: OpContext, streams: torch.Tensor, site: str) -> torch.Tensor:
+    """fp32 SIMT GEMM on the bf16 streams: m = (x̂ · fnᵀ) · rsqrt(mean(x̂²) + eps) (optimized-stack §4.1 Ref)."""
+    flat = streams.float().flatten(-2)
+    rho = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + ctx.cfg.rms_norm_eps)
+    return (flat @ ctx.weight(f"hc_{site}_fn").T) * rho
+
+
+def hc_pre(ctx: OpContext, streams: torch.Tensor, site: str) -> tuple[torch.Tensor, HCMix]:
+    """HC math in fp32 (sigmoid, Sinkhorn, weighted sum of the bf16 streams); a stored as bf16."""
+    cfg, n = ctx.cfg, ctx.cfg.hc_mult
+    m = ctx.call("hc_prelinear", streams=streams, site=site)
+    base, scale = ctx.weight(f"hc_{site}_base"), ctx.weight(f"hc_{site}_scale")
+    pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + cfg.hc_eps
+    post = 2 * torch.sigmoid(m[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb = sinkhorn((m[..., 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n)), cfg.hc_sinkhorn_iters,
+                    cfg.hc_eps)
+    a = bf16((pre.unsqueeze(-1) * streams.float()).sum(-2))
+    return a, HCMix(pre, post, comb)
+
+
+def hc_post(ctx: OpContext, f: torch.Tensor, streams: torch.Tensor, mix: HCMix) -> torch.Tensor:
+    """X' = post·f + Cᵀ·X in fp32, stored bf16 (the residual streams are bf16 between sub-layers)."""
+    mixed = torch.einsum("tjk,tjd->tkd", mix.comb, streams.float())
+    return (mix.post.unsqueeze(-1) * f.float().unsqueeze(-2) + mixed).to(torch.bfloat16)
+
+
+def compressor(ctx: OpContext, which: str, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """fp32 projections and pooling (official Compressor), the pooled row cast to bf16 before its norm;
+    norm and RoPE write bf16."""
+    prefix = "attn.compressor" if which == "main" else "attn.indexer.compressor"
+    state = ctx.state.compressor if which == "main" else ctx.state.indexer_compressor
+    kv = ctx.call("linear", x=x, site=f"{prefix}.wkv").float()
+    gate = ctx.call("linear", x=x, site=f"{prefix}.wgate").float() + ctx.weight(f"{prefix}.ape")[positions % state.ratio]
+    first = state.n_rows
+    pooled = bf16(pool_new_windows(state, kv, gate, positions))
+    rows = rms_norm_bf16(pooled, ctx.weight(f"{prefix}.norm.weight"), ctx.cfg.rms_norm_eps)
+    ids = torch.arange(first, first + rows.shape[0], device=rows.device)
+    cos, sin = cos_sin(ctx.state.inv_freq, ids * state.ratio, torch.float32)
+    rows = bf16(apply_rope(rows, cos, sin))
+    state.rows = torch.cat([state.rows, rows], 0)
+    return rows
+
+
+def kv_store(ctx: OpContext, cache: str, rows: torch.Tensor) -> None:
+    ctx.state.cache(cache).append(rows)
+
+
+def kv_load(ctx: OpContext, cache: str, slots: torch.Tensor) -> torch.Tensor:
+    """Dequantized rows: FP8 nope · 2^(u−127) → bf16 (exact), rope dims as stored bf16."""
+    return ctx.state.cache(cache).load(slots).float()
+
+
+def quantize_indexer_q(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 e4m3 q with one fp32 scale per (row, head), the scale folded into the head weights
+    (sglang's fused q kernel + DeepGEMM convention, optimized-stack §3.1)."""
+    codes, scale = quantize_fp8_per_row(q)
+    return codes, weights * scale
+
+
+def indexer_logits(ctx: OpContext, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """DeepGEMM fp8_paged_mqa_logits semantics: Σ_h w'_h·ReLU(q8_h·k8)·k_scale with exact fp32 accumulation
+    of FP8 products; rows not yet visible get −inf."""
+    keys = ctx.state.index_keys
+    q8, w = quantize_indexer_q(q, weights)
+    if keys.fp4:
+        k, k_scale = keys.dense(), torch.ones(keys.length, device=q.device)
+    else:
+        k, k_scale = keys.dense_codes()
+    dots = torch.einsum("bhd,rd->bhr", q8.float(), k)
+    logits = (w.unsqueeze(-1) * torch.relu(dots)).sum(1) * k_scale[None, :]
+    hidden = torch.arange(keys.length, device=q.device)[None, :] >= visible_rows(positions, ctx.state.ratio)[:, None]
+    return logits.masked_fill(hidden, float("-inf"))
+
+
+def indexer_topk(ctx: OpContext, logits: torch.Tensor, positions: torch.Tensor, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk (GPU tie order, not stable) over min(k, rows) columns, then re-masked by causal length."""
+    k = min(k, logits.shape[-1])
+    row_ids = torch.topk(logits, k, dim=-1).indices
+    valid = row_ids < visible_rows(positions, ctx.state.ratio)[:, None]
+    return row_ids, valid
+
+
+def load_candidates(ctx: OpContext, window_slots: torch.Tensor, comp_slots: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key/value rows [B, W+K, d] of each query's window and compressed candidates, and their validity."""
+    parts = [ctx.call("kv_load", cache="window", slots=window_slots)]
+    if comp_slots.shape[-1]:
+        parts.append(ctx.call("kv_load", cache="compressed", slots=comp_slots))
+    return torch.cat(parts, 1), torch.cat([window_slots >= 0, comp_slots >= 0], 1)
+
+
+def sparse_attention(ctx: OpContext, q: torch.Tensor, window_slots: torch.Tensor, comp_slots: torch.Tensor,
+                     sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA-style single pass over window + compressed rows: bf16 q·k with fp32 accumulation, fp32
+    softmax statistics with the sink in the denominator, P cast to bf16 for P·V, bf16 output."""
+    keys, valid = load_candidates(ctx, window_slots, comp_slots)
+    logits = torch.einsum("bhd,bkd->bhk", bf16(q), keys) * ctx.cfg.head_dim**-0.5
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    m = torch.maximum(logits.amax(-1), sink[None, :])
+    p = torch.exp(logits - m[..., None])
+    denom = p.sum(-1) + torch.exp(sink[None, :] - m)
+    out = torch.einsum("bhk,bkd->bhd", bf16(p), keys) / denom[..., None]
+    return bf16(out), m + torch.log(denom)
+
+
+def router(ctx: OpContext, y: torch.Tensor, token_ids: torch.Tensor) -> Routing:
+    """fp32 router (official Gate): s = sqrt(softplus(y·Wᵀ)); hash ids or top-k(s + bias) with the GPU's
+    torch.topk; weights s[ids]/Σ · routed_scaling_factor."""
+    cfg = ctx.cfg
+    scores = torch.sqrt(F.softplus(ctx.call("linear", x=y, site="ffn.gate").float()))
+    if cfg.is_hash_layer(ctx.layer):
+        expert_ids = ctx.weights.stored("ffn.gate.tid2eid").to(ctx.device)[token_ids]
+    else:
+        expert_ids = torch.topk(scores + ctx.weight("ffn.gate.bias"), cfg.num_experts_per_tok, dim=-1).indices
+    w = scores.gather(-1, expert_ids)
+    return Routing(scores, expert_ids, w / w.sum(-1, keepdim=True) * cfg.routed_scaling_factor)
+
+
+def swiglu_fp32(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    if limit > 0:
+        g, u = torch.clamp(g, max=limit), torch.clamp(u, -limit, limit)
+    return F.silu(g) * u
+
+
+def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """FP4 experts (e2m1, per-32 UE8M0) with FP8 1×128 activations, fp32 accumulation; SwiGLU and the
+    routing weight in fp32, cast to bf16 before W2 (official); the sum over experts accumulated in fp32."""
+    per_slot = torch.zeros(*routing.expert_ids.shape, y.shape[-1], dtype=torch.float32, device=y.device)
+    xq = fp8_activation(y)
+    for e in torch.unique(routing.expert_ids).tolist():
+        tok, slot = torch.nonzero(routing.expert_ids == e, as_tuple=True)
+        w1, w3, w2 = (ctx.weight(f"ffn.experts.{e}.{p}.weight") for p in ("w1", "w3", "w2"))
+        x = xq[tok]
+        h = swiglu_fp32(bf16(x @ w1.T), bf16(x @ w3.T), ctx.cfg.swiglu_limit) * routing.weights[tok, slot, None]
+        per_slot[tok, slot] = bf16(fp8_activation(bf16(h)) @ w2.T)
+    return per_slot.sum(1)
+
+
+def chunk_state_carry(ctx: OpContext, state: Any) -> Any:
+    """The deployed engine carries the whole state across chunk boundaries unchanged."""
+    return state
+
+
+BASE_OPS = {
+    "linear": linear, "hc_prelinear": hc_prelinear, "hc_pre": hc_pre, "hc_post": hc_post,
+    "compressor": compressor, "kv_store": kv_store, "kv_load": kv_load, "indexer_logits": indexer_logits,
+    "indexer_topk": indexer_topk, "sparse_attention": sparse_attention, "router": router, "experts": experts,
+    "chunk_state_carry": chunk_state_carry,
+}

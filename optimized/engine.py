@@ -1,0 +1,295 @@
+"""The optimized engine: a serving-style low-precision DeepSeek-V4, layer by layer (DESIGN §3, Stacks).
+
+It mirrors the reference's structure — the same block, the same state carried between prefill chunks
+and decode steps — but every computation a kernel patch could replace goes through a named op
+(`optimized.ops`), its caches are paged FP8 (`optimized.paged_cache`), its residual streams are bf16
+tensors, and prefill runs in chunks (default 8192, optimized-stack §7) while decode runs one token per
+step with query shape (1, …). The patch set of a variant decides which implementation each op runs in
+each phase.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from optimized.base_ops import BASE_OPS, load_candidates, swiglu_fp32
+from optimized.numerics import DenseCache, bf16, rms_norm_bf16
+from optimized.ops import OpContext, OpTable
+from optimized.paged_cache import IndexKeyCache, LatentCache
+from optimized.patching import PHASES, PatchChoice
+from reference.config import ModelConfig
+from reference.layer import query_block_size
+from reference.model import ForwardResult, segment_lengths
+from reference.ops.compressor import CompressorState, visible_rows
+from reference.ops.mhc import hc_head
+from reference.ops.norms import unweighted_rms_norm
+from reference.ops.rope import apply_rope, cos_sin, layer_inverse_frequencies
+from reference.probes import NULL_SINK, ProbeSink
+from reference.quant import hadamard_matrix
+from reference.weights.source import TensorBundle, WeightSource
+
+DEFAULT_CHUNK_SIZE = 8192  # optimized-stack §7 / §8: the deployed --chunked-prefill-size
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Settings of the stock engine (not patches).
+
+    indexer_fp4: store indexer keys as FP4 e2m1 with UE8M0 per 32 (the deployed `--enable-deepseek-v4-fp4-indexer`
+                 layout) instead of FP8 with a per-row fp32 scale.
+    """
+
+    indexer_fp4: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"indexer_fp4": self.indexer_fp4}
+
+
+@dataclass
+class EngineState:
+    """Per-layer serving state: paged caches plus the compressors' pending windows (spec §10.3)."""
+
+    position: int
+    segment: int  # segments processed so far
+    ratio: int
+    inv_freq: torch.Tensor
+    window: LatentCache  # every token's kv row; window attention reads the last W
+    compressed: LatentCache | None
+    index_keys: IndexKeyCache | None
+    compressor: CompressorState | None
+    indexer_compressor: CompressorState | None
+    extras: dict[str, Any] = field(default_factory=dict)  # free room for plugins' own state
+
+    def cache(self, name: str) -> LatentCache | IndexKeyCache:
+        cache = {"window": self.window, "compressed": self.compressed, "index": self.index_keys}.get(name)
+        if cache is None:
+            raise KeyError(f"layer has no '{name}' cache")
+        return cache
+
+
+class OptimizedLayer:
+    """Block `layer` of the optimized engine for one variant (its patch choices)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, weights: TensorBundle, choices: Sequence[PatchChoice],
+                 device: torch.device | str = "cpu", options: EngineOptions = EngineOptions()) -> None:
+        self.cfg, self.layer, self.weights = cfg, layer, weights
+        self.kind, self.ratio = cfg.layer_kind(layer), cfg.compress_ratio(layer)
+        self.device, self.options = torch.device(device), options
+        self.dense = DenseCache()
+        self.tables = {phase: OpTable(BASE_OPS, list(choices), phase) for phase in PHASES}
+        self.hadamard = hadamard_matrix(cfg.index_head_dim, device=self.device) if self.kind == "csa" else None
+
+    def new_state(self, capacity_tokens: int) -> EngineState:
+        cfg, dev = self.cfg, self.device
+        comp = idx = compressed = index_keys = None
+        if self.kind != "swa":
+            comp = CompressorState.empty(self.ratio, self.kind == "csa", cfg.head_dim, torch.float32, dev)
+            compressed = LatentCache(capacity_tokens // self.ratio + 1, cfg.nope_head_dim, cfg.qk_rope_head_dim, dev)
+        if self.kind == "csa":
+            idx = CompressorState.empty(self.ratio, True, cfg.index_head_dim, torch.float32, dev)
+            index_keys = IndexKeyCache(capacity_tokens // self.ratio + 1, cfg.index_head_dim, dev,
+                                       fp4=self.options.indexer_fp4)
+        window = LatentCache(capacity_tokens, cfg.nope_head_dim, cfg.qk_rope_head_dim, dev)
+        return EngineState(0, 0, self.ratio, layer_inverse_frequencies(cfg, self.layer).to(dev), window, compressed,
+                           index_keys, comp, idx)
+
+    def _context(self, phase: str, segment: int, positions: torch.Tensor, state: EngineState) -> OpContext:
+        return OpContext(self.cfg, self.layer, self.kind, phase, segment, positions, state, self.weights, self.dense,
+                         self.device, self.options.to_dict(), self.tables[phase])
+
+    # ------------------------------------------------------------------------------------------
+    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, state: EngineState, phase: str,
+                segment: int = 0, sink: ProbeSink = NULL_SINK) -> torch.Tensor:
+        """Block_l over the segment's tokens; streams [S, n, D] bf16 in and out. Mutates `state`."""
+        cfg = self.cfg
+        positions = torch.arange(state.position, state.position + streams.shape[0], device=self.device)
+        ctx = self._context(phase, segment, positions, state)
+        if state.segment > 0:
+            carried = ctx.call("chunk_state_carry", state=state)
+            if carried is not state:
+                state.__dict__.update(carried.__dict__)
+        if sink.wants("layer.in"):
+            sink.emit("layer.in", positions, streams=streams.float())
+
+        a, mix = ctx.call("hc_pre", streams=streams, site="attn")
+        if sink.wants("attn.hc"):
+            sink.emit("attn.hc", positions, pre=mix.pre, post=mix.post, comb=mix.comb, mixed=a)
+        attn_out = self._attention(ctx, rms_norm_bf16(a, ctx.weight("attn_norm.weight"), cfg.rms_norm_eps), sink)
+        if sink.wants("attn.out"):
+            sink.emit("attn.out", positions, out=attn_out)
+        streams = ctx.call("hc_post", f=attn_out, streams=streams, mix=mix)
+
+        a, mix = ctx.call("hc_pre", streams=streams, site="ffn")
+        if sink.wants("ffn.hc"):
+            sink.emit("ffn.hc", positions, pre=mix.pre, post=mix.post, comb=mix.comb, mixed=a)
+        moe_out = self._moe(ctx, rms_norm_bf16(a, ctx.weight("ffn_norm.weight"), cfg.rms_norm_eps), token_ids, sink)
+        if sink.wants("moe.out"):
+            sink.emit("moe.out", positions, out=moe_out)
+        streams = ctx.call("hc_post", f=moe_out, streams=streams, mix=mix)
+
+        if sink.wants("layer.out"):
+            sink.emit("layer.out", positions, streams=streams.float())
+        state.position += streams.shape[0]
+        state.segment += 1
+        return streams
+
+    # ------------------------------------------------------------------------------------------
+    def _attention(self, ctx: OpContext, x: torch.Tensor, sink: ProbeSink) -> torch.Tensor:
+        cfg, state, positions = self.cfg, ctx.state, ctx.positions
+        H, eps = cfg.num_attention_heads, cfg.rms_norm_eps
+        cos, sin = cos_sin(state.inv_freq, positions, torch.float32)
+        q_lat = rms_norm_bf16(ctx.call("linear", x=x, site="attn.wq_a"), ctx.weight("attn.q_norm.weight"), eps)
+        q = ctx.call("linear", x=q_lat, site="attn.wq_b").unflatten(-1, (H, cfg.head_dim))
+        q = bf16(apply_rope(bf16(unweighted_rms_norm(q, eps)), cos[:, None], sin[:, None]))
+        kv = rms_norm_bf16(ctx.call("linear", x=x, site="attn.wkv"), ctx.weight("attn.kv_norm.weight"), eps)
+        kv = bf16(apply_rope(kv, cos, sin))
+        ctx.call("kv_store", cache="window", rows=kv)
+        if sink.wants("attn.q"):
+            sink.emit("attn.q", positions, q=q)
+        if sink.wants("attn.kv"):
+            sink.emit("attn.kv", positions, kv=ctx.call("kv_load", cache="window", slots=positions))
+
+        if self.kind != "swa":
+            rows = ctx.call("compressor", which="main", x=x, positions=positions)
+            ctx.call("kv_store", cache="compressed", rows=rows)
+            self._emit_rows(sink, "compressor.rows", rows, state.compressor)
+        if self.kind == "csa":
+            rows = ctx.call("compressor", which="indexer", x=x, positions=positions)
+            ctx.call("kv_store", cache="index", rows=bf16(rows @ self.hadamard))  # fused RoPE+Hadamard+quant
+            self._emit_rows(sink, "indexer.rows", rows, state.indexer_compressor)
+            q_idx = ctx.call("linear", x=q_lat, site="attn.indexer.wq_b").unflatten(
+                -1, (cfg.index_n_heads, cfg.index_head_dim))
+            q_idx = bf16(bf16(apply_rope(q_idx, cos[:, None], sin[:, None])) @ self.hadamard)
+            idx_weights = ctx.call("linear", x=x, site="attn.indexer.weights_proj").float() * (
+                cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+
+        out = torch.empty_like(q)
+        sink_logit = ctx.weight("attn.attn_sink")
+        block = query_block_size(cfg, self.kind, state.compressor.n_rows if state.compressor else 0,
+                                 state.index_keys.length if state.index_keys else 0)
+        for start in range(0, positions.numel(), block):
+            blk = slice(start, start + block)
+            pos = positions[blk]
+            window_slots = pos[:, None] + torch.arange(-cfg.sliding_window + 1, 1, device=self.device)[None, :]
+            window_slots = torch.where(window_slots >= 0, window_slots, -1)
+            comp_slots = torch.full((pos.numel(), 0), -1, dtype=torch.int64, device=self.device)
+            if self.kind == "hca":
+                ids = torch.arange(state.compressor.n_rows, device=self.device)
+                comp_slots = torch.where(ids[None, :] < visible_rows(pos, self.ratio)[:, None], ids[None, :], -1)
+            elif self.kind == "csa":
+                logits = ctx.call("indexer_logits", q=q_idx[blk], weights=idx_weights[blk], positions=pos)
+                row_ids, valid = ctx.call("indexer_topk", logits=logits, positions=pos, k=cfg.index_topk)
+                if sink.wants("indexer.scores"):
+                    sink.emit("indexer.scores", pos, scores=logits)
+                if sink.wants("indexer.selected"):
+                    sink.emit("indexer.selected", pos, row_ids=row_ids, valid=valid)
+                comp_slots = torch.where(valid, row_ids, -1)
+            o, lse = ctx.call("sparse_attention", q=q[blk], window_slots=window_slots, comp_slots=comp_slots,
+                              sink=sink_logit)
+            if sink.wants("attn.probs") or sink.wants("attn.lse"):
+                self._emit_attention(ctx, sink, pos, q[blk], window_slots, comp_slots, sink_logit, lse)
+            out[blk] = o
+
+        o = bf16(apply_rope(out, cos[:, None], sin[:, None], inverse=True))
+        u = ctx.call("linear", x=o.flatten(-2).unflatten(-1, (cfg.o_groups, -1)), site="attn.wo_a")
+        return ctx.call("linear", x=u.flatten(-2), site="attn.wo_b")
+
+    def _emit_attention(self, ctx: OpContext, sink: ProbeSink, pos: torch.Tensor, q: torch.Tensor,
+                        window_slots: torch.Tensor, comp_slots: torch.Tensor, sink_logit: torch.Tensor,
+                        lse: torch.Tensor) -> None:
+        """Attention probabilities recomputed in fp32 from the q and cache rows the kernel used (DESIGN §3)."""
+        keys, valid = load_candidates(ctx, window_slots, comp_slots)
+        logits = torch.einsum("bhd,bkd->bhk", q, keys) * self.cfg.head_dim**-0.5
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+        max_logit = logits.amax(-1)
+        m = torch.maximum(max_logit, sink_logit[None, :])
+        e = torch.exp(logits - m[..., None])
+        denom = e.sum(-1) + torch.exp(sink_logit[None, :] - m)
+        if sink.wants("attn.probs"):
+            sink.emit("attn.probs", pos, window_pos=window_slots, comp_rows=comp_slots, probs=e / denom[..., None],
+                      sink_prob=torch.exp(sink_logit[None, :] - m) / denom)
+        if sink.wants("attn.lse"):
+            sink.emit("attn.lse", pos, lse=lse, max_logit=max_logit)
+
+    @staticmethod
+    def _emit_rows(sink: ProbeSink, tap: str, rows: torch.Tensor, state: CompressorState) -> None:
+        if sink.wants(tap):
+            ids = torch.arange(state.n_rows - rows.shape[0], state.n_rows, device=rows.device)
+            sink.emit(tap, ids * state.ratio, rows=rows, row_ids=ids)
+
+    # ------------------------------------------------------------------------------------------
+    def _moe(self, ctx: OpContext, y: torch.Tensor, token_ids: torch.Tensor, sink: ProbeSink) -> torch.Tensor:
+        routing = ctx.call("router", y=y, token_ids=token_ids)
+        if sink.wants("moe.router"):
+            sink.emit("moe.router", ctx.positions, scores=routing.scores, expert_ids=routing.expert_ids,
+                      weights=routing.weights * routing.output_scale)
+        total = ctx.call("experts", y=y, routing=routing)
+        if self.cfg.n_shared_experts:
+            g = ctx.call("linear", x=y, site="ffn.shared_experts.w1")
+            u = ctx.call("linear", x=y, site="ffn.shared_experts.w3")
+            h = bf16(swiglu_fp32(g, u, self.cfg.swiglu_limit) * routing.shared_weight)
+            total = total + ctx.call("linear", x=h, site="ffn.shared_experts.w2")
+        return bf16(total * routing.output_scale)
+
+
+class OptimizedModel:
+    """Embedding (bf16), the blocks of the optimized engine run layer-major, fp32 LM head."""
+
+    def __init__(self, source: WeightSource, choices: Sequence[PatchChoice] = (), device: torch.device | str = "cpu",
+                 options: EngineOptions = EngineOptions()) -> None:
+        self.source, self.cfg, self.choices = source, source.config, list(choices)
+        self.device, self.options = torch.device(device), options
+        self._top: TensorBundle | None = None
+
+    @property
+    def top(self) -> TensorBundle:
+        if self._top is None:
+            self._top = self.source.top_level(self.device)
+        return self._top
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        e = self.source.embed_rows(token_ids, self.device).to(torch.bfloat16)
+        return e[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+
+    def layer(self, layer: int, weights: TensorBundle | None = None) -> OptimizedLayer:
+        return OptimizedLayer(self.cfg, layer, weights or self.source.layer(layer, self.device), self.choices,
+                              self.device, self.options)
+
+    def run_layer(self, block: OptimizedLayer, streams: torch.Tensor, token_ids: torch.Tensor,
+                  segments: Sequence[int], n_prompt: int, sink: ProbeSink = NULL_SINK) -> torch.Tensor:
+        """Prefill chunks (positions < n_prompt) then decode steps, from a fresh state."""
+        state = block.new_state(int(streams.shape[0]))
+        outs, start, counts = [], 0, {"prefill": 0, "decode": 0}
+        for n in segments:
+            phase = "prefill" if start < n_prompt else "decode"
+            outs.append(block.forward(streams[start : start + n], token_ids[start : start + n], state, phase,
+                                      counts[phase], sink))
+            counts[phase] += 1
+            start += n
+        return torch.cat(outs, 0)
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """HC head and final norm in fp32 from the bf16 streams, bf16 normed hidden, fp32 LM head."""
+        cfg, top = self.cfg, self.top
+        h = hc_head(streams.float(), top.dense("hc_head_fn"), top.dense("hc_head_base"), top.dense("hc_head_scale"),
+                    cfg.rms_norm_eps, cfg.hc_eps)
+        h = rms_norm_bf16(h, top.dense("norm.weight"), cfg.rms_norm_eps)
+        return h @ top.dense("head.weight").T
+
+    def forward(self, prompt_ids: Sequence[int], decode_ids: Sequence[int] = (),
+                chunk_size: int | None = DEFAULT_CHUNK_SIZE, keep_layer_outputs: bool = False,
+                progress: Callable[[int, int], None] | None = None) -> ForwardResult:
+        ids = torch.tensor(list(prompt_ids) + list(decode_ids), dtype=torch.int64, device=self.device)
+        segments = segment_lengths(len(prompt_ids), len(decode_ids), chunk_size)
+        streams = self.embed(ids)
+        kept = []
+        for layer in range(self.cfg.num_hidden_layers):
+            streams = self.run_layer(self.layer(layer), streams, ids, segments, len(prompt_ids))
+            if keep_layer_outputs:
+                kept.append(streams.float().cpu())
+            if progress:
+                progress(layer + 1, self.cfg.num_hidden_layers)
+        return ForwardResult(self.logits(streams), kept)

@@ -1,0 +1,267 @@
+"""Random inputs, straightforward fp64 references and DERIVED error bounds for the O1/O2 kernels.
+
+Shared by tests/test_kernels_cpu.py, tests/test_kernels_gpu.py and bench_kernels.py. The references here are
+independent of the kernels' code paths: rows come from the caches' own readers (LatentCache.load,
+IndexKeyCache-style gathers), math is dense and in fp64.
+
+Error-bound vocabulary (standard rounding-error analysis, Higham ch. 3):
+- u_bf16 = 2^-8: unit roundoff of bf16 (8 significant bits); RNE gives |bf16(x) − x| <= 2^-8·|x|.
+  (2^-9 is the typical, RMS-like size of that error, not its bound.)
+- u_fp32 = 2^-24; an n-term fp32 sum of exact products errs by at most γ_n·Σ|terms|, γ_n = n·u/(1−n·u) ≈ n·u.
+  GPU tensor cores add with truncation rather than RNE, so for them u_fp32 is replaced by 2^-23.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from optimized.kernels.sparse_decode import PagedLatentRows
+from optimized.paged_cache import PAGE_SIZE, IndexKeyCache, LatentCache, quantize_fp8_per_row
+
+U_BF16 = 2.0**-8
+U_FP32 = 2.0**-24
+U_TENSOR_CORE = 2.0**-23
+# GPU exp/log are ex2.approx/lg2.approx (rel. error ~2^-22) of arguments |x·log2 e| <= ~64: absolute error in a
+# log-sum-exp <= 64·2^-22 = 2^-16.
+LSE_APPROX_SLACK = 2.0**-16
+
+
+def random_page_order(n_pages: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randperm(n_pages, generator=generator).to(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# O1: sparse decode
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeCase:
+    q: torch.Tensor  # [B, H, d] bf16
+    main_cache: LatentCache
+    main_slots: torch.Tensor  # [B, Kw] int32
+    extra_cache: LatentCache
+    extra_slots: torch.Tensor  # [B, Kc] int32
+    sink: torch.Tensor  # [H] fp32
+    softmax_scale: float
+
+    @property
+    def main(self) -> PagedLatentRows:
+        return PagedLatentRows.of(self.main_cache)
+
+    @property
+    def extra(self) -> PagedLatentRows:
+        return PagedLatentRows.of(self.extra_cache)
+
+    def args(self) -> tuple:
+        """Positional arguments of sparse_decode_splitk."""
+        return (self.q, self.main, self.main_slots, self.extra, self.extra_slots, self.sink, self.softmax_scale)
+
+
+def _latent_cache(n_rows: int, nope: int, rope: int, device: str, generator: torch.Generator,
+                  scrambled: bool) -> LatentCache:
+    cache = LatentCache(n_rows, nope, rope, "cpu")
+    if scrambled:
+        # its own generator, so the stored values do not depend on whether the table is scrambled
+        cache.page_table = random_page_order(cache.codes.shape[0], torch.Generator().manual_seed(n_rows))
+    # kv rows are RMS-normalised in the model: entries ~N(0, 1), a few larger outliers per row
+    rows = torch.randn(n_rows, nope + rope, generator=generator)
+    rows[:, :nope] *= torch.exp(0.5 * torch.randn(n_rows, (nope + 63) // 64, generator=generator)
+                                ).repeat_interleave(64, 1)[:, :nope]
+    cache.append(rows)
+    return _to(cache, device)
+
+
+def _to(cache: LatentCache, device: str) -> LatentCache:
+    for name in ("codes", "scales", "rope_part", "page_table"):
+        setattr(cache, name, getattr(cache, name).to(device))
+    cache.device = torch.device(device)
+    return cache
+
+
+def make_decode_case(batch: int, heads: int, nope: int, rope: int, n_main: int, n_extra: int, device: str = "cpu",
+                     seed: int = 0, main_rows: int = 256, extra_rows: int = 700, scrambled: bool = True,
+                     q_gain: float = 2.0) -> DecodeCase:
+    """Random decode inputs with the invalid-lane patterns the deployed kernel sees:
+    row 0: first window tile fully invalid (a short sequence), row 1: no extra lanes valid at all;
+    other rows: a random valid top-k length for the extra list, plus sprinkled −1 lanes."""
+    g = torch.Generator().manual_seed(seed)
+    main_cache = _latent_cache(main_rows, nope, rope, device, g, scrambled)
+    extra_cache = _latent_cache(extra_rows, nope, rope, device, g, scrambled)
+    d = nope + rope
+    # q after the per-head RMS norm, with a per-head gain so some heads are peaky and some flat
+    gain = torch.linspace(0.5, q_gain, heads)[None, :, None]
+    q = (torch.randn(batch, heads, d, generator=g) * gain).to(torch.bfloat16)
+    main_slots = torch.randint(0, main_rows, (batch, n_main), generator=g, dtype=torch.int32)
+    main_slots[torch.rand(batch, n_main, generator=g) < 0.1] = -1
+    extra_slots = torch.randint(0, extra_rows, (batch, n_extra), generator=g, dtype=torch.int32)
+    if n_extra:
+        topk_len = torch.randint(0, n_extra + 1, (batch, 1), generator=g)
+        extra_slots[torch.arange(n_extra)[None, :] >= topk_len] = -1
+    if batch > 0:
+        main_slots[0, : min(64, n_main)] = -1
+    if batch > 1:
+        extra_slots[1] = -1
+    # sinks around the typical lse (~ln of the lane count) so the sink takes anything from ~0 to most of the mass
+    sink = torch.randn(heads, generator=g) * 2.0 + 4.0
+    return DecodeCase(q.to(device), main_cache, main_slots.to(device), extra_cache, extra_slots.to(device),
+                      sink.to(device), d**-0.5)
+
+
+@dataclass
+class DecodeReference:
+    out: torch.Tensor  # [B, H, d] fp64
+    lse: torch.Tensor  # [B, H] fp64
+    v_absmax: torch.Tensor  # [B, d] max over valid lanes of |v_jd| (0 if none)
+    logit_bound: torch.Tensor  # [B, H] bound on the fp32 error of any one logit
+
+
+def dense_decode_reference(case: DecodeCase, u_accumulate: float = U_FP32) -> DecodeReference:
+    """Dense softmax with sink over all valid lanes, fp64: o = Σ_j e^{s_j−M} v_j / (Σ_j e^{s_j−M} + e^{sink−M})."""
+    rows = torch.cat([case.main_cache.load(case.main_slots), case.extra_cache.load(case.extra_slots)], 1).double()
+    valid = torch.cat([case.main_slots, case.extra_slots], 1) >= 0
+    q = case.q.double()
+    logits = torch.einsum("bhd,bkd->bhk", q, rows) * case.softmax_scale
+    logits = logits.masked_fill(~valid[:, None], float("-inf"))
+    sink = case.sink.double()[None, :]
+    big_m = torch.maximum(logits.amax(-1), sink)
+    e = torch.exp(logits - big_m[..., None])
+    denom = e.sum(-1) + torch.exp(sink - big_m)
+    out = torch.einsum("bhk,bkd->bhd", e / denom[..., None], rows)
+    abs_dot = torch.einsum("bhd,bkd->bhk", q.abs(), rows.abs()).masked_fill(~valid[:, None], 0.0)
+    d = q.shape[-1]
+    logit_bound = d * u_accumulate * abs_dot.amax(-1) * case.softmax_scale
+    return DecodeReference(out, big_m + torch.log(denom), (rows.abs() * valid[..., None]).amax(1), logit_bound)
+
+
+def recipe_partials_fp64(case: DecodeCase, split: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split recipe with its bf16 roundings made explicit, everything else in fp64: per `split`-lane tile,
+    p = exp(s − m), l = Σ p, out = bf16(Σ bf16(p)·v / l), lse = m + ln l. Returns ([B, H, S, d], [B, H, S]) fp64.
+
+    Agrees with an fp32 implementation of the recipe except where an fp32 value and its fp64 counterpart
+    straddle a bf16 rounding boundary (probability ~ 1e-7 relative / 2^-8 ulp ~ 3e-5 per rounding); an
+    implementation that skips a rounding step disagrees on a large fraction of elements."""
+    outs, lses = [], []
+    for cache, slots in ((case.main_cache, case.main_slots), (case.extra_cache, case.extra_slots)):
+        for start in range(0, slots.shape[1], split):
+            tile = slots[:, start: start + split]
+            rows = cache.load(tile).double()
+            logits = torch.einsum("bhd,bkd->bhk", case.q.double(), rows) * case.softmax_scale
+            logits = logits.masked_fill((tile < 0)[:, None], float("-inf"))
+            m = logits.amax(-1, keepdim=True)
+            p = torch.exp(logits - m.nan_to_num(0.0, 0.0, 0.0)).nan_to_num(0.0)
+            l = p.sum(-1, keepdim=True)
+            p_bf16 = p.float().to(torch.bfloat16).double()
+            out = torch.einsum("bhk,bkd->bhd", p_bf16, rows) / l.clamp(min=1e-300)
+            outs.append(out.float().to(torch.bfloat16).double())
+            lses.append(torch.where(l > 0, m + torch.log(l), float("-inf"))[..., 0])
+    b, h, d = case.q.shape
+    if not outs:
+        return case.q.new_zeros(b, h, 0, d, dtype=torch.float64), case.q.new_zeros(b, h, 0, dtype=torch.float64)
+    return torch.stack(outs, 2), torch.stack(lses, 2)
+
+
+def decode_out_bound(ref: DecodeReference) -> torch.Tensor:
+    """Elementwise bound on |out − exact| [B, H, d]. Three bf16 roundings each move an element by at most
+    2^-8 of a convex combination of |v_jd| (hence of max_j |v_jd|): P cast to bf16 (each weight ±2^-8),
+    partial out stored as bf16, final out cast to bf16 (the merge weights and the sink factor sum to <= 1).
+    2^-10·max|v| covers second-order terms (3·2^-16) and fp32 logit/exp noise (relative ~1e-5 = 2^-16.6)."""
+    return (3 * U_BF16 + 2.0**-10) * ref.v_absmax[:, None, :]
+
+
+def decode_lse_bound(ref: DecodeReference) -> torch.Tensor:
+    """|lse − exact| <= max fp32 logit error (softmax-weighted, so at most the max) + approximate exp/log on the
+    GPU (LSE_APPROX_SLACK) + a few fp32 roundings of lse itself. P's bf16 rounding does not enter: l uses fp32 p."""
+    return ref.logit_bound + LSE_APPROX_SLACK + 8 * U_FP32 * ref.lse.abs()
+
+
+# ---------------------------------------------------------------------------------------------
+# O2: indexer logits
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class IndexerCase:
+    q_codes: torch.Tensor  # [B, nI, dI] e4m3
+    weights: torch.Tensor  # [B, nI] fp32
+    cache: IndexKeyCache
+    context_lens: torch.Tensor  # [B] int32
+    n_cols: int
+
+    def args(self) -> tuple:
+        """Positional arguments of fp8_paged_mqa_logits up to n_cols."""
+        return (self.q_codes, self.weights, self.cache.codes, self.cache.scale, self.cache.page_table,
+                self.context_lens, self.n_cols)
+
+
+def make_indexer_case(batch: int, heads: int, dim: int, n_keys: int, device: str = "cpu", seed: int = 0,
+                      n_cols: int | None = None, causal: bool = False, scrambled: bool = True) -> IndexerCase:
+    """Random indexer inputs. context_lens: random in [0, n_keys] with the edge values 0, 1, 63, 64, 65 and
+    n_keys in the first rows; causal=True gives the prefill pattern (row i sees (i+1)·n_keys/B rows)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = IndexKeyCache(n_keys, dim, "cpu")
+    if scrambled:
+        cache.page_table = random_page_order(cache.codes.shape[0], torch.Generator().manual_seed(seed + 1))
+    cache.append(torch.randn(n_keys, dim, generator=g) * torch.exp(torch.randn(n_keys, 1, generator=g)))
+    for name in ("codes", "scale", "page_table"):
+        setattr(cache, name, getattr(cache, name).to(device))
+    q_codes, q_scale = quantize_fp8_per_row(torch.randn(batch, heads, dim, generator=g))
+    # weights_proj(x)·softmax_scale·nI^-0.5 with the per-(row, head) q scale folded in
+    weights = torch.randn(batch, heads, generator=g) * dim**-0.5 * heads**-0.5 * q_scale
+    if causal:
+        context = ((torch.arange(batch) + 1) * n_keys) // batch
+    else:
+        context = torch.randint(0, n_keys + 1, (batch,), generator=g)
+        edges = torch.tensor([0, 1, 63, 64, 65, n_keys]).clamp(max=n_keys)[:batch]
+        context[: len(edges)] = edges
+    return IndexerCase(q_codes.to(device), weights.to(device), cache, context.to(torch.int32).to(device),
+                       n_cols if n_cols is not None else n_keys + 37)
+
+
+@dataclass
+class IndexerReference:
+    logits: torch.Tensor  # [B, n_cols] fp64, exact head dots; −inf where masked
+    dots: torch.Tensor  # [B, nI, n_cols] fp64 exact per-head dots
+    abs_dots: torch.Tensor  # [B, nI, n_cols] Σ_d |q_hd·k_td|
+    key_scale: torch.Tensor  # [n_cols] fp64
+    visible: torch.Tensor  # [B, n_cols] bool
+
+
+def indexer_reference(case: IndexerCase) -> IndexerReference:
+    """Exact logits in fp64 from the cache's logical rows (IndexKeyCache.dense: codes·scale per row)."""
+    codes, scale = _logical_index_keys(case.cache, case.n_cols)
+    q = case.q_codes.double()
+    dots = torch.einsum("bhd,td->bht", q, codes)
+    abs_dots = torch.einsum("bhd,td->bht", q.abs(), codes.abs())
+    logits = (case.weights.double()[..., None] * torch.relu(dots)).sum(1) * scale[None, :]
+    visible = torch.arange(case.n_cols, device=q.device)[None, :] < case.context_lens.long()[:, None]
+    return IndexerReference(logits.masked_fill(~visible, float("-inf")), dots, abs_dots, scale, visible)
+
+
+def _logical_index_keys(cache: IndexKeyCache, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 key codes and scales of logical rows 0..n_cols−1 (rows past the cache: zeros, always masked)."""
+    n = min(n_cols, cache.length)
+    slots = torch.arange(n, device=cache.codes.device)
+    page = cache.page_table[torch.div(slots, PAGE_SIZE, rounding_mode="floor")].long()
+    codes = torch.zeros(n_cols, cache.dim, dtype=torch.float64, device=cache.codes.device)
+    scale = torch.zeros(n_cols, dtype=torch.float64, device=cache.codes.device)
+    codes[:n] = cache.codes[page, slots % PAGE_SIZE].double()
+    scale[:n] = cache.scale[page, slots % PAGE_SIZE].double()
+    return codes, scale
+
+
+def indexer_bound(case: IndexerCase, ref: IndexerReference, dot_precision: str, u_dot: float = U_FP32
+                  ) -> torch.Tensor:
+    """Elementwise bound on |logit − exact| [B, n_cols] for visible columns.
+    per-head dot: fp32 sum of dI exact products: |Δdot| <= dI·u_dot·Σ_d|q k|;
+      "bf16" adds the RNE rounding of the dot: + 2^-8·(|dot| + |Δdot|).
+    ReLU is 1-Lipschitz; w·ReLU(dot) one fp32 rounding, the nI-term head sum (nI+1)·u, · key_scale one more."""
+    dim, heads = case.q_codes.shape[-1], case.q_codes.shape[1]
+    dot_err = dim * u_dot * ref.abs_dots
+    if dot_precision == "bf16":
+        dot_err = dot_err + U_BF16 * (ref.dots.abs() + dot_err)
+    w = case.weights.double().abs()[..., None]
+    head_sum_err = (w * dot_err).sum(1) + (heads + 2) * U_FP32 * (w * (torch.relu(ref.dots) + dot_err)).sum(1)
+    return head_sum_err * ref.key_scale[None, :] + 2 * U_FP32 * ref.logits.abs().nan_to_num(0.0, 0.0, 0.0)

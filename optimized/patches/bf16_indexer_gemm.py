@@ -1,0 +1,53 @@
+"""O3 (optimized-stack §4.2): the indexer's projections as bf16 tensor-core GEMMs instead of fp32 SIMT.
+
+sglang's `linear_bf16_fp32` path: the bf16-stored weights and the activations enter a cuBLAS bf16 GEMM
+with fp32 accumulation; the result comes back as bf16 (or fp32). In the stock engine the indexer
+compressor's wkv/wgate run in fp32 on fp32 inputs (official Compressor). Rounding the compressor's
+gate and value projections shifts the softmax pooling and so every indexer key, which moves scores near
+the rank-k boundary.
+
+Options:
+  sites:  "indexer" (indexer compressor wkv+wgate and weights_proj), "indexer+compressor" (also the main
+          compressor of CSA/HCA layers), "indexer+compressor+router" (also the MoE router)
+  output: "bf16" (default; the GEMM writes bf16) or "fp32"
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optimized.numerics import bf16_linear
+from optimized.ops import OpContext
+from optimized.patching import Patch
+
+_SITE_GROUPS = {
+    "indexer": ("attn.indexer.compressor.wkv", "attn.indexer.compressor.wgate", "attn.indexer.weights_proj"),
+    "compressor": ("attn.compressor.wkv", "attn.compressor.wgate"),
+    "router": ("ffn.gate",),
+}
+
+PATCH = Patch(
+    "bf16-indexer-gemm",
+    phases=("prefill", "decode"),
+    description="indexer projections (compressor wkv/wgate, weights_proj) as bf16 GEMMs with fp32 accumulation",
+    defaults={"sites": "indexer", "output": "bf16"},
+    spec="optimized-stack §4.2 (O3)",
+)
+
+
+def _sites(option: str) -> set[str]:
+    groups = option.split("+")
+    unknown = [g for g in groups if g not in _SITE_GROUPS]
+    if unknown or "indexer" not in groups:
+        raise ValueError(f"option sites={option!r}: expected 'indexer' optionally followed by '+compressor' "
+                         f"and/or '+router'")
+    return {site for g in groups for site in _SITE_GROUPS[g]}
+
+
+@PATCH.op("linear")
+def linear(ctx: OpContext, x: torch.Tensor, site: str) -> torch.Tensor:
+    if site not in _sites(ctx.options["sites"]):
+        return ctx.base(x=x, site=site)
+    if ctx.options["output"] not in ("bf16", "fp32"):
+        raise ValueError(f"option output={ctx.options['output']!r}: expected 'bf16' or 'fp32'")
+    return bf16_linear(x, ctx.weight(site + ".weight"), out_bf16=ctx.options["output"] == "bf16")

@@ -1,0 +1,73 @@
+"""O5 (optimized-stack §6): routed experts as ModelOpt NVFP4 with W4A4 activation quantization.
+
+Weights: e2m1 with one e4m3 scale per 16 inputs and one fp32 global scale per tensor — the checkpoint's
+own NVFP4 data when it has it, else converted losslessly from the FP4 (per-32 UE8M0) source
+(reference.quant.mx32_to_nvfp4). Activations (W4A4): every expert GEMM input is quantized at run time
+to e2m1 with a dynamic e4m3 scale per 16 elements relative to a global `input_scale`
+(block scale = e4m3(amax/6/input_scale); x_q = e2m1(x / (block scale · input_scale))). The SwiGLU clamp
+is applied before the intermediate is re-quantized for W2.
+
+Options:
+  activations: "w4a4" (default) or "w4a16" (bf16 activations, Marlin-style weight-only)
+  input_scale: "checkpoint" (use the stored input_scale, 1.0 where absent) or a number
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optimized.base_ops import swiglu_fp32
+from optimized.numerics import bf16
+from optimized.ops import OpContext, Routing
+from optimized.patching import Patch
+from reference.quant import FP4_MAX, QuantizedTensor, blockwise_amax_last, expand_blocks_last, mx32_to_nvfp4, \
+    round_to_e2m1, round_to_e4m3
+
+PATCH = Patch(
+    "nvfp4-experts",
+    phases=("prefill", "decode"),
+    description="routed experts as NVFP4 (e2m1 + e4m3/16 + fp32 global) with W4A4 activation quantization",
+    defaults={"activations": "w4a4", "input_scale": "checkpoint"},
+    spec="optimized-stack §6 (O5)",
+)
+
+
+def nvfp4_activation(x: torch.Tensor, input_scale: float) -> torch.Tensor:
+    """Quantize to NVFP4 and back: per-16 e4m3 block scales relative to the global input_scale."""
+    block = round_to_e4m3(blockwise_amax_last(x.float(), 16) / FP4_MAX / input_scale)
+    scale = expand_blocks_last(block, 16, x.shape[-1]) * input_scale
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.where(scale > 0, round_to_e2m1(x.float() / safe) * scale, torch.zeros_like(scale))
+
+
+def _nvfp4_weight(ctx: OpContext, name: str) -> tuple[torch.Tensor, float | None]:
+    """Dense fp32 value of the NVFP4 form of an expert weight (cached per layer) and its input_scale."""
+    stored = ctx.weights.stored(name)
+    if not isinstance(stored, QuantizedTensor):
+        raise ValueError(f"expert weight '{name}' is not quantized; nvfp4-experts needs FP4 or NVFP4 storage")
+    as_nvfp4 = (lambda: stored) if stored.format == "nvfp4" else (lambda: mx32_to_nvfp4(stored))
+    w = ctx.dense.get(name + "#nvfp4", as_nvfp4, ctx.device)
+    return w, None if stored.input_scale is None else float(stored.input_scale)
+
+
+@PATCH.op("experts")
+def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
+    mode, opt_scale = ctx.options["activations"], ctx.options["input_scale"]
+    if mode not in ("w4a4", "w4a16"):
+        raise ValueError(f"option activations={mode!r}: expected 'w4a4' or 'w4a16'")
+
+    def act(x: torch.Tensor, stored_scale: float | None) -> torch.Tensor:
+        if mode == "w4a16":
+            return bf16(x)
+        scale = (stored_scale if stored_scale is not None else 1.0) if opt_scale == "checkpoint" else float(opt_scale)
+        return nvfp4_activation(x, scale)
+
+    per_slot = torch.zeros(*routing.expert_ids.shape, y.shape[-1], dtype=torch.float32, device=y.device)
+    for e in torch.unique(routing.expert_ids).tolist():
+        tok, slot = torch.nonzero(routing.expert_ids == e, as_tuple=True)
+        (w1, s1), (w3, s3), (w2, s2) = (_nvfp4_weight(ctx, f"ffn.experts.{e}.{p}.weight") for p in ("w1", "w3", "w2"))
+        x = y[tok]
+        h = swiglu_fp32(bf16(act(x, s1) @ w1.T), bf16(act(x, s3) @ w3.T), ctx.cfg.swiglu_limit)
+        h = bf16(h * routing.weights[tok, slot, None])
+        per_slot[tok, slot] = bf16(act(h, s2) @ w2.T)
+    return per_slot.sum(1)
