@@ -29,21 +29,22 @@ _EMULATION_ELEMENTS = 1 << 28
 
 def fp8_paged_mqa_logits(q_codes: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor,
                          key_scale: torch.Tensor, page_table: torch.Tensor, context_lens: torch.Tensor, n_cols: int,
-                         dot_precision: str = "bf16", masked_value: float = float("-inf"), impl: str = "auto"
-                         ) -> torch.Tensor:
+                         dot_precision: str = "bf16", masked_value: float = float("-inf"), impl: str = "auto",
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """Indexer logits [B, n_cols] fp32.
 
     q_codes [B, nI, dI] float8_e4m3fn; weights [B, nI] fp32; key_codes [P, 64, dI] float8_e4m3fn;
     key_scale [P, 64] fp32; page_table [n_pages] (shared by all rows) or [B, n_pages] int32;
     context_lens [B] int32 (<= 64 · n_pages); columns t >= context_lens[b] get masked_value.
+    out: optional preallocated contiguous [B, n_cols] fp32 result buffer.
     """
     _check_inputs(q_codes, weights, key_codes, key_scale, page_table, context_lens, n_cols, dot_precision)
     if resolve_impl(impl, q_codes.device) == "triton":
         from optimized.kernels.indexer_logits_triton import fp8_paged_mqa_logits_triton
         return fp8_paged_mqa_logits_triton(q_codes, weights, key_codes, key_scale, page_table, context_lens, n_cols,
-                                           dot_precision, masked_value)
+                                           dot_precision, masked_value, out)
     return _logits_torch(q_codes, weights, key_codes, key_scale, page_table, context_lens, n_cols, dot_precision,
-                         masked_value)
+                         masked_value, out)
 
 
 def gather_index_keys(key_codes: torch.Tensor, key_scale: torch.Tensor, page_table: torch.Tensor, n_cols: int
@@ -59,9 +60,10 @@ def gather_index_keys(key_codes: torch.Tensor, key_scale: torch.Tensor, page_tab
 
 
 def _logits_torch(q_codes, weights, key_codes, key_scale, page_table, context_lens, n_cols, dot_precision,
-                  masked_value) -> torch.Tensor:
+                  masked_value, out=None) -> torch.Tensor:
     n_rows, n_heads, _ = q_codes.shape
-    out = torch.empty(n_rows, n_cols, dtype=torch.float32, device=q_codes.device)
+    if out is None:
+        out = torch.empty(n_rows, n_cols, dtype=torch.float32, device=q_codes.device)
     chunk = max(1, _EMULATION_ELEMENTS // max(1, n_heads * n_cols))
     shared_keys = gather_index_keys(key_codes, key_scale, page_table, n_cols) if page_table.dim() == 1 else None
     cols = torch.arange(n_cols, device=q_codes.device)
@@ -101,5 +103,7 @@ def _check_inputs(q_codes, weights, key_codes, key_scale, page_table, context_le
         raise ValueError(f"page_table must be [n_pages] or [B, n_pages], got {tuple(page_table.shape)}")
     if tuple(context_lens.shape) != (n_rows,):
         raise ValueError(f"context_lens must be [B={n_rows}], got {tuple(context_lens.shape)}")
-    if n_rows and int(context_lens.max()) > PAGE_SIZE * page_table.shape[-1]:
+    # (a host sync on CUDA, skipped under graph capture; the Triton launcher never reads past the table anyway)
+    capturing = context_lens.is_cuda and torch.cuda.is_current_stream_capturing()
+    if n_rows and not capturing and int(context_lens.max()) > PAGE_SIZE * page_table.shape[-1]:
         raise ValueError(f"a context_len exceeds the page table's {PAGE_SIZE * page_table.shape[-1]} rows")

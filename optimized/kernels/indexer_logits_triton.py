@@ -7,8 +7,9 @@ Per program: q [BLOCK_H, BLOCK_D] fp8 and the page's keys [64, BLOCK_D] fp8 are 
 and contracted with one tl.dot into [BLOCK_H, 64] per-head dots; then ReLU, · w_h, head sum, · key_scale.
 FP8 tensor-core dots are avoided on purpose: Hopper's fp8 MMA accumulates with reduced precision, which
 is not the recipe (fp32 accumulation of exact products); bf16/tf32/fp32 operands hold e4m3 values exactly.
-Shared memory per program: at most ([64, 128] + [128, 64]) fp32 operands = 64 KB for "fp32"/"tf32", 32 KB
-for "bf16" — within the 99 KB of sm_120; no Hopper-only code.
+The "fp32" FMA dot is contracted 16 dims at a time so its accumulator stays in registers. Shared memory per
+program, measured on an H200: 16 KB ("bf16"), 32 KB ("tf32"), 8 KB ("fp32") — within the 99 KB of sm_120;
+no Hopper-only code.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ LAST_COMPILED: dict[str, object] = {}
 def _logits_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, page_table_ptr, stride_pt_row, context_lens_ptr,
                    out_ptr, n_cols, masked_value,
                    N_HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PAGE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+                   PAGE: tl.constexpr, PRECISION: tl.constexpr, FMA_K: tl.constexpr, INTERPRET: tl.constexpr):
     b = tl.program_id(0)
     tile = tl.program_id(1)
     cols = tile * PAGE + tl.arange(0, PAGE)
@@ -44,27 +45,31 @@ def _logits_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, page_table_ptr, stride_
     page = tl.load(page_table_ptr + b.to(tl.int64) * stride_pt_row + tile)
     key_row = page.to(tl.int64) * PAGE + tl.arange(0, PAGE)
     heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
     head_ok = heads < N_HEADS
-    dim_ok = dims < DIM
-    q = tl.load(q_ptr + (b.to(tl.int64) * N_HEADS + heads[:, None]) * DIM + dims[None, :],
-                mask=head_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
-    k = tl.load(key_ptr + key_row[:, None] * DIM + dims[None, :], mask=visible[:, None] & dim_ok[None, :],
-                other=0.0).to(tl.float32)
-    kt = tl.trans(k)
-    if PRECISION == 1:  # bf16 operands (exact), fp32 accumulation, dot rounded to bf16 (RNE)
-        if INTERPRET:
+    q_rows = q_ptr + (b.to(tl.int64) * N_HEADS + heads[:, None]) * DIM
+    k_rows = key_ptr + key_row[:, None] * DIM
+    if PRECISION == 0:
+        # fp32 FMA dot, contracted FMA_K dims at a time: the [BLOCK_H, PAGE] fp32 accumulator stays in registers
+        # (one 128-deep FMA dot spills ~1.5K registers per thread)
+        dots = tl.zeros([BLOCK_H, PAGE], dtype=tl.float32)
+        for c in tl.static_range(BLOCK_D // FMA_K):
+            dims = c * FMA_K + tl.arange(0, FMA_K)
+            q = tl.load(q_rows + dims[None, :], mask=head_ok[:, None] & (dims < DIM)[None, :], other=0.0)
+            k = tl.load(k_rows + dims[None, :], mask=visible[:, None] & (dims < DIM)[None, :], other=0.0)
+            dots += tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        dims = tl.arange(0, BLOCK_D)
+        q = tl.load(q_rows + dims[None, :], mask=head_ok[:, None] & (dims < DIM)[None, :], other=0.0).to(tl.float32)
+        k = tl.load(k_rows + dims[None, :], mask=visible[:, None] & (dims < DIM)[None, :], other=0.0).to(tl.float32)
+        kt = tl.trans(k)
+        if INTERPRET:  # CPU interpreter: fp32 dot for bf16/tf32 too (values identical, DESIGN §10)
             dots = tl.dot(q, kt, input_precision="ieee")
-        else:
+        elif PRECISION == 1:  # bf16 operands (e4m3 values are exact in bf16), fp32 accumulation
             dots = tl.dot(q.to(tl.bfloat16), kt.to(tl.bfloat16))
-        dots = _bf16_rne(dots, INTERPRET).to(tl.float32)
-    elif PRECISION == 2:  # tf32 tensor cores (e4m3 values are exact in tf32)
-        if INTERPRET:
-            dots = tl.dot(q, kt, input_precision="ieee")
-        else:
+        else:  # tf32 tensor cores (e4m3 values are exact in tf32)
             dots = tl.dot(q, kt, input_precision="tf32")
-    else:  # fp32 FMA
-        dots = tl.dot(q, kt, input_precision="ieee")
+        if PRECISION == 1:  # the per-head dot rounded to bf16 (RNE), sglang's bf16 bmm output
+            dots = _bf16_rne(dots, INTERPRET).to(tl.float32)
 
     w = tl.load(w_ptr + b.to(tl.int64) * N_HEADS + heads, mask=head_ok, other=0.0)
     head_sum = tl.sum(w[:, None] * tl.maximum(dots, 0.0), axis=0)  # [PAGE] fp32
@@ -74,9 +79,12 @@ def _logits_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, page_table_ptr, stride_
 
 
 def fp8_paged_mqa_logits_triton(q_codes, weights, key_codes, key_scale, page_table, context_lens, n_cols: int,
-                                dot_precision: str, masked_value: float) -> torch.Tensor:
+                                dot_precision: str, masked_value: float, out: torch.Tensor | None = None
+                                ) -> torch.Tensor:
     n_rows, n_heads, dim = q_codes.shape
-    out = torch.empty(n_rows, n_cols, dtype=torch.float32, device=q_codes.device)
+    if out is None:
+        out = torch.empty(n_rows, n_cols, dtype=torch.float32, device=q_codes.device)
+    assert out.shape == (n_rows, n_cols) and out.is_contiguous() and out.dtype == torch.float32
     if n_rows == 0 or n_cols == 0:
         return out
     page_table = page_table.to(torch.int32).contiguous()
@@ -89,6 +97,6 @@ def fp8_paged_mqa_logits_triton(q_codes, weights, key_codes, key_scale, page_tab
         q_codes.contiguous(), weights.float().contiguous(), key_codes.contiguous(), key_scale.float().contiguous(),
         page_table, stride_pt_row, context_lens.to(torch.int32).contiguous(), out, n_cols, float(masked_value),
         N_HEADS=n_heads, DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(n_heads)),
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), PAGE=PAGE_SIZE, PRECISION=PRECISION_CODE[dot_precision],
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), PAGE=PAGE_SIZE, PRECISION=PRECISION_CODE[dot_precision], FMA_K=16,
         INTERPRET=triton_interpreting(), num_warps=4)
     return out

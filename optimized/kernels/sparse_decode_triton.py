@@ -20,6 +20,8 @@ done by integer round-to-nearest-even, so interpreter runs exercise the same ind
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -118,7 +120,6 @@ def _split_kernel(q_ptr, stride_qb, stride_qh,
     p = tl.exp(logits - m[:, None])  # invalid lanes: exp(−inf) = 0
     l = tl.sum(p, axis=1)
     p_bf16 = _bf16_rne(p, INTERPRET)
-    inv_l = 1.0 / l
 
     # P·V slice by slice (V = K), partial out = bf16(acc / l)
     for i in tl.static_range((NOPE + 63) // 64):
@@ -164,6 +165,11 @@ def _merge_kernel(mid_out_ptr, mid_lse_ptr, sink_ptr, out_ptr, lse_ptr, n_splits
     tl.store(lse_ptr + bh, lse_with_sink)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _block_h(n_heads: int, n_programs_per_head_block: int, n_sms: int) -> int:
     """Heads per program: all of them (up to 64) share one K tile load, but drop to 32/16 when that leaves
     most SMs idle (e.g. one decode row)."""
@@ -173,15 +179,21 @@ def _block_h(n_heads: int, n_programs_per_head_block: int, n_sms: int) -> int:
     return block
 
 
-def sparse_decode_partials_triton(q, main, main_slots, extra, extra_slots, softmax_scale: float, split: int
+def sparse_decode_partials_triton(q, main, main_slots, extra, extra_slots, softmax_scale: float, split: int,
+                                  out: tuple[torch.Tensor, torch.Tensor] | None = None
                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the split kernel once per candidate list. `out` = preallocated contiguous (mid_out, mid_lse)."""
     b, n_heads, d = q.shape
     q = q.contiguous() if q.stride(-1) != 1 else q
     splits = [triton.cdiv(main_slots.shape[1], split), triton.cdiv(extra_slots.shape[1], split)]
     n_splits = sum(splits)
-    mid_out = torch.empty(b, n_heads, n_splits, d, dtype=torch.bfloat16, device=q.device)
-    mid_lse = torch.empty(b, n_heads, n_splits, dtype=torch.float32, device=q.device)
-    n_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    if out is None:
+        out = (torch.empty(b, n_heads, n_splits, d, dtype=torch.bfloat16, device=q.device),
+               torch.empty(b, n_heads, n_splits, dtype=torch.float32, device=q.device))
+    mid_out, mid_lse = out
+    assert mid_out.shape == (b, n_heads, n_splits, d) and mid_out.is_contiguous() and mid_lse.is_contiguous()
+    n_sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
+        if q.is_cuda else 1
     block_h = _block_h(n_heads, b * n_splits, n_sms)
     offset = 0
     for cache, slots, n_tiles in ((main, main_slots, splits[0]), (extra, extra_slots, splits[1])):
@@ -200,11 +212,15 @@ def sparse_decode_partials_triton(q, main, main_slots, extra, extra_slots, softm
     return mid_out, mid_lse
 
 
-def merge_partials_triton(mid_out: torch.Tensor, mid_lse: torch.Tensor, sink: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_partials_triton(mid_out: torch.Tensor, mid_lse: torch.Tensor, sink: torch.Tensor,
+                          out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`out` = preallocated contiguous (out [B, H, d] bf16, lse [B, H] fp32)."""
     b, n_heads, n_splits, d = mid_out.shape
-    out = torch.empty(b, n_heads, d, dtype=torch.bfloat16, device=mid_out.device)
-    lse = torch.empty(b, n_heads, dtype=torch.float32, device=mid_out.device)
+    if out is None:
+        out = (torch.empty(b, n_heads, d, dtype=torch.bfloat16, device=mid_out.device),
+               torch.empty(b, n_heads, dtype=torch.float32, device=mid_out.device))
+    out, lse = out
+    assert out.shape == (b, n_heads, d) and out.is_contiguous() and lse.is_contiguous()
     if b:
         LAST_COMPILED["merge"] = _merge_kernel[(b, n_heads)](
             mid_out.contiguous(), mid_lse.contiguous(), sink.float().contiguous(), out, lse, n_splits, n_heads,

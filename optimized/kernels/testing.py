@@ -136,14 +136,15 @@ def dense_decode_reference(case: DecodeCase, u_accumulate: float = U_FP32) -> De
     return DecodeReference(out, big_m + torch.log(denom), (rows.abs() * valid[..., None]).amax(1), logit_bound)
 
 
-def recipe_partials_fp64(case: DecodeCase, split: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def recipe_partials_fp64(case: DecodeCase, split: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split recipe with its bf16 roundings made explicit, everything else in fp64: per `split`-lane tile,
-    p = exp(s − m), l = Σ p, out = bf16(Σ bf16(p)·v / l), lse = m + ln l. Returns ([B, H, S, d], [B, H, S]) fp64.
+    p = exp(s − m), l = Σ p, out = bf16(Σ bf16(p)·v / l), lse = m + ln l.
+    Returns (out [B, H, S, d], lse [B, H, S], abs_out [B, H, S, d] = Σ_j (p_j/l)·|v_jd|), fp64.
 
-    Agrees with an fp32 implementation of the recipe except where an fp32 value and its fp64 counterpart
-    straddle a bf16 rounding boundary (probability ~ 1e-7 relative / 2^-8 ulp ~ 3e-5 per rounding); an
-    implementation that skips a rounding step disagrees on a large fraction of elements."""
-    outs, lses = [], []
+    An fp32 implementation of the recipe differs from this model only where an fp32 intermediate and its fp64
+    counterpart straddle a bf16 rounding boundary (see partial_straddle_bound); an implementation that skips
+    a rounding step differs on a large fraction of the elements."""
+    outs, lses, abs_outs = [], [], []
     for cache, slots in ((case.main_cache, case.main_slots), (case.extra_cache, case.extra_slots)):
         for start in range(0, slots.shape[1], split):
             tile = slots[:, start: start + split]
@@ -157,10 +158,20 @@ def recipe_partials_fp64(case: DecodeCase, split: int = 64) -> tuple[torch.Tenso
             out = torch.einsum("bhk,bkd->bhd", p_bf16, rows) / l.clamp(min=1e-300)
             outs.append(out.float().to(torch.bfloat16).double())
             lses.append(torch.where(l > 0, m + torch.log(l), float("-inf"))[..., 0])
+            abs_outs.append(torch.einsum("bhk,bkd->bhd", p / l.clamp(min=1e-300), rows.abs()))
     b, h, d = case.q.shape
     if not outs:
-        return case.q.new_zeros(b, h, 0, d, dtype=torch.float64), case.q.new_zeros(b, h, 0, dtype=torch.float64)
-    return torch.stack(outs, 2), torch.stack(lses, 2)
+        empty = case.q.new_zeros(b, h, 0, d, dtype=torch.float64)
+        return empty, case.q.new_zeros(b, h, 0, dtype=torch.float64), empty
+    return torch.stack(outs, 2), torch.stack(lses, 2), torch.stack(abs_outs, 2)
+
+
+def partial_straddle_bound(model_out: torch.Tensor, abs_out: torch.Tensor) -> torch.Tensor:
+    """|impl − model| for a correct fp32 implementation of the split recipe, elementwise.
+    Where fp32 and fp64 p_j straddle a bf16 boundary, bf16(p_j) moves by one bf16 ulp <= 2^-7·p_j, so the
+    partial moves by <= 2^-7·Σ_j (p_j/l)·|v_jd| = 2^-7·abs_out (every lane flipping, the worst case); the stored
+    bf16 partial may then straddle once more: one ulp, <= 2^-7·|out|. (An ulp of bf16(x) is <= 2^-7·|x|.)"""
+    return 2.0**-7 * (abs_out + model_out.abs()) + 2.0**-20 * abs_out
 
 
 def decode_out_bound(ref: DecodeReference) -> torch.Tensor:
@@ -199,7 +210,7 @@ class IndexerCase:
 def make_indexer_case(batch: int, heads: int, dim: int, n_keys: int, device: str = "cpu", seed: int = 0,
                       n_cols: int | None = None, causal: bool = False, scrambled: bool = True) -> IndexerCase:
     """Random indexer inputs. context_lens: random in [0, n_keys] with the edge values 0, 1, 63, 64, 65 and
-    n_keys in the first rows; causal=True gives the prefill pattern (row i sees (i+1)·n_keys/B rows)."""
+    n_keys in the first rows (batch >= 6; else row 0 sees n_keys − 17); causal=True gives the prefill pattern (row i sees (i+1)·n_keys/B rows)."""
     g = torch.Generator().manual_seed(seed)
     cache = IndexKeyCache(n_keys, dim, "cpu")
     if scrambled:
@@ -214,8 +225,10 @@ def make_indexer_case(batch: int, heads: int, dim: int, n_keys: int, device: str
         context = ((torch.arange(batch) + 1) * n_keys) // batch
     else:
         context = torch.randint(0, n_keys + 1, (batch,), generator=g)
-        edges = torch.tensor([0, 1, 63, 64, 65, n_keys]).clamp(max=n_keys)[:batch]
-        context[: len(edges)] = edges
+        if batch >= 6:
+            context[:6] = torch.tensor([0, 1, 63, 64, 65, n_keys]).clamp(max=n_keys)
+        elif batch:
+            context[0] = max(0, n_keys - 17)  # a single row: long context ending in a partial page
     return IndexerCase(q_codes.to(device), weights.to(device), cache, context.to(torch.int32).to(device),
                        n_cols if n_cols is not None else n_keys + 37)
 
