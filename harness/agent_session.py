@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from harness.chat_encoding import EncodedChat, Message, MessageSpan, NeedleSpan, ToolCall, TurnSpan, encode_chat
-from harness.tokenizer import Tokenizer
+from harness.tokenizer import THINK_END, THINK_START, Tokenizer
 
 _FIT_TOLERANCE = 0.005  # of the target token count
 _FIT_ROUNDS = 6
@@ -592,3 +592,49 @@ def generate_agent_session(
             return AgentSession(seed, messages, encoded, tuple(facts))
         largest.budget_tokens = max(0, largest.budget_tokens + miss)
     raise RuntimeError(f"could not fit {target_tokens} tokens (last try {len(encoded.ids)}); seed {seed}")
+
+
+# --------------------------------------------------------------------------- what comes next
+
+
+def continuation_text(session: AgentSession, tokenizer: Tokenizer, min_tokens: int) -> str:
+    """A plausible next assistant message for `session`, at least `min_tokens` ids long under `tokenizer`.
+
+    The prompt ends with the generation prompt, so this is what decode would emit: in thinking mode
+    reasoning, `</think>` and an answer; in chat mode only the answer. Both open by recalling every
+    needle fact (the last request asks about them), so even a short teacher-forced decode puts its
+    queries where the context-loss lens looks. Reasoning takes about 60% of the tokens, so a long
+    decode also crosses `</think>`. Deterministic in (session.seed, min_tokens, tokenizer).
+    """
+    if min_tokens <= 0:
+        return ""
+    rng = random.Random(f"agent-session-continuation:{session.seed}")
+    thinking = session.text.endswith(THINK_START)
+    recalled = "; ".join(fact.text for fact in session.facts)
+
+    def grow(text: str, tokens: int) -> str:
+        while len(tokenizer.encode(text)) < tokens:
+            text += " " + _sentence(rng)
+        return text
+
+    answer_opener = f"From earlier in this session: {recalled}." if recalled else f"Done. {_sentence(rng)}"
+    if not thinking:
+        return grow(answer_opener, min_tokens)
+    reasoning_opener = (
+        f"Earlier: {recalled}. The user wants these from what we already saw, without re-running anything."
+        if recalled
+        else _sentence(rng)
+    )
+    reasoning = grow(reasoning_opener, max(1, (min_tokens * 3) // 5))
+    answer_tokens = min_tokens - len(tokenizer.encode(reasoning + THINK_END))
+    return reasoning + THINK_END + grow(answer_opener, answer_tokens)
+
+
+def continuation_ids(session: AgentSession, tokenizer: Tokenizer, steps: int) -> list[int]:
+    """The first `steps` ids of `continuation_text`: the teacher-forced decode tokens after the prompt.
+
+    The prompt ends in a special token (the thinking opener), a hard boundary for every tokenizer,
+    so encoding the continuation on its own gives the ids the whole text would.
+    """
+    ids = tokenizer.encode(continuation_text(session, tokenizer, steps))
+    return ids[:steps]

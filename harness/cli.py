@@ -12,6 +12,7 @@ from harness.errors import UsageError
 
 def build_parser() -> argparse.ArgumentParser:
     from harness.commands import forward
+    from harness.commands import scenarios
 
     parser = argparse.ArgumentParser(
         prog="dsv4-drift",
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     forward.add_parser(sub)
+    scenarios.add_parser(sub)
     return parser
 
 
