@@ -11,8 +11,7 @@ from harness.errors import UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from harness.commands import forward
-    from harness.commands import scenarios
+    from harness.commands import forward, run, scenarios
 
     parser = argparse.ArgumentParser(
         prog="dsv4-drift",
@@ -20,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "optimized low-precision stack, compared layer by layer.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run.add_parser(sub)
     forward.add_parser(sub)
     scenarios.add_parser(sub)
     return parser

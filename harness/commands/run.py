@@ -1,0 +1,113 @@
+"""`dsv4-drift run`: the main job — a scenario through the reference, yardstick and variants, layer by layer."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from harness.errors import UsageError
+from harness.run_setup import Overrides, build_run_spec, default_out_dir, manifest_for, prompt_digest
+from harness.runner import LockstepRunner
+from harness.scenario import find_scenario, load_scenario, parse_scenario
+from harness.store import RunStore
+from harness.summary import summary_table
+
+DEFAULT_SCENARIO = "demo-cpu"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run", help="run a scenario: reference vs yardstick vs optimized variants, per-layer drift to a run directory",
+        description="Runs the scenario layer-major (reference, yardstick and every variant in lockstep), writing "
+                    "manifest.json and metrics.parquet (layer by layer) to the run directory, then prints a summary.")
+    p.add_argument("scenario", nargs="?", default=None,
+                   help=f"scenario file or shipped name (default: {DEFAULT_SCENARIO}); omit with --resume")
+    p.add_argument("--out", type=Path, help="run directory (default: reports/<scenario>-<UTC time>)")
+    p.add_argument("--device", help="cpu or cuda (default: cpu)")
+    p.add_argument("--patches", help="replace the scenario's variants by 'base' and one variant with these patches "
+                                     "(comma list, 'all'; inline options as id:key=value)")
+    p.add_argument("--patch-module", action="append", default=[], metavar="FILE_OR_MODULE",
+                   help="plugin module with Patch objects (repeatable)")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="complete an interrupted run with identical numbers")
+    p.add_argument("--no-report", action="store_true", help="do not write report.html")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    if args.resume:
+        if args.scenario or args.patches or args.patch_module:
+            raise UsageError("--resume takes the scenario and options from the run's manifest; give nothing else")
+        store = RunStore(args.resume)
+        try:
+            manifest = store.read_manifest()
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
+        sc = manifest["scenario"]
+        scenario = parse_scenario(sc["text"], sc["file"], Path(sc["file"]).parent if sc["file"] != "<string>" else None)
+        ov = manifest["overrides"]
+        overrides = Overrides(args.device or ov["device"], ov["patches"], tuple(ov["patch_modules"]))
+        spec, plan = build_run_spec(scenario, overrides, decode_ids=manifest["prompt"]["decode_ids"])
+        if prompt_digest(spec.prompt_ids) != manifest["prompt"]["digest"]:
+            raise UsageError(f"{args.resume}: the scenario now resolves to a different prompt; cannot resume")
+        start = 0
+        streams = None
+        if store.state_path.is_file():
+            done, streams = store.load_streams()
+            start = done + 1
+        console.print(f"resuming {args.resume} at layer {start}")
+    else:
+        path = find_scenario(args.scenario or DEFAULT_SCENARIO)
+        scenario = load_scenario(path)
+        overrides = Overrides(args.device, args.patches, tuple(args.patch_module))
+        spec, plan = build_run_spec(scenario, overrides)
+        store = RunStore(args.out or default_out_dir(scenario))
+        try:
+            store.create(manifest_for(scenario, path.read_text(), overrides, spec, plan))
+        except FileExistsError as e:
+            raise UsageError(str(e)) from None
+        start, streams = 0, None
+        console.print(f"[bold]{scenario.name}[/]: {spec.n_prompt} prompt + {len(spec.decode_ids)} decode tokens, "
+                      f"{spec.source.config.num_hidden_layers} layers, variants "
+                      f"{', '.join(v.name for v in spec.variants)} → {store.dir}")
+
+    n_layers = spec.source.config.num_hidden_layers
+    stacks = 1 + len(spec.stacks())
+    t0 = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=(n_layers - start) * stacks)
+
+        def progress(event: dict) -> None:
+            if event["event"] == "stack":
+                if event["stack"] != "reference" or event["layer"] > start:
+                    bar.advance(task)
+                bar.update(task, description=f"layer {event['layer'] + 1}/{n_layers} · {event['stack']} "
+                                             f"· {event['mode']}")
+            elif event["event"] == "layer_done":
+                bar.update(task, completed=(event["layer"] + 1 - start) * stacks)
+
+        LockstepRunner(spec, store, progress).run(start, streams)
+    seconds = time.perf_counter() - t0
+    store.update_manifest(status="complete", finished=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                          wall_seconds=round(seconds, 2))
+    metrics = store.read_metrics().to_pandas()
+    console.print(summary_table(metrics))
+    findings = store.read_findings()
+    for f in findings:
+        console.print(f"[red]non-finite values[/]: {f['variant']} ({f['mode']}) first at layer {f['layer']}, "
+                      f"tap {f['tap']}.{f['field']}, {f['phase']} position {f['position']}")
+    if not args.no_report:
+        try:
+            from harness.report import write_report
+        except ImportError:
+            write_report = None
+        if write_report is not None:
+            console.print(f"report: {write_report(store.dir)}")
+    console.print(f"run directory: {store.dir}  ({seconds:.1f} s)")
+    return 0

@@ -1,0 +1,354 @@
+"""Drift metrics: plain functions of (reference tap, variant tap), chosen by tap name (DESIGN §4).
+
+Each comparator returns per-position values of its canonical metrics. A metric is either a *mean*
+metric (a bin's value is the mean of its positions' values) or a *ratio* metric (a bin's value is
+computed from summed numerators and denominators, e.g. rel_l2 = sqrt(Σ‖a−b‖² / Σ‖b‖²), so bins
+combine exactly). All arithmetic is fp64 on the CPU side of the comparison.
+
+Canonical names (README, metrics glossary): streams.{rel_l2,cosine,sqnr_db,max_abs,bias},
+attn.{tv,kl,js,out_rel_l2,lse_delta,max_logit_delta}, indexer.{recall,mass_recall,boundary_recall,flips},
+mhc.{pre_rel_err,post_rel_err,comb_rel_err,ds_residual}, moe.{flip_rate,weight_l1,out_rel_l2},
+logits.{kl,top1_agree,top1_flip_strict}, ctx.{earlier_turn_mass_ref,earlier_turn_mass_opt,needle_mass_ref,
+needle_mass_opt,earlier_turn_recall,needle_recall}, compressor.rows_rel_l2, indexer.rows_rel_l2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+KL_FLOOR = 1e-12
+"""Probability floor in KL(ref‖opt): a key the variant never attended (another indexer pick) would make
+KL infinite; flooring at 1e-12 caps one such key's contribution at p·27.6 nats."""
+
+BOUNDARY_REL = 2.0**-7
+"""boundary_recall ignores reference picks within one bf16 ulp (2^-7 relative) of the k-th score:
+such a pick can flip under any bf16 rounding of the scores and is a tie, not drift (DESIGN §4, §10)."""
+
+BF16_ULP_REL = 2.0**-7
+"""logits.top1_flip_strict counts a top-1 disagreement only when the reference's top-2 gap exceeds one bf16
+ulp of the top logit (2^-7 relative): smaller gaps are near-ties any bf16 stack may break either way."""
+
+def combine_rel_l2(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """sqrt(Σ‖a−b‖² / Σ‖b‖²); 0/0 = 0 (both zero), x/0 = inf."""
+    safe = torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, math.inf, 0.0))
+    return safe.sqrt()
+
+
+def combine_sqnr_db(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """10·log10(Σ‖b‖² / Σ‖a−b‖²) in dB; an exact match is +inf."""
+    return torch.where(num > 0, 10 * torch.log10(den.clamp_min(1e-300) / num.clamp_min(1e-300)), math.inf)
+
+
+RATIO_COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "rel_l2": combine_rel_l2,
+    "sqnr_db": combine_sqnr_db,
+}
+
+
+@dataclass
+class MetricValues:
+    metric: str
+    positions: torch.Tensor  # [B] int64
+    value: torch.Tensor  # [B] float64 per-position value
+    num: torch.Tensor | None = None  # ratio metrics: per-position numerator and denominator
+    den: torch.Tensor | None = None
+    combine: str | None = None  # key of RATIO_COMBINE for ratio metrics
+
+
+@dataclass
+class CompareContext:
+    """What comparators need beyond the two taps."""
+
+    layer_kind: str
+    ratio: int  # compress ratio m (0 for SWA)
+    window: int
+    turn_of_position: torch.Tensor  # [T] turn index per position
+    turn_start: torch.Tensor  # [T] first position of the turn that position belongs to
+    needle_spans: list[tuple[int, int]]  # token spans [start, end)
+
+
+def _f64(x: torch.Tensor) -> torch.Tensor:
+    """fp64 on the tensor's own device (large dense taps are compared where they live)."""
+    return x.detach().to(torch.float64)
+
+
+def _cpu64(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().to("cpu", torch.float64)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-row ‖a−b‖/‖b‖ over all but the first dim."""
+    err = (a - b).flatten(1).norm(dim=1)
+    ref = b.flatten(1).norm(dim=1)
+    return torch.where(ref > 0, err / ref, torch.where(err > 0, torch.full_like(err, math.inf), torch.zeros_like(err)))
+
+
+def ratio_metric(name: str, positions: torch.Tensor, a: torch.Tensor, b: torch.Tensor, combine: str) -> MetricValues:
+    err2 = (a - b).flatten(1).pow(2).sum(1)
+    ref2 = b.flatten(1).pow(2).sum(1)
+    return MetricValues(name, positions, RATIO_COMBINE[combine](err2, ref2), err2, ref2, combine)
+
+
+# ---------------------------------------------------------------------------------------------
+# comparators: (positions, ref tensors, variant tensors, ctx) -> list[MetricValues]
+# ---------------------------------------------------------------------------------------------
+
+
+def compare_streams(pos, ref, var, ctx) -> list[MetricValues]:
+    """layer.out: the residual streams [B, n, D]."""
+    a, b = _f64(var["streams"]), _f64(ref["streams"])
+    af, bf = a.flatten(1), b.flatten(1)
+    cos = (af * bf).sum(1) / (af.norm(dim=1) * bf.norm(dim=1)).clamp_min(1e-300)
+    return [
+        ratio_metric("streams.rel_l2", pos, a, b, "rel_l2"),
+        ratio_metric("streams.sqnr_db", pos, a, b, "sqnr_db"),
+        MetricValues("streams.cosine", pos, cos),
+        MetricValues("streams.max_abs", pos, (af - bf).abs().amax(1)),
+        MetricValues("streams.bias", pos, (af - bf).mean(1)),
+    ]
+
+
+def compare_output(prefix: str) -> Callable:
+    def compare(pos, ref, var, ctx) -> list[MetricValues]:
+        return [ratio_metric(f"{prefix}.out_rel_l2", pos, _f64(var["out"]), _f64(ref["out"]), "rel_l2")]
+
+    return compare
+
+
+def compare_hc(pos, ref, var, ctx) -> list[MetricValues]:
+    """attn.hc / ffn.hc: relative errors of pre, post, comb; the variant's doubly-stochastic residual."""
+    comb = _f64(var["comb"])
+    ds = torch.maximum((comb.sum(-1) - 1).abs().amax(-1), (comb.sum(-2) - 1).abs().amax(-1))
+    return [
+        MetricValues("mhc.pre_rel_err", pos, _rel(_f64(var["pre"]), _f64(ref["pre"]))),
+        MetricValues("mhc.post_rel_err", pos, _rel(_f64(var["post"]), _f64(ref["post"]))),
+        MetricValues("mhc.comb_rel_err", pos, _rel(comb, _f64(ref["comb"]))),
+        MetricValues("mhc.ds_residual", pos, ds),
+    ]
+
+
+def compare_lse(pos, ref, var, ctx) -> list[MetricValues]:
+    return [
+        MetricValues("attn.lse_delta", pos, (_f64(var["lse"]) - _f64(ref["lse"])).abs().mean(-1)),
+        MetricValues("attn.max_logit_delta", pos, (_f64(var["max_logit"]) - _f64(ref["max_logit"])).abs().mean(-1)),
+    ]
+
+
+def compare_router(pos, ref, var, ctx) -> list[MetricValues]:
+    """moe.router: expert-set flip rate 1 − |E_opt ∩ E_ref|/k and routing-weight L1 over the union of experts."""
+    ids_r, ids_v = ref["expert_ids"].long().cpu(), var["expert_ids"].long().cpu()
+    n_exp = int(max(ids_r.max(), ids_v.max())) + 1
+    dense_r = torch.zeros(ids_r.shape[0], n_exp, dtype=torch.float64).scatter_add_(1, ids_r, _cpu64(ref["weights"]))
+    dense_v = torch.zeros(ids_v.shape[0], n_exp, dtype=torch.float64).scatter_add_(1, ids_v, _cpu64(var["weights"]))
+    member_r = torch.zeros(ids_r.shape[0], n_exp, dtype=torch.bool).scatter_(1, ids_r, True)
+    member_v = torch.zeros(ids_v.shape[0], n_exp, dtype=torch.bool).scatter_(1, ids_v, True)
+    overlap = (member_r & member_v).sum(1).double()
+    return [
+        MetricValues("moe.flip_rate", pos, 1 - overlap / ids_r.shape[1]),
+        MetricValues("moe.weight_l1", pos, (dense_v - dense_r).abs().sum(1)),
+    ]
+
+
+def compare_rows(name: str) -> Callable:
+    def compare(pos, ref, var, ctx) -> list[MetricValues]:
+        return [ratio_metric(name, pos, _f64(var["rows"]), _f64(ref["rows"]), "rel_l2")]
+
+    return compare
+
+
+def _max_id(*tensors: torch.Tensor) -> int:
+    """Largest id in any of the tensors (−1 when all are empty)."""
+    return max([int(t.max()) for t in tensors if t.numel()] + [-1])
+
+
+def _membership(rows: torch.Tensor, valid: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """[B, k] row ids with validity -> dense [B, n_rows] membership."""
+    member = torch.zeros(rows.shape[0], n_rows + 1, dtype=torch.bool)
+    idx = torch.where(valid, rows.long(), n_rows)  # invalid picks land in a spill column
+    return member.scatter_(1, idx.cpu(), True)[:, :n_rows]
+
+
+def compare_selected(pos, ref, var, ctx) -> list[MetricValues]:
+    """indexer.selected: recall@k = |S_opt ∩ S_ref|/|S_ref| and flips = |S_ref \\ S_opt| per query."""
+    n_rows = _max_id(ref["row_ids"], var["row_ids"]) + 1
+    s_ref = _membership(ref["row_ids"].cpu(), ref["valid"].cpu(), n_rows)
+    s_opt = _membership(var["row_ids"].cpu(), var["valid"].cpu(), n_rows)
+    n_ref = s_ref.sum(1).double()
+    hit = (s_ref & s_opt).sum(1).double()
+    recall = torch.where(n_ref > 0, hit / n_ref.clamp_min(1), torch.ones_like(n_ref))
+    out = [MetricValues("indexer.recall", pos, recall), MetricValues("indexer.flips", pos, n_ref - hit)]
+    early = row_spans_before_turn(ctx, n_rows, pos)
+    n_early = (s_ref & early).sum(1).double()
+    keep = n_early > 0
+    if bool(keep.any()):
+        out.append(MetricValues("ctx.earlier_turn_recall", pos[keep], ((s_ref & s_opt & early).sum(1).double() / n_early)[keep]))
+    needle = row_spans_on_needles(ctx, n_rows)
+    if needle is not None:
+        n_needle = (s_ref & needle[None]).sum(1).double()
+        keep = n_needle > 0
+        if bool(keep.any()):
+            out.append(MetricValues("ctx.needle_recall", pos[keep],
+                                    ((s_ref & s_opt & needle[None]).sum(1).double() / n_needle)[keep]))
+    return out
+
+
+def row_span(ctx: CompareContext, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token span [start, end) a compressed row pools: CSA rows reach back one window (overlap), HCA do not."""
+    m = ctx.ratio
+    start = rows * m - (m if ctx.layer_kind == "csa" else 0)
+    return start.clamp_min(0), (rows + 1) * m
+
+
+def row_spans_before_turn(ctx: CompareContext, n_rows: int, pos: torch.Tensor) -> torch.Tensor:
+    """[B, n_rows]: the row's tokens all lie before the query's turn began."""
+    _, end = row_span(ctx, torch.arange(n_rows))
+    return end[None, :] <= ctx.turn_start[pos.cpu()][:, None]
+
+
+def row_spans_on_needles(ctx: CompareContext, n_rows: int) -> torch.Tensor | None:
+    if not ctx.needle_spans:
+        return None
+    start, end = row_span(ctx, torch.arange(n_rows))
+    hit = torch.zeros(n_rows, dtype=torch.bool)
+    for s, e in ctx.needle_spans:
+        hit |= (start < e) & (end > s)
+    return hit
+
+
+def dense_attention(ctx: CompareContext, pos: torch.Tensor, tap: dict[str, torch.Tensor], n_rows: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scatter one side's attention rows into a dense per-query key space: [B, H, W + n_rows] plus the sink [B, H].
+
+    Key index: window key at position p → t − p (0 … W−1); compressed row r → W + r.
+    """
+    probs, sink = _cpu64(tap["probs"]), _cpu64(tap["sink_prob"])
+    B, H, _ = probs.shape
+    W = ctx.window
+    wpos, crow = tap["window_pos"].cpu().long(), tap["comp_rows"].cpu().long()
+    p = pos.cpu()[:, None]
+    widx = torch.where(wpos >= 0, p - wpos, W + n_rows)
+    cidx = torch.where(crow >= 0, W + crow, W + n_rows)
+    idx = torch.cat([widx, cidx], 1)[:, None, :].expand(B, H, -1)
+    dense = torch.zeros(B, H, W + n_rows + 1, dtype=torch.float64).scatter_add_(2, idx, probs)
+    return dense[..., : W + n_rows], sink
+
+
+def key_positions_masks(ctx: CompareContext, pos: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Masks over the dense key space: keys wholly before the query's turn; keys touching a needle."""
+    W = ctx.window
+    p = pos.cpu()[:, None]
+    wkey_pos = p - torch.arange(W)[None, :]  # [B, W]
+    turn_start = ctx.turn_start[pos.cpu()][:, None]
+    early_w = (wkey_pos >= 0) & (wkey_pos < turn_start)
+    early_c = row_spans_before_turn(ctx, n_rows, pos) if n_rows else torch.zeros(pos.numel(), 0, dtype=torch.bool)
+    early = torch.cat([early_w, early_c], 1)
+    if not ctx.needle_spans:
+        return early, None
+    needle_w = torch.zeros_like(early_w)
+    for s, e in ctx.needle_spans:
+        needle_w |= (wkey_pos >= s) & (wkey_pos < e)
+    needle_c = row_spans_on_needles(ctx, n_rows)[None].expand(pos.numel(), -1) if n_rows else early_c
+    return early, torch.cat([needle_w, needle_c], 1)
+
+
+def compare_attention(pos, ref, var, ctx) -> list[MetricValues]:
+    """attn.probs at sampled queries: distance between the two attention distributions over the union of
+    their keys plus the sink (TV, KL(ref‖opt), JS; mean over heads), indexer mass recall, and the
+    context-loss lens (mass on earlier turns and on needles)."""
+    n_rows = _max_id(ref["comp_rows"], var["comp_rows"]) + 1
+    pr, sr = dense_attention(ctx, pos, ref, n_rows)
+    pv, sv = dense_attention(ctx, pos, var, n_rows)
+    P = torch.cat([pr, sr[..., None]], -1)
+    Q = torch.cat([pv, sv[..., None]], -1)
+    tv = 0.5 * (P - Q).abs().sum(-1)
+    kl = (P * (torch.log(P.clamp_min(KL_FLOOR)) - torch.log(Q.clamp_min(KL_FLOOR)))).sum(-1)
+    M = 0.5 * (P + Q)
+
+    def kl_to_m(X: torch.Tensor) -> torch.Tensor:
+        return torch.where(X > 0, X * (torch.log(X.clamp_min(1e-300)) - torch.log(M.clamp_min(1e-300))),
+                           torch.zeros_like(X)).sum(-1)
+
+    js = 0.5 * (kl_to_m(P) + kl_to_m(Q))
+    out = [MetricValues("attn.tv", pos, tv.mean(-1)), MetricValues("attn.kl", pos, kl.mean(-1)),
+           MetricValues("attn.js", pos, js.mean(-1))]
+
+    W = ctx.window
+    if ctx.layer_kind == "csa" and n_rows:
+        ref_sel = _membership(ref["comp_rows"].cpu(), ref["comp_rows"].cpu() >= 0, n_rows)
+        opt_sel = _membership(var["comp_rows"].cpu(), var["comp_rows"].cpu() >= 0, n_rows)
+        mass = pr[..., W:].mean(1)  # reference attention mass per compressed row, mean over heads
+        on_ref = (mass * ref_sel).sum(1)
+        keep = on_ref > 0
+        if bool(keep.any()):
+            out.append(MetricValues("indexer.mass_recall", pos[keep], ((mass * (ref_sel & opt_sel)).sum(1) / on_ref)[keep]))
+
+    early, needle = key_positions_masks(ctx, pos, n_rows)
+    has_early = early.any(1)
+    if bool(has_early.any()):
+        m_ref = (pr * early[:, None, :]).sum(-1).mean(-1)
+        m_opt = (pv * early[:, None, :]).sum(-1).mean(-1)
+        out += [MetricValues("ctx.earlier_turn_mass_ref", pos[has_early], m_ref[has_early]),
+                MetricValues("ctx.earlier_turn_mass_opt", pos[has_early], m_opt[has_early])]
+    if needle is not None:
+        has_needle = needle.any(1)
+        if bool(has_needle.any()):
+            n_ref = (pr * needle[:, None, :]).sum(-1).mean(-1)
+            n_opt = (pv * needle[:, None, :]).sum(-1).mean(-1)
+            out += [MetricValues("ctx.needle_mass_ref", pos[has_needle], n_ref[has_needle]),
+                    MetricValues("ctx.needle_mass_opt", pos[has_needle], n_opt[has_needle])]
+    return out
+
+
+def compare_indexer_scores(pos, ref, var, ctx, ref_selected: dict[str, torch.Tensor], var_selected: dict[str, torch.Tensor]
+                           ) -> list[MetricValues]:
+    """Boundary-aware recall at sampled queries: reference picks whose score is within BOUNDARY_REL·|s_k| of
+    the k-th picked score are ties, not drift; recall is measured over the remaining picks."""
+    scores = _cpu64(ref["scores"])
+    rows_r, valid_r = ref_selected["row_ids"].cpu().long(), ref_selected["valid"].cpu()
+    n_rows = scores.shape[1]
+    s_ref = _membership(rows_r, valid_r, n_rows)
+    s_opt = _membership(var_selected["row_ids"].cpu(), var_selected["valid"].cpu(), n_rows)
+    picked = torch.where(s_ref, scores, torch.full_like(scores, math.inf))
+    kth = picked.amin(1)  # the weakest reference pick
+    delta = BOUNDARY_REL * kth.abs()
+    confident = s_ref & (scores > (kth + delta)[:, None])
+    n_conf = confident.sum(1).double()
+    keep = n_conf > 0
+    if not bool(keep.any()):
+        return []
+    recall = (confident & s_opt).sum(1).double() / n_conf.clamp_min(1)
+    return [MetricValues("indexer.boundary_recall", pos[keep], recall[keep])]
+
+
+def compare_logits(pos: torch.Tensor, ref_logits: torch.Tensor, var_logits: torch.Tensor) -> list[MetricValues]:
+    """Final logits: KL(ref‖opt) of the softmaxes (fp64), top-1 agreement, strict flips beyond a bf16 ulp."""
+    lr, lv = _f64(ref_logits), _f64(var_logits)
+    log_p, log_q = torch.log_softmax(lr, -1), torch.log_softmax(lv, -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    top_r, top_v = lr.argmax(-1), lv.argmax(-1)
+    agree = (top_r == top_v).double()
+    two = lr.topk(2, dim=-1).values
+    gap_ok = (two[:, 0] - two[:, 1]) > BF16_ULP_REL * two[:, 0].abs()
+    return [MetricValues("logits.kl", pos, kl), MetricValues("logits.top1_agree", pos, agree),
+            MetricValues("logits.top1_flip_strict", pos, ((1 - agree) * gap_ok.double()))]
+
+
+COMPARATORS: dict[str, Callable] = {
+    "layer.out": compare_streams,
+    "attn.out": compare_output("attn"),
+    "moe.out": compare_output("moe"),
+    "attn.hc": compare_hc,
+    "ffn.hc": compare_hc,
+    "attn.lse": compare_lse,
+    "moe.router": compare_router,
+    "compressor.rows": compare_rows("compressor.rows_rel_l2"),
+    "indexer.rows": compare_rows("indexer.rows_rel_l2"),
+    "indexer.selected": compare_selected,
+    "attn.probs": compare_attention,
+}
+"""Taps compared per position as they stream past; indexer.scores (boundary recall) pairs with
+indexer.selected and logits are compared after the last layer."""

@@ -1,0 +1,128 @@
+"""The run directory: what a run measured, written so that a killed run loses nothing it finished.
+
+    RUN_DIR/
+      manifest.json          scenario, resolved config, seeds, patches, versions, device, times, progress
+      metrics.parquet        long format, one row per (variant, mode, layer, bin, tap, metric)
+      parts/layer-NNN.parquet  the same rows per layer (metrics.parquet is their concatenation)
+      findings.json          first NaN/Inf per stack (layer, tap, phase, position)
+      state/streams.pt       every stack's streams after the last completed layer (for --resume)
+      dumps/*.safetensors    raw tensors asked for by the scenario's probes.dump
+
+Every file is written to a temporary name and renamed, so a crash leaves either the old or the new file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+METRICS_SCHEMA = pa.schema([
+    ("variant", pa.string()), ("mode", pa.string()), ("layer", pa.int32()), ("phase", pa.string()),
+    ("chunk", pa.int32()), ("step", pa.int32()), ("turn", pa.int32()), ("pos_bin", pa.int64()),
+    ("pos_end", pa.int64()), ("tap", pa.string()), ("metric", pa.string()), ("value", pa.float64()),
+    ("max", pa.float64()), ("count", pa.int64()),
+])
+"""Columns of metrics.parquet: value = the bin's aggregate (mean, or the ratio of summed terms for
+rel_l2/sqnr), max = the largest per-position value in the bin, count = positions in the bin."""
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class RunStore:
+    def __init__(self, run_dir: str | Path) -> None:
+        self.dir = Path(run_dir)
+        self.manifest_path = self.dir / "manifest.json"
+        self.metrics_path = self.dir / "metrics.parquet"
+        self.parts_dir = self.dir / "parts"
+        self.findings_path = self.dir / "findings.json"
+        self.state_path = self.dir / "state" / "streams.pt"
+        self.dumps_dir = self.dir / "dumps"
+
+    # --- manifest ---------------------------------------------------------------------------
+    def exists(self) -> bool:
+        return self.manifest_path.is_file()
+
+    def create(self, manifest: dict[str, Any]) -> None:
+        if self.exists():
+            raise FileExistsError(f"{self.dir} already holds a run (use --resume to continue it, or another --out)")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.parts_dir.mkdir(exist_ok=True)
+        self.write_manifest(manifest)
+
+    def read_manifest(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.manifest_path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.dir} is not a run directory (no manifest.json)") from None
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        _atomic_write_bytes(self.manifest_path, json.dumps(manifest, indent=2, sort_keys=False, default=str).encode())
+
+    def update_manifest(self, **fields: Any) -> dict[str, Any]:
+        manifest = self.read_manifest()
+        manifest.update(fields)
+        self.write_manifest(manifest)
+        return manifest
+
+    # --- metrics ----------------------------------------------------------------------------
+    def part_path(self, layer: int) -> Path:
+        return self.parts_dir / f"layer-{layer:03d}.parquet"
+
+    def write_layer(self, layer: int, rows: list[dict[str, Any]]) -> None:
+        """Write one layer's rows, then refresh metrics.parquet from all parts (both atomically)."""
+        table = pa.Table.from_pylist(rows, schema=METRICS_SCHEMA)
+        tmp = self.part_path(layer).with_suffix(".parquet.tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, self.part_path(layer))
+        self._combine()
+
+    def completed_layers(self) -> list[int]:
+        return sorted(int(p.stem.split("-")[1]) for p in self.parts_dir.glob("layer-*.parquet"))
+
+    def _combine(self) -> None:
+        parts = sorted(self.parts_dir.glob("layer-*.parquet"))
+        table = pa.concat_tables([pq.read_table(p, schema=METRICS_SCHEMA) for p in parts]) if parts \
+            else METRICS_SCHEMA.empty_table()
+        tmp = self.metrics_path.with_suffix(".parquet.tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, self.metrics_path)
+
+    def read_metrics(self) -> pa.Table:
+        if not self.metrics_path.is_file():
+            raise FileNotFoundError(f"{self.dir}: no metrics.parquet (the run has not finished a layer)")
+        return pq.read_table(self.metrics_path)
+
+    # --- findings, resume state, dumps -------------------------------------------------------------
+    def write_findings(self, findings: list[dict[str, Any]]) -> None:
+        _atomic_write_bytes(self.findings_path, json.dumps(findings, indent=2).encode())
+
+    def read_findings(self) -> list[dict[str, Any]]:
+        return json.loads(self.findings_path.read_text()) if self.findings_path.is_file() else []
+
+    def save_streams(self, layer: int, streams: dict[str, torch.Tensor]) -> None:
+        self.state_path.parent.mkdir(exist_ok=True)
+        tmp = self.state_path.with_suffix(".pt.tmp")
+        torch.save({"layer": layer, "streams": {k: v.cpu() for k, v in streams.items()}}, tmp)
+        os.replace(tmp, self.state_path)
+
+    def load_streams(self) -> tuple[int, dict[str, torch.Tensor]]:
+        saved = torch.load(self.state_path, weights_only=True)
+        return int(saved["layer"]), saved["streams"]
+
+    def write_dump(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        if not tensors:
+            return
+        self.dumps_dir.mkdir(exist_ok=True)
+        save_file(tensors, str(self.dumps_dir / f"{name}.safetensors"))
