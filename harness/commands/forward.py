@@ -33,10 +33,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="synthetic weight seed (default 0)")
     p.add_argument("--tokens", type=Path, required=True, help="JSON list of prompt token ids")
     p.add_argument("--decode-tokens", type=Path, help="JSON list of decode token ids, fed one at a time")
-    p.add_argument("--chunk-size", type=int, help="prefill chunk size in tokens (default: the whole prompt at once)")
+    p.add_argument("--chunk-size", type=int, help="prefill chunk size in tokens (default: the whole prompt at once "
+                                                 "for the reference and yardstick, 8192 for the optimized stack)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="reference precision")
     p.add_argument("--parity", default="", help="official QAT simulation steps to switch on, comma separated: "
                                                  + ", ".join(PARITY_SWITCHES))
+    p.add_argument("--stack", choices=["reference", "optimized", "yardstick"], default="reference",
+                   help="reference (fp32/fp64), optimized (the serving engine with --patches) or yardstick (the "
+                        "reference graph naively in bf16)")
+    p.add_argument("--patches", default="none", help="optimized stack: comma list of patch ids, 'all' or 'none' "
+                                                     "(inline options as id:key=value)")
+    p.add_argument("--patch-module", action="append", default=[], metavar="FILE_OR_MODULE",
+                   help="optimized stack: plugin module with Patch objects (repeatable)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dump-layers", action="store_true", help="also write layers.{L}.out for every layer")
     p.add_argument("--out", type=Path, required=True, help="output .safetensors file")
@@ -49,6 +57,29 @@ def parse_parity(text: str) -> ParityOptions:
     if unknown:
         raise UsageError(f"--parity: unknown switch(es) {unknown}; known: {sorted(PARITY_SWITCHES)}")
     return ParityOptions(**{PARITY_SWITCHES[n]: True for n in names})
+
+
+def build_stack(args: argparse.Namespace, source) -> tuple[object, int | None, str]:
+    """The model object for --stack, the prefill chunk size it runs with, and a progress label."""
+    if args.stack != "optimized" and (args.patches != "none" or args.patch_module):
+        raise UsageError("--patches/--patch-module apply to --stack optimized only")
+    if args.stack == "reference":
+        dtype = getattr(torch, args.dtype)
+        return ReferenceModel(source, dtype, args.device, parse_parity(args.parity)), args.chunk_size, \
+            f"reference {args.dtype}"
+    if args.parity or args.dtype != "float32":
+        raise UsageError("--parity and --dtype apply to --stack reference only")
+    if args.stack == "yardstick":
+        return ReferenceModel(source, torch.bfloat16, args.device), args.chunk_size, "yardstick bf16"
+    from optimized.engine import DEFAULT_CHUNK_SIZE, OptimizedModel
+    from optimized.patching import PatchError, default_registry
+
+    try:
+        choices = default_registry(args.patch_module).choose(args.patches)
+    except PatchError as e:
+        raise UsageError(str(e)) from None
+    label = "optimized " + ("+".join(c.id for c in choices) or "base")
+    return OptimizedModel(source, choices, args.device), args.chunk_size or DEFAULT_CHUNK_SIZE, label
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,21 +95,20 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--chunk-size must be positive, got {args.chunk_size}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
-    dtype = getattr(torch, args.dtype)
-    model = ReferenceModel(source, dtype, args.device, parse_parity(args.parity))
-
+    model, chunk_size, label = build_stack(args, source)
     with Progress(transient=True) as bar:
-        task = bar.add_task(f"reference {args.dtype}", total=cfg.num_hidden_layers)
-        result = model.forward(prompt, decode, args.chunk_size, keep_layer_outputs=args.dump_layers,
+        task = bar.add_task(label, total=cfg.num_hidden_layers)
+        result = model.forward(prompt, decode, chunk_size, keep_layer_outputs=args.dump_layers,
                                progress=lambda done, total: bar.update(task, completed=done))
 
     tensors = {"logits": result.logits.float().contiguous().cpu()}
     for layer, out in enumerate(result.layer_outputs):
         tensors[f"layers.{layer}.out"] = out.contiguous()
     meta = {
-        "stack": "reference",
-        "dtype": args.dtype,
-        "chunk_size": str(args.chunk_size or len(prompt)),
+        "stack": args.stack,
+        "dtype": args.dtype if args.stack == "reference" else ("bfloat16" if args.stack == "yardstick" else "mixed"),
+        "patches": args.patches if args.stack == "optimized" else "",
+        "chunk_size": str(chunk_size or len(prompt)),
         "n_prompt": str(len(prompt)),
         "n_decode": str(len(decode)),
         "parity": args.parity,

@@ -7,7 +7,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from rich.console import Console
+from harness.ui import console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from harness.errors import UsageError
@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console(stderr=True)
+    out = console(stderr=True)
     if args.resume:
         if args.scenario or args.patches or args.patch_module:
             raise UsageError("--resume takes the scenario and options from the run's manifest; give nothing else")
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         if store.state_path.is_file():
             done, streams = store.load_streams()
             start = done + 1
-        console.print(f"resuming {args.resume} at layer {start}")
+        out.print(f"resuming {args.resume} at layer {start}")
     else:
         path = find_scenario(args.scenario or DEFAULT_SCENARIO)
         scenario = load_scenario(path)
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         except FileExistsError as e:
             raise UsageError(str(e)) from None
         start, streams = 0, None
-        console.print(f"[bold]{scenario.name}[/]: {spec.n_prompt} prompt + {len(spec.decode_ids)} decode tokens, "
+        out.print(f"[bold]{scenario.name}[/]: {spec.n_prompt} prompt + {len(spec.decode_ids)} decode tokens, "
                       f"{spec.source.config.num_hidden_layers} layers, variants "
                       f"{', '.join(v.name for v in spec.variants)} → {store.dir}")
 
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     stacks = 1 + len(spec.stacks())
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TimeRemainingColumn(), console=console, transient=True) as bar:
+                  TimeRemainingColumn(), console=out, transient=True) as bar:
         task = bar.add_task("starting", total=(n_layers - start) * stacks)
 
         def progress(event: dict) -> None:
@@ -97,10 +97,10 @@ def run(args: argparse.Namespace) -> int:
     store.update_manifest(status="complete", finished=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                           wall_seconds=round(seconds, 2))
     metrics = store.read_metrics().to_pandas()
-    console.print(summary_table(metrics))
+    out.print(summary_table(metrics))
     findings = store.read_findings()
     for f in findings:
-        console.print(f"[red]non-finite values[/]: {f['variant']} ({f['mode']}) first at layer {f['layer']}, "
+        out.print(f"[red]non-finite values[/]: {f['variant']} ({f['mode']}) first at layer {f['layer']}, "
                       f"tap {f['tap']}.{f['field']}, {f['phase']} position {f['position']}")
     if not args.no_report:
         try:
@@ -108,6 +108,6 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             write_report = None
         if write_report is not None:
-            console.print(f"report: {write_report(store.dir)}")
-    console.print(f"run directory: {store.dir}  ({seconds:.1f} s)")
+            out.print(f"report: {write_report(store.dir)}")
+    out.print(f"run directory: {store.dir}  ({seconds:.1f} s)")
     return 0
