@@ -132,10 +132,8 @@ def compare_hc(pos, ref, var, ctx) -> list[MetricValues]:
 
 
 def compare_lse(pos, ref, var, ctx) -> list[MetricValues]:
-    return [
-        MetricValues("attn.lse_delta", pos, (_f64(var["lse"]) - _f64(ref["lse"])).abs().mean(-1)),
-        MetricValues("attn.max_logit_delta", pos, (_f64(var["max_logit"]) - _f64(ref["max_logit"])).abs().mean(-1)),
-    ]
+    """attn.lse: |LSE_opt − LSE_ref| (sink included), mean over heads."""
+    return [MetricValues("attn.lse_delta", pos, (_f64(var["lse"]) - _f64(ref["lse"])).abs().mean(-1))]
 
 
 def compare_router(pos, ref, var, ctx) -> list[MetricValues]:
@@ -168,7 +166,8 @@ def _max_id(*tensors: torch.Tensor) -> int:
 def _membership(rows: torch.Tensor, valid: torch.Tensor, n_rows: int) -> torch.Tensor:
     """[B, k] row ids with validity -> dense [B, n_rows] membership."""
     member = torch.zeros(rows.shape[0], n_rows + 1, dtype=torch.bool)
-    idx = torch.where(valid, rows.long(), n_rows)  # invalid picks land in a spill column
+    rows = rows.long()
+    idx = torch.where(valid & (rows < n_rows) & (rows >= 0), rows, n_rows)  # invalid picks land in a spill column
     return member.scatter_(1, idx.cpu(), True)[:, :n_rows]
 
 
@@ -274,7 +273,8 @@ def compare_attention(pos, ref, var, ctx) -> list[MetricValues]:
 
     js = 0.5 * (kl_to_m(P) + kl_to_m(Q))
     out = [MetricValues("attn.tv", pos, tv.mean(-1)), MetricValues("attn.kl", pos, kl.mean(-1)),
-           MetricValues("attn.js", pos, js.mean(-1))]
+           MetricValues("attn.js", pos, js.mean(-1)),
+           MetricValues("attn.max_logit_delta", pos, (_cpu64(var["max_logit"]) - _cpu64(ref["max_logit"])).abs().mean(-1))]
 
     W = ctx.window
     if ctx.layer_kind == "csa" and n_rows:

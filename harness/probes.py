@@ -43,7 +43,7 @@ class RecordingSink:
 
     def __init__(self, n_positions: int, sampled: torch.Tensor, dump: "DumpSink | None" = None) -> None:
         self.n = n_positions
-        self.sampled = sampled  # [T] bool
+        self.sampled_mask = sampled  # [T] bool
         self.dense: dict[str, dict[str, torch.Tensor]] = {}
         self.rows: dict[str, dict[str, torch.Tensor]] = {}
         self.samples: dict[str, dict[int, dict[str, torch.Tensor]]] = {t: {} for t in SAMPLED_TAPS}
@@ -51,6 +51,9 @@ class RecordingSink:
 
     def wants(self, tap: str) -> bool:
         return tap in DENSE_TAPS or tap in ROW_TAPS or tap in SAMPLED_TAPS or (self.dump is not None and self.dump.wants(tap))
+
+    def sampled(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.sampled_mask[positions.cpu()].to(positions.device)
 
     def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
         if self.dump is not None and self.dump.wants(tap):
@@ -71,7 +74,7 @@ class RecordingSink:
                     store[name] = torch.zeros((self.n,) + tuple(v.shape[1:]), dtype=v.dtype, device=v.device)
                 store[name][ids] = v
         elif tap in SAMPLED_TAPS:
-            keep = torch.nonzero(self.sampled[positions.cpu()]).flatten()
+            keep = torch.nonzero(self.sampled_mask[positions.cpu()]).flatten()
             for i in keep.tolist():
                 self.samples[tap][int(positions[i])] = {k: v[i].detach().cpu() for k, v in values.items()}
 
@@ -115,6 +118,9 @@ class ComparingSink:
         return (tap in COMPARATORS and (tap in self.record.dense or tap in self.record.rows or tap == "attn.probs")) \
             or (self.dump is not None and self.dump.wants(tap))
 
+    def sampled(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.record.sampled(positions)
+
     def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
         if self.dump is not None and self.dump.wants(tap):
             self.dump.emit(tap, positions, **values)
@@ -129,8 +135,7 @@ class ComparingSink:
                 self.acc.add(tap, mv, bin_positions=row_end.cpu())
             return
         if tap == "attn.probs":
-            sampled = [int(p) for p in positions.tolist() if bool(self.record.sampled[p])
-                       and int(p) in self.record.samples["attn.probs"]]
+            sampled = [int(p) for p in positions.tolist() if int(p) in self.record.samples["attn.probs"]]
             if not sampled:
                 return
             index = {int(p): i for i, p in enumerate(positions.tolist())}

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from optimized.numerics import bf16, bf16_linear, fp8_activation, fp8_linear, fp32_linear, rms_norm_bf16
 from optimized.ops import OpContext, Routing
 from optimized.paged_cache import quantize_fp8_per_row
+from reference.layer import share_rows
+from reference.ops.attention import KeySet
 from reference.ops.compressor import pool_new_windows, visible_rows
 from reference.ops.mhc import HCMix, sinkhorn
 from reference.ops.rope import apply_rope, cos_sin
@@ -129,27 +131,52 @@ def indexer_topk(ctx: OpContext, logits: torch.Tensor, positions: torch.Tensor, 
     return row_ids, valid
 
 
-def load_candidates(ctx: OpContext, window_slots: torch.Tensor, comp_slots: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key/value rows [B, W+K, d] of each query's window and compressed candidates, and their validity."""
-    parts = [ctx.call("kv_load", cache="window", slots=window_slots)]
-    if comp_slots.shape[-1]:
-        parts.append(ctx.call("kv_load", cache="compressed", slots=comp_slots))
-    return torch.cat(parts, 1), torch.cat([window_slots >= 0, comp_slots >= 0], 1)
+def _slots_as_shared(ctx: OpContext, cache: str, slots: torch.Tensor) -> tuple[KeySet, torch.Tensor]:
+    """Rows for per-query slots [B, K] loaded once over their distinct range [lo, hi] and shared by the block,
+    with a [B, hi−lo+1] mask of which query uses which row. Returns the key set and the row slots."""
+    valid = slots >= 0
+    if not bool(valid.any()):
+        empty = torch.zeros(0, ctx.cfg.head_dim, device=slots.device)
+        return KeySet(empty, torch.zeros(slots.shape[0], 0, dtype=torch.bool, device=slots.device)), slots[:, :0]
+    lo, hi = int(slots[valid].min()), int(slots.max())
+    row_slots = torch.arange(lo, hi + 1, device=slots.device)
+    mask = torch.zeros(slots.shape[0], hi - lo + 2, dtype=torch.bool, device=slots.device)
+    mask.scatter_(1, torch.where(valid, slots - lo, hi - lo + 1), True)
+    return KeySet(ctx.call("kv_load", cache=cache, slots=row_slots), mask[:, :-1]), row_slots
+
+
+def candidate_key_sets(ctx: OpContext, window_slots: torch.Tensor, comp_slots: torch.Tensor) -> list[KeySet]:
+    """The block's keys: window rows as one shared band; compressed rows shared too when the block uses most of
+    a contiguous range (HCA: all complete blocks), else gathered per query (CSA: a top-k of many rows)."""
+    band, _ = _slots_as_shared(ctx, "window", window_slots)
+    if comp_slots.shape[-1] == 0:
+        return [band]
+    valid = comp_slots >= 0
+    span = int(comp_slots.max()) - int(comp_slots[valid].min()) + 1 if bool(valid.any()) else 0
+    if share_rows(span, comp_slots.shape[-1], ctx.cfg.num_attention_heads, ctx.device):
+        return [band, _slots_as_shared(ctx, "compressed", comp_slots)[0]]
+    return [band, KeySet(ctx.call("kv_load", cache="compressed", slots=comp_slots), valid)]
 
 
 def sparse_attention(ctx: OpContext, q: torch.Tensor, window_slots: torch.Tensor, comp_slots: torch.Tensor,
                      sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA-style single pass over window + compressed rows: bf16 q·k with fp32 accumulation, fp32
     softmax statistics with the sink in the denominator, P cast to bf16 for P·V, bf16 output."""
-    keys, valid = load_candidates(ctx, window_slots, comp_slots)
-    logits = torch.einsum("bhd,bkd->bhk", bf16(q), keys) * ctx.cfg.head_dim**-0.5
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    key_sets = candidate_key_sets(ctx, window_slots, comp_slots)
+    qb = bf16(q)
+
+    def scores(ks: KeySet) -> torch.Tensor:
+        pattern = "bhd,kd->bhk" if ks.keys.dim() == 2 else "bhd,bkd->bhk"
+        return torch.einsum(pattern, qb, ks.keys).masked_fill(~ks.valid[:, None, :], float("-inf"))
+
+    logits = torch.cat([scores(ks) for ks in key_sets], -1) * ctx.cfg.head_dim**-0.5
     m = torch.maximum(logits.amax(-1), sink[None, :])
-    p = torch.exp(logits - m[..., None])
-    denom = p.sum(-1) + torch.exp(sink[None, :] - m)
-    out = torch.einsum("bhk,bkd->bhd", bf16(p), keys) / denom[..., None]
-    return bf16(out), m + torch.log(denom)
+    p = bf16(torch.exp(logits - m[..., None]))  # P rounded to bf16 for the P·V MMA
+    denom = torch.exp(logits - m[..., None]).sum(-1) + torch.exp(sink[None, :] - m)
+    acc = torch.zeros_like(qb)
+    for ks, part in zip(key_sets, p.split([ks.valid.shape[-1] for ks in key_sets], -1)):
+        acc = acc + torch.einsum("bhk,kd->bhd" if ks.keys.dim() == 2 else "bhk,bkd->bhd", part, ks.keys)
+    return bf16(acc / denom[..., None]), m + torch.log(denom)
 
 
 def router(ctx: OpContext, y: torch.Tensor, token_ids: torch.Tensor) -> Routing:

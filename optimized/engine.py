@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from optimized.base_ops import BASE_OPS, load_candidates, swiglu_fp32
+from optimized.base_ops import BASE_OPS, swiglu_fp32
 from optimized.numerics import DenseCache, bf16, rms_norm_bf16
 from optimized.ops import OpContext, OpTable
 from optimized.paged_cache import IndexKeyCache, LatentCache
@@ -23,6 +23,7 @@ from optimized.patching import PHASES, PatchChoice
 from reference.config import ModelConfig
 from reference.layer import query_block_size
 from reference.model import ForwardResult, segment_lengths
+from reference.ops.attention import KeySet, sparse_attention_with_sink
 from reference.ops.compressor import CompressorState, visible_rows
 from reference.ops.mhc import hc_head
 from reference.ops.norms import unweighted_rms_norm
@@ -169,7 +170,7 @@ class OptimizedLayer:
         out = torch.empty_like(q)
         sink_logit = ctx.weight("attn.attn_sink")
         block = query_block_size(cfg, self.kind, state.compressor.n_rows if state.compressor else 0,
-                                 state.index_keys.length if state.index_keys else 0)
+                                 state.index_keys.length if state.index_keys else 0, self.device)
         for start in range(0, positions.numel(), block):
             blk = slice(start, start + block)
             pos = positions[blk]
@@ -183,36 +184,35 @@ class OptimizedLayer:
                 logits = ctx.call("indexer_logits", q=q_idx[blk], weights=idx_weights[blk], positions=pos)
                 row_ids, valid = ctx.call("indexer_topk", logits=logits, positions=pos, k=cfg.index_topk)
                 if sink.wants("indexer.scores"):
-                    sink.emit("indexer.scores", pos, scores=logits)
+                    pick = sink.sampled(pos)
+                    sink.emit("indexer.scores", pos[pick], scores=logits[pick])
                 if sink.wants("indexer.selected"):
                     sink.emit("indexer.selected", pos, row_ids=row_ids, valid=valid)
                 comp_slots = torch.where(valid, row_ids, -1)
             o, lse = ctx.call("sparse_attention", q=q[blk], window_slots=window_slots, comp_slots=comp_slots,
                               sink=sink_logit)
-            if sink.wants("attn.probs") or sink.wants("attn.lse"):
-                self._emit_attention(ctx, sink, pos, q[blk], window_slots, comp_slots, sink_logit, lse)
+            if sink.wants("attn.lse"):
+                sink.emit("attn.lse", pos, lse=lse)
+            if sink.wants("attn.probs"):
+                pick = sink.sampled(pos)
+                if bool(pick.any()):
+                    self._emit_probs(ctx, sink, pos[pick], q[blk][pick], window_slots[pick], comp_slots[pick],
+                                     sink_logit)
             out[blk] = o
 
         o = bf16(apply_rope(out, cos[:, None], sin[:, None], inverse=True))
         u = ctx.call("linear", x=o.flatten(-2).unflatten(-1, (cfg.o_groups, -1)), site="attn.wo_a")
         return ctx.call("linear", x=u.flatten(-2), site="attn.wo_b")
 
-    def _emit_attention(self, ctx: OpContext, sink: ProbeSink, pos: torch.Tensor, q: torch.Tensor,
-                        window_slots: torch.Tensor, comp_slots: torch.Tensor, sink_logit: torch.Tensor,
-                        lse: torch.Tensor) -> None:
+    def _emit_probs(self, ctx: OpContext, sink: ProbeSink, pos: torch.Tensor, q: torch.Tensor,
+                    window_slots: torch.Tensor, comp_slots: torch.Tensor, sink_logit: torch.Tensor) -> None:
         """Attention probabilities recomputed in fp32 from the q and cache rows the kernel used (DESIGN §3)."""
-        keys, valid = load_candidates(ctx, window_slots, comp_slots)
-        logits = torch.einsum("bhd,bkd->bhk", q, keys) * self.cfg.head_dim**-0.5
-        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-        max_logit = logits.amax(-1)
-        m = torch.maximum(max_logit, sink_logit[None, :])
-        e = torch.exp(logits - m[..., None])
-        denom = e.sum(-1) + torch.exp(sink_logit[None, :] - m)
-        if sink.wants("attn.probs"):
-            sink.emit("attn.probs", pos, window_pos=window_slots, comp_rows=comp_slots, probs=e / denom[..., None],
-                      sink_prob=torch.exp(sink_logit[None, :] - m) / denom)
-        if sink.wants("attn.lse"):
-            sink.emit("attn.lse", pos, lse=lse, max_logit=max_logit)
+        comp_keys = ctx.call("kv_load", cache="compressed", slots=comp_slots) if comp_slots.shape[-1] \
+            else q.new_zeros(q.shape[0], 0, q.shape[-1])
+        res = sparse_attention_with_sink(q, [KeySet(ctx.call("kv_load", cache="window", slots=window_slots),
+                                                   window_slots >= 0), KeySet(comp_keys, comp_slots >= 0)], sink_logit)
+        sink.emit("attn.probs", pos, window_pos=window_slots, comp_rows=comp_slots, probs=res.probs,
+                  sink_prob=res.sink_prob, max_logit=res.max_logit)
 
     @staticmethod
     def _emit_rows(sink: ProbeSink, tap: str, rows: torch.Tensor, state: CompressorState) -> None:

@@ -64,12 +64,24 @@ class LatentCache:
         self.length += n
 
     def load(self, slots: torch.Tensor) -> torch.Tensor:
-        """Dequantized rows (bf16, exact) for slots of any shape; slots < 0 give zero rows."""
-        safe = slots.clamp(min=0)
-        page, off = self.physical(safe)
+        """Dequantized rows (bf16, exact) for slots of any shape; slots < 0 give zero rows.
+
+        Queries of a block share most of their rows (a window slides by one per query), so the distinct
+        range of slots is dequantized once and then gathered, instead of dequantizing every lane."""
+        valid = slots >= 0
+        if not bool(valid.any()):
+            return torch.zeros(*slots.shape, self.nope + self.rope, dtype=torch.bfloat16, device=self.device)
+        lo, hi = int(slots[valid].min()), int(slots.max())
+        if hi - lo + 1 < slots.numel():
+            rows = self._dequantize(torch.arange(lo, hi + 1, device=self.device))[(slots - lo).clamp(min=0)]
+        else:
+            rows = self._dequantize(slots.clamp(min=0))
+        return torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+    def _dequantize(self, slots: torch.Tensor) -> torch.Tensor:
+        page, off = self.physical(slots)
         nope = dequantize_latent_nope(self.codes[page, off], self.scales[page, off])
-        rows = torch.cat([nope, self.rope_part[page, off]], -1)
-        return torch.where((slots >= 0)[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        return torch.cat([nope, self.rope_part[page, off]], -1)
 
 
 def quantize_latent_nope(nope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from reference.config import ModelConfig
-from reference.ops.attention import (kv_path, output_path, query_path, sparse_attention_with_sink,
-                                     window_keys)
+from reference.ops.attention import (KeySet, kv_path, output_path, query_path, sparse_attention_with_sink,
+                                     window_band)
 from reference.ops.compressor import CompressorState, CompressorWeights, compress, visible_rows
 from reference.ops.indexer import indexer_scores, select_rows
 from reference.ops.mhc import hc_post, hc_pre
@@ -30,20 +30,38 @@ from reference.quant import fp4_fake_quant, fp8_fake_quant, hadamard_matrix
 from reference.weights.source import TensorBundle
 
 QUERY_BLOCK_BUDGET_ELEMENTS = 1 << 25
-"""Temporaries per query block, in elements (~128 MB in fp32): bounds memory at any sequence length."""
+"""Temporaries per query block, in elements (~128 MB in fp32; 8× that on a GPU): bounds memory at any
+sequence length."""
 
 
-def query_block_size(cfg: ModelConfig, kind: str, main_rows: int, index_rows: int) -> int:
-    """Queries per block so that a block's temporaries stay within QUERY_BLOCK_BUDGET_ELEMENTS."""
-    n_keys = cfg.sliding_window
+MAX_QUERY_BLOCK = 256
+"""Window keys are a band shared by a block: B queries see B+W−1 rows, so blocks much longer than the
+window waste work on masked band entries; 256 keeps the band under 3× the window."""
+
+
+def query_block_size(cfg: ModelConfig, kind: str, main_rows: int, index_rows: int, device: torch.device) -> int:
+    """Queries per block so that a block's temporaries stay within the device's element budget."""
+    n_keys = cfg.sliding_window + MAX_QUERY_BLOCK
     per_query = 0
     if kind == "csa":
         n_keys += cfg.index_topk
+        per_query += cfg.index_topk * cfg.head_dim  # gathered compressed rows
         per_query += cfg.index_n_heads * (index_rows + 1) * 2  # per-head dots and their ReLU
     elif kind == "hca":
         n_keys += main_rows + 1
-    per_query += n_keys * (cfg.head_dim + 3 * cfg.num_attention_heads)  # gathered keys, logits, exp, probs
-    return max(1, min(4096, QUERY_BLOCK_BUDGET_ELEMENTS // per_query))
+    per_query += n_keys * 3 * cfg.num_attention_heads  # logits, exp, probs
+    budget = QUERY_BLOCK_BUDGET_ELEMENTS * (8 if device.type == "cuda" else 1)
+    return max(1, min(MAX_QUERY_BLOCK, budget // per_query))
+
+
+def share_rows(n_rows: int, picks: int, heads: int, device: torch.device) -> bool:
+    """Evaluate a CSA block's attention against all n_rows compressed rows with a mask of the picked ones
+    (True) instead of gathering each query's picks (False). Same key set and result, different cost:
+    dense costs ~4·H·n_rows·d FLOPs per query, gathering ~8·picks·d bytes plus 4·H·picks·d FLOPs. With
+    F FLOP/s and M bytes/s, dense wins when n_rows < picks·(1 + 2F/(H·M)): on a CPU core (F ≈ 5e10,
+    M ≈ 5e9) that is ~6× the picks for H = 4; on an H200 (F ≈ 5e13, M ≈ 3e12) and H = 64, ~1.5×."""
+    ratio = 1 + (2 * 5e13 / (heads * 3e12) if device.type == "cuda" else 2 * 5e10 / (heads * 5e9))
+    return n_rows <= picks * ratio
 
 
 @dataclass(frozen=True)
@@ -177,35 +195,44 @@ class ReferenceLayer:
 
         out = torch.empty_like(q)
         block = self._query_block(state)
+        no_rows = torch.zeros(0, cfg.head_dim, dtype=self.dtype, device=self.device)
         for start in range(0, positions.numel(), block):
             blk = slice(start, start + block)
             pos = positions[blk]
-            keys, window_pos, valid = window_keys(history, history_start, pos, cfg.sliding_window)
+            band, band_pos, band_valid = window_band(history, history_start, pos, cfg.sliding_window)
+            visible = visible_rows(pos, self.ratio) if self.ratio else None
+            comp = KeySet(no_rows, torch.zeros(pos.numel(), 0, dtype=torch.bool, device=self.device))
             comp_rows = torch.zeros(pos.numel(), 0, dtype=torch.int64, device=self.device)
-            if self.kind == "hca":
-                rows = state.compressor.rows
+            if self.kind == "hca":  # every complete block is a key: the rows shared by the whole query block
+                rows = state.compressor.rows[: int(visible[-1])]
                 ids = torch.arange(rows.shape[0], device=self.device)
-                comp_valid = ids[None, :] < visible_rows(pos, self.ratio)[:, None]
-                comp_rows = torch.where(comp_valid, ids[None, :], -1)
-                keys = torch.cat([keys, rows[None].expand(pos.numel(), -1, -1)], 1)
-                valid = torch.cat([valid, comp_valid], 1)
-            elif self.kind == "csa":
-                scores = indexer_scores(q_idx[blk], idx_weights[blk], state.indexer.rows)
-                chosen, comp_valid = select_rows(scores, pos, self.ratio, cfg.index_topk)
+                comp = KeySet(rows, ids[None, :] < visible[:, None])
+                comp_rows = torch.where(comp.valid, ids[None, :], -1)
+            elif self.kind == "csa":  # the indexer's top-k rows, gathered per query
+                scores = indexer_scores(q_idx[blk], idx_weights[blk], state.indexer.rows[: int(visible[-1])])
+                chosen, chosen_valid = select_rows(scores, pos, self.ratio, cfg.index_topk)
                 if sink.wants("indexer.scores"):
-                    hidden = torch.arange(scores.shape[1], device=self.device)[None] >= visible_rows(pos, self.ratio)[:, None]
-                    sink.emit("indexer.scores", pos, scores=scores.masked_fill(hidden, float("-inf")))
+                    pick = sink.sampled(pos)
+                    hidden = torch.arange(scores.shape[1], device=self.device)[None] >= visible[pick][:, None]
+                    sink.emit("indexer.scores", pos[pick], scores=scores[pick].masked_fill(hidden, float("-inf")))
                 if sink.wants("indexer.selected"):
-                    sink.emit("indexer.selected", pos, row_ids=chosen, valid=comp_valid)
-                comp_rows = torch.where(comp_valid, chosen, -1)
-                keys = torch.cat([keys, state.compressor.rows[chosen]], 1)
-                valid = torch.cat([valid, comp_valid], 1)
-            res = sparse_attention_with_sink(q[blk], keys, valid, w["attn.attn_sink"])
+                    sink.emit("indexer.selected", pos, row_ids=chosen, valid=chosen_valid)
+                comp_rows = torch.where(chosen_valid, chosen, -1)
+                n_vis = int(visible[-1])
+                if share_rows(n_vis, chosen.shape[-1], cfg.num_attention_heads, self.device):
+                    picked = torch.zeros(pos.numel(), n_vis + 1, dtype=torch.bool, device=self.device)
+                    picked.scatter_(1, torch.where(chosen_valid, chosen, n_vis), True)
+                    comp = KeySet(state.compressor.rows[:n_vis], picked[:, :n_vis])
+                else:
+                    comp = KeySet(state.compressor.rows[chosen], chosen_valid)
+            res = sparse_attention_with_sink(q[blk], [KeySet(band, band_valid), comp], w["attn.attn_sink"])
             if sink.wants("attn.probs"):
-                sink.emit("attn.probs", pos, window_pos=window_pos, comp_rows=comp_rows, probs=res.probs,
-                          sink_prob=res.sink_prob)
+                pick = sink.sampled(pos)
+                window_pos = torch.where(band_valid, band_pos[None, :], -1)
+                sink.emit("attn.probs", pos[pick], window_pos=window_pos[pick], comp_rows=comp_rows[pick],
+                          probs=res.probs[pick], sink_prob=res.sink_prob[pick], max_logit=res.max_logit[pick])
             if sink.wants("attn.lse"):
-                sink.emit("attn.lse", pos, lse=res.lse, max_logit=res.max_logit)
+                sink.emit("attn.lse", pos, lse=res.lse)
             out[blk] = res.out
 
         state.window_kv = history[max(0, history.shape[0] - (cfg.sliding_window - 1)):]
@@ -213,7 +240,7 @@ class ReferenceLayer:
 
     def _query_block(self, state: LayerState) -> int:
         return query_block_size(self.cfg, self.kind, state.compressor.n_rows if state.compressor else 0,
-                                state.indexer.n_rows if state.indexer else 0)
+                                state.indexer.n_rows if state.indexer else 0, self.device)
 
     def _fp8_nope(self, rows: torch.Tensor) -> torch.Tensor:
         nope = self.cfg.nope_head_dim

@@ -14,8 +14,9 @@ Canonical taps (values are keyword tensors; [B] = the positions given):
   indexer.rows        rows [R, d_I], row_ids [R]
   indexer.scores      scores [B, R_total] over every row emitted so far (−inf where not visible)
   indexer.selected    row_ids [B, k], valid [B, k]
-  attn.probs          window_pos [B, W], comp_rows [B, K], probs [B, H, W+K], sink_prob [B, H]
-  attn.lse            lse [B, H], max_logit [B, H]
+  attn.probs          window_pos [B, Kw], comp_rows [B, Kc], probs [B, H, Kw+Kc], sink_prob [B, H],
+                      max_logit [B, H] — sampled: a stack may emit only the positions `sampled()` selects
+  attn.lse            lse [B, H]
   attn.out            out [B, D] (attention sub-layer output, before HC_post)
   moe.router          scores [B, E], expert_ids [B, k], weights [B, k]
   moe.out             out [B, D]
@@ -37,6 +38,10 @@ class ProbeSink(Protocol):
     def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
         ...
 
+    def sampled(self, positions: torch.Tensor) -> torch.Tensor:
+        """Which of these positions the sink wants expensive taps (attn.probs, indexer.scores) for."""
+        ...
+
 
 class NullSink:
     """Wants nothing; the default when no harness is listening."""
@@ -46,6 +51,9 @@ class NullSink:
 
     def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
         pass
+
+    def sampled(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(positions, dtype=torch.bool)
 
 
 NULL_SINK = NullSink()

@@ -154,6 +154,21 @@ def expand_blocks_last(s: torch.Tensor, block: int, n: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+def _blocks_last(x: torch.Tensor, block: int) -> torch.Tensor:
+    """View the last dim as [n_blocks, block] (zero-padding a partial last block)."""
+    xp = _pad_to(x, -1, block)
+    return xp.view(*x.shape[:-1], xp.shape[-1] // block, block)
+
+
+def _fake_quant_blocks(x: torch.Tensor, block: int, fmt_max: float, amax_floor: float,
+                       round_fn) -> torch.Tensor:
+    n = x.shape[-1]
+    xb = _blocks_last(x.float(), block)
+    scale = pow2(ue8m0_scale_for(xb.abs().amax(-1, keepdim=True), fmt_max, amax_floor))  # [..., nb, 1]
+    q = round_fn(xb / scale) * scale  # dividing by a power of two is exact
+    return q.flatten(-2)[..., :n].to(x.dtype)
+
+
 def fp8_fake_quant(x: torch.Tensor, block: int = 64, amax_floor: float = 1e-4) -> torch.Tensor:
     """Round-trip x through FP8 e4m3 with one UE8M0 scale per `block` elements of the last dim.
 
@@ -161,10 +176,7 @@ def fp8_fake_quant(x: torch.Tensor, block: int = 64, amax_floor: float = 1e-4) -
     Used for the 448 nope dims of kv rows (block 64) and for FP8 activations (block 128).
     Returns x's dtype.
     """
-    n = x.shape[-1]
-    exp = ue8m0_scale_for(blockwise_amax_last(x, block), FP8_MAX, amax_floor)
-    scale = expand_blocks_last(pow2(exp), block, n)
-    return (round_to_e4m3(x.float() / scale) * scale).to(x.dtype)
+    return _fake_quant_blocks(x, block, FP8_MAX, amax_floor, round_to_e4m3)
 
 
 def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -172,10 +184,7 @@ def fp4_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
     Spec §7: scale = 2^ceil(log2(max(amax, 6·2^-126)/6)); q = e2m1_RNE(clamp(x/scale, ±6)); x <- q·scale.
     """
-    n = x.shape[-1]
-    exp = ue8m0_scale_for(blockwise_amax_last(x, block), FP4_MAX, FP4_MAX * 2.0**-126)
-    scale = expand_blocks_last(pow2(exp), block, n)
-    return (round_to_e2m1(x.float() / scale) * scale).to(x.dtype)
+    return _fake_quant_blocks(x, block, FP4_MAX, FP4_MAX * 2.0**-126, round_to_e2m1)
 
 
 def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:

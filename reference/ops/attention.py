@@ -26,18 +26,29 @@ def kv_path(x: torch.Tensor, wkv: torch.Tensor, kv_norm: torch.Tensor, cos: torc
     return apply_rope(rms_norm(x @ wkv.T, kv_norm, eps), cos, sin)
 
 
-def window_keys(kv_history: torch.Tensor, history_start: int, positions: torch.Tensor, window: int
+def window_band(kv_history: torch.Tensor, history_start: int, positions: torch.Tensor, window: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The window W_t = positions max(0, t−W+1) … t (§4.4) of each query, gathered from kv rows.
+    """The windows W_t = positions max(0, t−W+1) … t (§4.4) of a block of consecutive queries, as one band.
 
-    kv_history [N, d] holds positions history_start … history_start+N−1. Returns keys [B, W, d],
-    their absolute positions [B, W] (−1 where the window reaches before position 0) and a validity mask.
+    kv_history [N, d] holds positions history_start … history_start+N−1. Returns the rows every query of
+    the block may see ([Nw, d], shared: no per-query copies), their positions [Nw], and which query sees
+    which row [B, Nw] (key position in [t−W+1, t]).
     """
-    offsets = torch.arange(-window + 1, 1, device=positions.device)
-    key_pos = positions[:, None] + offsets[None, :]
-    valid = key_pos >= 0
-    idx = (key_pos - history_start).clamp(min=0)
-    return kv_history[idx], torch.where(valid, key_pos, -1), valid
+    lo = max(history_start, int(positions[0]) - window + 1)
+    hi = int(positions[-1]) + 1
+    key_pos = torch.arange(lo, hi, device=positions.device)
+    offset = positions[:, None] - key_pos[None, :]
+    valid = (offset >= 0) & (offset < window)
+    return kv_history[lo - history_start : hi - history_start], key_pos, valid
+
+
+@dataclass
+class KeySet:
+    """Candidate keys of a query block: `keys` [K, d] shared by all queries, or [B, K, d] per query; and
+    `valid` [B, K] saying which of them each query attends to. Keys are also the values (latent MQA)."""
+
+    keys: torch.Tensor
+    valid: torch.Tensor
 
 
 @dataclass
@@ -45,28 +56,31 @@ class AttentionResult:
     """Per query block: output [B, H, d] plus what the probes look at."""
 
     out: torch.Tensor
-    probs: torch.Tensor  # [B, H, K] over the block's key list (window keys first, then compressed)
+    probs: torch.Tensor  # [B, H, ΣK] over the key sets in order (window band first, then compressed)
     sink_prob: torch.Tensor  # [B, H] mass on the sink
     lse: torch.Tensor  # [B, H] log of the softmax denominator, sink included
     max_logit: torch.Tensor  # [B, H] max over the real keys
 
 
-def sparse_attention_with_sink(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor
-                               ) -> AttentionResult:
-    """§4.5: s_j = q·kv_j/sqrt(d); o = Σ_j e^{s_j−M} kv_j / (Σ_j e^{s_j−M} + e^{sink−M}), M = max(max_j s_j, sink).
-
-    q [B, H, d]; keys [B, K, d] (the query's own key list: values = keys); valid [B, K]; sink [H].
-    """
+def sparse_attention_with_sink(q: torch.Tensor, key_sets: list[KeySet], sink: torch.Tensor) -> AttentionResult:
+    """§4.5: s_j = q·kv_j/sqrt(d); o = Σ_j e^{s_j−M} kv_j / (Σ_j e^{s_j−M} + e^{sink−M}), M = max(max_j s_j, sink),
+    over j ∈ J_t = the valid keys of every key set. q [B, H, d]; sink [H]."""
     d = q.shape[-1]
-    logits = torch.einsum("bhd,bkd->bhk", q, keys) / d**0.5
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+
+    def scores(ks: KeySet) -> torch.Tensor:
+        pattern = "bhd,kd->bhk" if ks.keys.dim() == 2 else "bhd,bkd->bhk"
+        return torch.einsum(pattern, q, ks.keys).masked_fill(~ks.valid[:, None, :], float("-inf"))
+
+    logits = torch.cat([scores(ks) for ks in key_sets], -1) / d**0.5
     max_logit = logits.amax(-1)
     m = torch.maximum(max_logit, sink[None, :])
     e = torch.exp(logits - m[..., None])
     e_sink = torch.exp(sink[None, :] - m)
     denom = e.sum(-1) + e_sink
     probs = e / denom[..., None]
-    out = torch.einsum("bhk,bkd->bhd", probs, keys)
+    out = torch.zeros_like(q)
+    for ks, p in zip(key_sets, probs.split([ks.valid.shape[-1] for ks in key_sets], -1)):
+        out = out + torch.einsum("bhk,kd->bhd" if ks.keys.dim() == 2 else "bhk,bkd->bhd", p, ks.keys)
     return AttentionResult(out, probs, e_sink / denom, m + torch.log(denom), max_logit)
 
 
