@@ -39,17 +39,18 @@ def attribution_variants(choices: list[PatchChoice]) -> list[VariantSpec]:
     return variants
 
 
-def leave_one_out_name(choices: list[PatchChoice], patch_id: str) -> str:
+def leave_one_out_name(patch_ids: list[str], patch_id: str) -> str:
     """The variant that has every patch but `patch_id` (for two patches, that is the other one alone)."""
-    if len(choices) == 1:
+    if len(patch_ids) == 1:
         return BASE
-    if len(choices) == 2:
-        return only(next(c.id for c in choices if c.id != patch_id))
+    if len(patch_ids) == 2:
+        return only(next(p for p in patch_ids if p != patch_id))
     return all_but(patch_id)
 
 
-def full_name(choices: list[PatchChoice]) -> str:
-    return ALL if len(choices) >= 2 else only(choices[0].id)
+def full_name(patch_ids: list[str]) -> str:
+    """The variant with every patch."""
+    return ALL if len(patch_ids) >= 2 else only(patch_ids[0])
 
 
 def pair_variants(choices: list[PatchChoice], ids: list[str]) -> list[VariantSpec]:

@@ -11,7 +11,7 @@ from harness.errors import UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from harness.commands import checkpoint, forward, patches, run, scenarios
+    from harness.commands import attribute, checkpoint, forward, gate, patches, report, run, scenarios, selftest
 
     parser = argparse.ArgumentParser(
         prog="dsv4-drift",
@@ -22,8 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_parser(sub)
     forward.add_parser(sub)
     scenarios.add_parser(sub)
+    report.add_parser(sub)
+    gate.add_parser(sub)
     patches.add_parser(sub)
     checkpoint.add_parser(sub)
+    attribute.add_parser(sub)
+    selftest.add_parser(sub)
     return parser
 
 

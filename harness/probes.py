@@ -38,6 +38,20 @@ class Finding:
         return dict(self.__dict__)
 
 
+def _fill(v: torch.Tensor) -> float | int | bool:
+    """Padding for ragged taps: −1 for ids, False for masks, 0 for values."""
+    if v.dtype == torch.bool:
+        return False
+    return 0 if v.is_floating_point() else -1
+
+
+def _pad_last(v: torch.Tensor, width: int) -> torch.Tensor:
+    if v.shape[-1] == width:
+        return v
+    pad = torch.full((*v.shape[:-1], width - v.shape[-1]), _fill(v), dtype=v.dtype, device=v.device)
+    return torch.cat([v, pad], -1)
+
+
 class RecordingSink:
     """Keeps the reference's taps of one layer, indexed by absolute position (or compressed row id)."""
 
@@ -62,7 +76,11 @@ class RecordingSink:
             store = self.dense.setdefault(tap, {})
             for name, v in values.items():
                 if name not in store:
-                    store[name] = torch.zeros((self.n,) + tuple(v.shape[1:]), dtype=v.dtype, device=v.device)
+                    store[name] = torch.full((self.n,) + tuple(v.shape[1:]), _fill(v), dtype=v.dtype, device=v.device)
+                if v.dim() == 2 and v.shape[1] != store[name].shape[1]:  # ragged picks (k grows with the rows)
+                    width = max(v.shape[1], store[name].shape[1])
+                    store[name] = _pad_last(store[name], width)
+                    v = _pad_last(v, width)
                 store[name][positions] = v
         elif tap in ROW_TAPS:
             store = self.rows.setdefault(tap, {})

@@ -171,8 +171,9 @@ def sparse_attention(ctx: OpContext, q: torch.Tensor, window_slots: torch.Tensor
 
     logits = torch.cat([scores(ks) for ks in key_sets], -1) * ctx.cfg.head_dim**-0.5
     m = torch.maximum(logits.amax(-1), sink[None, :])
-    p = bf16(torch.exp(logits - m[..., None]))  # P rounded to bf16 for the P·V MMA
-    denom = torch.exp(logits - m[..., None]).sum(-1) + torch.exp(sink[None, :] - m)
+    e = torch.exp(logits - m[..., None])
+    denom = e.sum(-1) + torch.exp(sink[None, :] - m)  # fp32 statistics
+    p = bf16(e)  # P rounded to bf16 for the P·V MMA
     acc = torch.zeros_like(qb)
     for ks, part in zip(key_sets, p.split([ks.valid.shape[-1] for ks in key_sets], -1)):
         acc = acc + torch.einsum("bhk,kd->bhd" if ks.keys.dim() == 2 else "bhk,bkd->bhd", part, ks.keys)

@@ -34,6 +34,10 @@ QUERY_BLOCK_BUDGET_ELEMENTS = 1 << 25
 sequence length."""
 
 
+EXPERT_CACHE_BYTES = 1 << 30
+"""Dequantized experts stay cached for a layer's lifetime only if all of them fit in 1 GiB (flash-mini: 1.5 MB;
+Flash: 25 GB, so there each expert is dequantized when used)."""
+
 MAX_QUERY_BLOCK = 256
 """Window keys are a band shared by a block: B queries see B+W−1 rows, so blocks much longer than the
 window waste work on masked band entries; 256 keeps the band under 3× the window."""
@@ -106,6 +110,7 @@ class ReferenceLayer:
         self.weights = weights
         w = lambda name: weights.dense(name, dtype).to(self.device)  # noqa: E731
         self.w = {name: w(name) for name in weights.names() if not name.startswith("ffn.experts.")}
+        self._expert_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.inv_freq = layer_inverse_frequencies(cfg, layer).to(self.device)
         if self.kind != "swa":
             self.compressor_w = self._compressor_weights("attn.compressor")
@@ -271,5 +276,15 @@ class ReferenceLayer:
         return moe_forward(y, routing, self._expert, shared, cfg.swiglu_limit)
 
     def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(self.weights.dense(f"ffn.experts.{e}.{p}.weight", self.dtype).to(self.device)
-                     for p in ("w1", "w3", "w2"))
+        """Expert e's dequantized weights; kept for the layer's lifetime only when all experts together are small
+        (EXPERT_CACHE_BYTES), so a full-width layer never holds 256 dequantized experts at once."""
+        cached = self._expert_cache.get(e)
+        if cached is not None:
+            return cached
+        weights = tuple(self.weights.dense(f"ffn.experts.{e}.{p}.weight", self.dtype).to(self.device)
+                        for p in ("w1", "w3", "w2"))
+        cfg = self.cfg
+        total = cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * weights[0].element_size()
+        if total <= EXPERT_CACHE_BYTES:
+            self._expert_cache[e] = weights
+        return weights

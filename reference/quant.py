@@ -78,18 +78,17 @@ def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 # Round-to-nearest-even decision points between consecutive e2m1 magnitudes; at an exact midpoint
 # the even code wins (codes 0,2,4,6 are even): 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
-_E2M1_UPPER = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-_E2M1_TIE_GOES_UP = torch.tensor([False, True, False, True, False, True, False])
+_E2M1_UPPER = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_TIES_UP = (0.75, 1.75, 3.5)  # midpoints whose upper neighbour has the even code
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> 4-bit e2m1 code (uint8 in [0, 15]), RNE, saturating at ±6."""
     mag = x.float().abs()
-    upper = _E2M1_UPPER.to(x.device)
-    up = _E2M1_TIE_GOES_UP.to(x.device)
-    # code = number of decision points that mag is beyond (strictly, or at a tie that rounds up)
-    beyond = (mag.unsqueeze(-1) > upper) | ((mag.unsqueeze(-1) == upper) & up)
-    code = beyond.sum(-1).to(torch.uint8)
+    upper = torch.tensor(_E2M1_UPPER, device=x.device)
+    code = torch.bucketize(mag, upper, right=False)  # decision points strictly below mag (ties round down)
+    tie_up = (mag == _E2M1_TIES_UP[0]) | (mag == _E2M1_TIES_UP[1]) | (mag == _E2M1_TIES_UP[2])
+    code = (code + tie_up.to(code.dtype)).to(torch.uint8)
     sign = (x < 0) | ((x == 0) & torch.signbit(x))
     return code | (sign.to(torch.uint8) << 3)
 

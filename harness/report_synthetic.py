@@ -1,0 +1,270 @@
+"""A synthetic run directory shaped like a real product run, for sizing and testing the HTML report.
+
+`write_synthetic_run` writes manifest.json, metrics.parquet (through RunStore), findings.json and,
+optionally, gate.json and attribution.json for a 43-layer `flash` schedule, a 27K-token prompt in
+512-token bins, 64 decode steps and several variants — without running a model. The numbers are
+invented but shaped like real drift: errors grow with depth and position, each variant has its own
+scale, one patch goes wrong in decode from a chosen layer. Nothing here is used by a real run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from harness.bins import BinPlan
+from harness.store import METRICS_SCHEMA, RunStore
+from reference.config import get_preset
+
+PATCHES = [
+    ("mma-sparse-decode", ["decode"], "split-K MMA sparse attention decode: bf16 QK/PV, bf16 partials, LSE merge"),
+    ("triton-indexer", ["decode"], "Triton FP8 paged MQA indexer logits, then top-k"),
+    ("bf16-indexer-gemm", ["prefill", "decode"], "indexer projections as bf16 GEMMs with fp32 accumulation"),
+    ("bf16-mhc-prelinear", ["prefill", "decode"], "mHC pre-linear fn in bf16 with fp32 accumulation"),
+    ("hash-topk", ["prefill", "decode"], "fused hash routing on hash layers"),
+    ("nvfp4-experts", ["prefill", "decode"], "routed experts as NVFP4 with W4A4 activation quantization"),
+]
+BAD_PATCH = "triton-indexer"
+BAD_FROM_LAYER = 4
+
+# (tap, metric, base error scale, kind: "err" | "recall" | "mass" | "signed" | "sqnr" | "cos", layer kinds or None)
+SERIES = [
+    ("layer.out", "streams.rel_l2", 4e-3, "err", None),
+    ("layer.out", "streams.sqnr_db", 4e-3, "sqnr", None),
+    ("layer.out", "streams.cosine", 4e-3, "cos", None),
+    ("layer.out", "streams.max_abs", 5e-2, "err", None),
+    ("layer.out", "streams.bias", 1e-5, "signed", None),
+    ("attn.out", "attn.out_rel_l2", 6e-3, "err", None),
+    ("moe.out", "moe.out_rel_l2", 8e-3, "err", None),
+    ("attn.hc", "mhc.pre_rel_err", 2e-3, "err", None),
+    ("attn.hc", "mhc.post_rel_err", 2e-3, "err", None),
+    ("attn.hc", "mhc.comb_rel_err", 3e-3, "err", None),
+    ("attn.hc", "mhc.ds_residual", 1e-4, "err", None),
+    ("ffn.hc", "mhc.pre_rel_err", 2e-3, "err", None),
+    ("ffn.hc", "mhc.post_rel_err", 2e-3, "err", None),
+    ("ffn.hc", "mhc.comb_rel_err", 3e-3, "err", None),
+    ("ffn.hc", "mhc.ds_residual", 1e-4, "err", None),
+    ("attn.lse", "attn.lse_delta", 2e-3, "err", None),
+    ("attn.lse", "attn.max_logit_delta", 3e-3, "err", None),
+    ("moe.router", "moe.flip_rate", 1e-2, "err", None),
+    ("moe.router", "moe.weight_l1", 5e-3, "err", None),
+    ("attn.probs", "attn.tv", 5e-3, "err", None),
+    ("attn.probs", "attn.kl", 2e-4, "err", None),
+    ("attn.probs", "attn.js", 5e-5, "err", None),
+    ("attn.probs", "ctx.earlier_turn_mass_ref", 0.0, "mass", None),
+    ("attn.probs", "ctx.earlier_turn_mass_opt", 1e-2, "mass", None),
+    ("attn.probs", "ctx.needle_mass_ref", 0.0, "mass", None),
+    ("attn.probs", "ctx.needle_mass_opt", 1e-2, "mass", None),
+    ("attn.probs", "indexer.mass_recall", 2e-3, "recall", ("csa",)),
+    ("indexer.selected", "indexer.recall", 1e-2, "recall", ("csa",)),
+    ("indexer.selected", "indexer.flips", 5.0, "err", ("csa",)),
+    ("indexer.selected", "ctx.earlier_turn_recall", 1e-2, "recall", ("csa",)),
+    ("indexer.selected", "ctx.needle_recall", 1e-2, "recall", ("csa",)),
+    ("indexer.scores", "indexer.boundary_recall", 4e-3, "recall", ("csa",)),
+    ("compressor.rows", "compressor.rows_rel_l2", 4e-3, "err", ("csa", "hca")),
+    ("indexer.rows", "indexer.rows_rel_l2", 4e-3, "err", ("csa",)),
+]
+
+
+def _turn_layout(n_prompt: int, n_turns: int) -> list[int]:
+    """Turn of each prompt position: a 1K-token preamble (turn −1), then n_turns turns of growing length."""
+    turns = np.full(n_prompt, -1, dtype=np.int64)
+    start = min(1024, n_prompt // 8)
+    weights = np.arange(1, n_turns + 1, dtype=float)
+    ends = start + np.cumsum(weights / weights.sum() * (n_prompt - start)).astype(int)
+    prev = start
+    for t, end in enumerate(ends):
+        turns[prev:end] = t
+        prev = end
+    turns[prev:] = n_turns - 1
+    return turns.tolist()
+
+
+def _manifest(name: str, description: str, scenario_text: str, cfg: dict, n_prompt: int, n_decode: int,
+              chunk_size: int, bin_size: int, turns: list[int], needles: dict, variants: list[dict],
+              force: bool) -> dict[str, Any]:
+    spans = []
+    for t in sorted(set(turns)):
+        idx = [i for i, x in enumerate(turns) if x == t]
+        spans.append({"turn": t, "start": idx[0], "end": idx[-1] + 1})
+    return {
+        "format": "dsv4-drift-run/1", "status": "complete",
+        "started": "2026-01-01T00:00:00+00:00", "finished": "2026-01-01T00:00:58+00:00", "wall_seconds": 58.0,
+        "scenario": {"name": name, "file": f"scenarios/{name}.yaml", "text": scenario_text, "description": description},
+        "overrides": {"device": "cuda", "patches": None, "patch_modules": []},
+        "model": {"config": cfg, "weights": {"kind": "synthetic", "seed": 0, "model": cfg["name"]}},
+        "prompt": {"n_prompt": n_prompt, "n_decode": n_decode, "digest": "0" * 16, "decode_ids": list(range(n_decode)),
+                   "decode_source": "greedy", "turns": spans, "needles": needles, "tokenizer": "fallback",
+                   "chunk_size": chunk_size, "reference_chunk_size": chunk_size},
+        "stacks": {"reference": {"dtype": "float32", "parity": []}, "yardstick": True, "engine": {"indexer_fp4": False},
+                   "variants": variants},
+        "measure": {"local": True, "force_decisions": force, "bin_size": bin_size, "attn_sample_every": 64,
+                    "logits_sample_every": 256},
+        "gate": {"policy": "default"},
+        "environment": {"dsv4_drift": "0.1.0", "torch": "2.13.0", "triton": "3.9.0", "python": "3.11.7",
+                        "platform": "Linux-x86_64", "device": "cuda", "device_name": "NVIDIA H200",
+                        "compute_capability": "9.0", "cuda": "13.0"},
+        "layers_total": cfg["num_hidden_layers"],
+    }
+
+
+def write_synthetic_run(run_dir: str | Path, *, preset: str = "flash", n_prompt: int = 27648, n_decode: int = 64,
+                        chunk_size: int = 8192, bin_size: int = 512, n_turns: int = 6, n_single_patch_variants: int = 6,
+                        force_decisions: bool = False, gate: bool = True, attribution: bool = True,
+                        nan_variant: str | None = None, scenario_name: str = "flash-27k-synthetic",
+                        scenario_description: str = "synthetic 27K-token agent session (report sizing)",
+                        scenario_text: str = "# synthetic scenario\nname: flash-27k-synthetic\n",
+                        seed: int = 0) -> Path:
+    """Write a synthetic run directory; returns its path. `nan_variant` adds a NaN finding for that variant."""
+    rng = np.random.default_rng(seed)
+    cfg = get_preset(preset).to_dict()
+    n_layers = cfg["num_hidden_layers"]
+    kinds = cfg["layer_kinds"]
+    turns = _turn_layout(n_prompt, n_turns)
+    needle_start = (turns.index(0) if 0 in turns else 0) + 200
+    needles = {"service_account": {"start": needle_start, "end": needle_start + 6, "turn": turns[needle_start]}}
+    plan = BinPlan(n_prompt, n_decode, chunk_size, turns, bin_size)
+    bins = plan.bins
+    nb = len(bins)
+    pos = np.array([(b.start + b.end) / 2 for b in bins])
+    decode = np.array([b.phase == "decode" for b in bins])
+    turn = np.array([b.turn for b in bins])
+    count = np.array([b.end - b.start for b in bins], dtype=np.int64)
+    after_needle = np.array([b.start >= needle_start + 6 for b in bins])
+    col = {
+        "phase": np.array([b.phase for b in bins]), "chunk": np.array([b.chunk for b in bins], dtype=np.int32),
+        "step": np.array([b.step for b in bins], dtype=np.int32), "turn": turn.astype(np.int32),
+        "pos_bin": np.array([b.start for b in bins], dtype=np.int64),
+        "pos_end": np.array([b.end for b in bins], dtype=np.int64),
+    }
+
+    patch_list = [{"id": pid, "options": {}, "phases": phases, "source": "built-in", "description": desc}
+                  for pid, phases, desc in PATCHES]
+    variants = [{"name": "base", "patches": []}]
+    variants += [{"name": p["id"], "patches": [p]} for p in patch_list[:n_single_patch_variants]]
+    variants += [{"name": "all", "patches": patch_list}]
+    scale = {"yardstick": 0.5, "base": 1.0, "all": 1.6}
+    stacks = [("yardstick", "global"), ("yardstick", "local")] + [(v["name"], m) for v in variants for m in
+                                                                    (["global", "local"] + (["forced"] if force_decisions else []))]
+    store = RunStore(run_dir)
+    store.create(_manifest(scenario_name, scenario_description, scenario_text, cfg, n_prompt, n_decode, chunk_size,
+                           bin_size, turns, needles, variants, force_decisions))
+
+    def bad(variant: str) -> bool:
+        return variant in (BAD_PATCH, "all")
+
+    for layer in range(n_layers):
+        columns: dict[str, list[np.ndarray]] = {k: [] for k in METRICS_SCHEMA.names}
+        depth = 1 + 0.06 * layer
+        for variant, mode in stacks:
+            s = scale.get(variant, 1.1) * (depth if mode == "global" else 1.0) * (0.6 if mode == "forced" else 1.0)
+            for tap, metric, base, kind, only in SERIES:
+                if only is not None and kinds[layer] not in only:
+                    continue
+                keep = np.ones(nb, bool)
+                if metric.startswith("ctx.earlier"):
+                    keep = turn > 0
+                elif metric.startswith("ctx.needle"):
+                    keep = after_needle
+                if not keep.any():
+                    continue
+                growth = (1 + pos / 20000.0) * rng.lognormal(0, 0.15, nb)
+                err = base * s * growth
+                if bad(variant) and layer >= BAD_FROM_LAYER and mode != "forced" and \
+                        metric.startswith(("indexer.", "ctx.", "attn.tv", "attn.kl")):
+                    err = np.where(decode, err * 12, err)
+                if kind == "err":
+                    value, peak = err, err * rng.uniform(1.5, 3.0, nb)
+                elif kind == "sqnr":
+                    value = -20 * np.log10(err)
+                    peak = value + rng.uniform(2, 6, nb)
+                elif kind == "cos":
+                    value, peak = 1 - err * err / 2, np.ones(nb)
+                elif kind == "signed":
+                    value = err * rng.normal(0, 1, nb)
+                    peak = np.abs(value) * 2
+                elif kind == "recall":
+                    value = np.clip(1 - err, 0, 1)
+                    peak = np.ones(nb)
+                else:  # attention mass on earlier turns / needle: reference and variant
+                    ref = 0.35 * np.exp(-layer / 60) * (0.02 if metric.startswith("ctx.needle") else 1.0) * np.ones(nb)
+                    value = ref if base == 0 else ref * (1 - np.minimum(err * 4, 0.9))
+                    peak = value * 1.5
+                n = int(keep.sum())
+                columns["variant"].append(np.full(n, variant, dtype=object))
+                columns["mode"].append(np.full(n, mode, dtype=object))
+                columns["layer"].append(np.full(n, layer, dtype=np.int32))
+                for c, v in col.items():
+                    columns[c].append(v[keep])
+                columns["tap"].append(np.full(n, tap, dtype=object))
+                columns["metric"].append(np.full(n, metric, dtype=object))
+                columns["value"].append(value[keep].astype(np.float64))
+                columns["max"].append(peak[keep].astype(np.float64))
+                columns["count"].append(count[keep])
+        table = pa.table({k: pa.array(np.concatenate(v), type=METRICS_SCHEMA.field(k).type)
+                          for k, v in columns.items()}, schema=METRICS_SCHEMA)
+        pq.write_table(table, store.part_path(layer))
+
+    logits_rows = []
+    for variant in ["yardstick"] + [v["name"] for v in variants]:
+        s = scale.get(variant, 1.1) * (3 if bad(variant) else 1)
+        for i in range(0, nb, 4):
+            for metric, value in (("logits.kl", 1e-3 * s), ("logits.top1_agree", 1 - 0.02 * s),
+                                  ("logits.top1_flip_strict", 0.01 * s)):
+                logits_rows.append({"variant": variant, "mode": "global", "layer": n_layers,
+                                    **{c: (str(v[i]) if c == "phase" else int(v[i])) for c, v in col.items()},
+                                    "tap": "logits", "metric": metric, "value": float(value),
+                                    "max": float(value * 2), "count": 4})
+    store.write_layer(n_layers, logits_rows)  # also combines every part into metrics.parquet
+
+    findings = []
+    if nan_variant:
+        findings.append({"variant": nan_variant, "mode": "global", "layer": 17, "tap": "moe.out", "field": "out",
+                         "phase": "decode", "position": n_prompt + 3})
+    store.write_findings(findings)
+    if gate:
+        (store.dir / "gate.json").write_text(json.dumps(synthetic_gate(variants, nan_variant), indent=1))
+    if attribution:
+        (store.dir / "attribution.json").write_text(json.dumps(synthetic_attribution(patch_list, n_layers, rng), indent=1))
+    return store.dir
+
+
+def synthetic_gate(variants: list[dict], nan_variant: str | None) -> dict[str, Any]:
+    checks = []
+    for v in variants:
+        for metric, bound in (("attn.tv", 0.05), ("indexer.mass_recall", 0.9), ("streams.rel_l2", 0.05)):
+            for phase in ("prefill", "decode"):
+                failing = v["name"] in (BAD_PATCH, "all") and phase == "decode" and metric != "streams.rel_l2"
+                checks.append({"name": f"{metric} {phase}", "metric": metric, "variant": v["name"], "phase": phase,
+                               "status": "fail" if failing else "pass",
+                               "first_failing_layer": BAD_FROM_LAYER if failing else None,
+                               "worst_value": 0.31 if failing else 0.012, "bound": bound})
+    findings = [{"variant": nan_variant, "layer": 17, "tap": "moe.out", "phase": "decode"}] if nan_variant else []
+    return {"passed": not any(c["status"] == "fail" for c in checks) and not findings, "policy": "default",
+            "checks": checks, "findings": findings}
+
+
+def synthetic_attribution(patches: list[dict], n_layers: int, rng: np.random.Generator) -> dict[str, Any]:
+    ids = [p["id"] for p in patches]
+    matrix: dict[str, Any] = {}
+    for metric in ("attn.tv", "indexer.mass_recall", "streams.rel_l2"):
+        for phase in ("prefill", "decode"):
+            rows = {}
+            for pid in ids:
+                blame = rng.uniform(0, 0.1, n_layers)
+                if pid == BAD_PATCH and phase == "decode":
+                    blame[BAD_FROM_LAYER:] += np.linspace(0.5, 1.0, n_layers - BAD_FROM_LAYER)
+                rows[pid] = [round(float(x), 4) for x in blame]
+            matrix.setdefault(metric, {})[phase] = rows
+    first = {pid: ({"phase": "decode", "layer": BAD_FROM_LAYER, "metric": "indexer.mass_recall", "value": 0.71,
+                    "bound": 0.9} if pid == BAD_PATCH else None) for pid in ids}
+    verdict = {"patch": BAD_PATCH, "phase": "decode", "first_layer": BAD_FROM_LAYER, "metric": "indexer.mass_recall",
+               "value": 0.71, "bound": 0.9}
+    ranking = [{"patch": pid, "score": round(1.0 if pid == BAD_PATCH else 0.05 * (i + 1), 3)} for i, pid in enumerate(ids)]
+    ranking.sort(key=lambda r: -r["score"])
+    return {"patches": ids, "matrix": matrix, "first_divergence": first, "ranking": ranking, "verdict": verdict}

@@ -1,0 +1,118 @@
+"""Faults of known classes, written only with the public plugin API (`optimized.patching.Patch`), exactly as a
+user would write a patch — `dsv4-drift selftest` injects each and checks that the gate fails and attribution
+names it, and that a benign change passes. Each fault is a real failure mode of optimized-stack §1's table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optimized.ops import OpContext, Routing
+from optimized.patching import Patch
+
+chunk_carry_fault = Patch(
+    "fault-chunk-carry", phases=("prefill",),
+    description="zeroes the compressors' carried window state at every prefill chunk boundary (O6 failure mode)",
+    source="selftest")
+
+
+@chunk_carry_fault.op("chunk_state_carry")
+def _zero_carried_windows(ctx: OpContext, state):
+    state = ctx.base(state=state)
+    for comp in (state.compressor, state.indexer_compressor):
+        if comp is not None:
+            comp.pending_kv = torch.zeros_like(comp.pending_kv)
+            comp.pending_gate = torch.zeros_like(comp.pending_gate)
+            if comp.prev_kv is not None:
+                comp.prev_kv = torch.zeros_like(comp.prev_kv)
+                comp.prev_gate = torch.zeros_like(comp.prev_gate)
+    return state
+
+
+indexer_fault = Patch(
+    "fault-indexer-topk", phases=("decode",),
+    description="drops the better-scoring half of the indexer's top-k picks in decode (O2 boundary failure)",
+    source="selftest")
+
+
+@indexer_fault.op("indexer_topk")
+def _drop_best_half(ctx: OpContext, logits: torch.Tensor, positions: torch.Tensor, k: int):
+    row_ids, valid = ctx.base(logits=logits, positions=positions, k=k)
+    picked = torch.where(valid, logits.gather(-1, row_ids), torch.full_like(logits[:, :1], float("-inf")))
+    order = torch.argsort(picked, dim=-1, descending=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    n_valid = valid.sum(-1, keepdim=True)
+    return row_ids, valid & (rank >= n_valid // 2)
+
+
+merge_fault = Patch(
+    "fault-split-merge", phases=("decode",),
+    description="merges the window and compressed partial outputs with equal weights instead of by their LSE "
+                "in decode (O1 merge failure)",
+    source="selftest")
+
+
+@merge_fault.op("sparse_attention")
+def _equal_weight_merge(ctx: OpContext, q, window_slots, comp_slots, sink):
+    if comp_slots.shape[-1] == 0 or not bool((comp_slots >= 0).any()):
+        return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_slots, sink=sink)
+    none_w = torch.full_like(window_slots, -1)
+    none_c = torch.full_like(comp_slots, -1)
+    out_w, lse_w = ctx.base(q=q, window_slots=window_slots, comp_slots=none_c, sink=sink)
+    out_c, lse_c = ctx.base(q=q, window_slots=none_w, comp_slots=comp_slots, sink=sink)
+    return 0.5 * (out_w + out_c), torch.logaddexp(lse_w, lse_c)
+
+
+routing_fault = Patch(
+    "fault-routing-scale", phases=("prefill", "decode"),
+    description="forgets routed_scaling_factor on the hash layers (O4 failure mode: 1.5× under-scaled experts)",
+    source="selftest")
+
+
+@routing_fault.op("router")
+def _forget_scaling(ctx: OpContext, y, token_ids) -> Routing:
+    routing = ctx.base(y=y, token_ids=token_ids)
+    if ctx.cfg.is_hash_layer(ctx.layer):
+        routing.weights = routing.weights / ctx.cfg.routed_scaling_factor
+    return routing
+
+
+mhc_fault = Patch(
+    "fault-mhc-fp8", phases=("prefill", "decode"),
+    description="runs the mHC pre-linear on FP8 e4m3 operands (an O3 precision fault two formats too low)",
+    source="selftest")
+
+
+@mhc_fault.op("hc_prelinear")
+def _fp8_prelinear(ctx: OpContext, streams, site):
+    flat = streams.float().flatten(-2)
+    fp8 = lambda t: t.to(torch.float8_e4m3fn).float()  # noqa: E731
+    rho = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + ctx.cfg.rms_norm_eps)
+    return (fp8(flat) @ fp8(ctx.weight(f"hc_{site}_fn")).T) * rho
+
+
+benign_change = Patch(
+    "benign-sum-order", phases=("prefill", "decode"),
+    description="the mHC pre-linear in fp32 summed in four K-partials (a different order, the same precision)",
+    source="selftest")
+
+
+@benign_change.op("hc_prelinear")
+def _split_k_fp32(ctx: OpContext, streams, site):
+    flat = streams.float().flatten(-2)
+    fn = ctx.weight(f"hc_{site}_fn")
+    parts = [x @ w.T for x, w in zip(flat.chunk(4, -1), fn.chunk(4, -1))]
+    rho = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + ctx.cfg.rms_norm_eps)
+    return torch.stack(parts).sum(0) * rho
+
+
+FAULTS: dict[str, tuple[Patch, str]] = {
+    "chunk-boundary state carry": (chunk_carry_fault, "prefill"),
+    "indexer selection": (indexer_fault, "decode"),
+    "attention split merge": (merge_fault, "decode"),
+    "routing scale": (routing_fault, "prefill"),
+    "mHC precision": (mhc_fault, "prefill"),
+}
+"""Fault class -> (patch, the phase attribution must name). Faults active in both phases are named by their
+first divergence, which a prefill of hundreds of tokens reaches before the decode steps."""
