@@ -1,0 +1,205 @@
+"""The optimized engine and its patches, held to the reference layer by layer.
+
+Envelopes are derived, not tuned: the yardstick (the reference graph in naive bf16) is the noise a bf16
+implementation is allowed; a stack whose coarsest activation format has unit roundoff u may drift
+u / u_bf16 times that — FP8 e4m3 (u = 2^-4) gives 16× for the base engine, FP4 e2m1 (u = 2^-2, the W4A4
+experts) 64×. Comparisons are *local* (every stack runs a layer on the reference's input for that layer),
+so one near-tie flip in an early layer cannot be mistaken for a precision problem in a later one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optimized.engine import OptimizedModel
+from optimized.patching import default_registry
+from reference.config import FLASH_MINI, TINY
+from reference.layer import ReferenceLayer
+from reference.model import ReferenceModel, segment_lengths
+from reference.weights.synthetic import SyntheticWeights
+
+U_BF16, U_E4M3, U_E2M1 = 2.0**-8, 2.0**-4, 2.0**-2
+REGISTRY = default_registry()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.fixture(scope="module")
+def tiny_setup():
+    src = SyntheticWeights(TINY, 0)
+    ids = torch.randint(0, TINY.vocab_size, (700,), generator=torch.Generator().manual_seed(11))
+    n_prompt, n_decode = 690, 10
+    ref = ReferenceModel(src)
+    inputs, outputs = [], []
+    x = ref.embed(ids)
+    for layer in range(TINY.num_hidden_layers):
+        inputs.append(x)
+        x = ref.run_layer(ReferenceLayer(TINY, layer, src.layer(layer)), x, ids, segment_lengths(n_prompt, n_decode, None))
+        outputs.append(x)
+    return src, ids, n_prompt, n_decode, inputs, outputs
+
+
+def local_outputs(src, cfg, ids, n_prompt, n_decode, inputs, choices, chunk_size, layers):
+    model = OptimizedModel(src, choices)
+    segs = segment_lengths(n_prompt, n_decode, chunk_size)
+    return {L: model.run_layer(model.layer(L), inputs[L].to(torch.bfloat16), ids, segs, n_prompt).float()
+            for L in layers}
+
+
+def yardstick_outputs(src, cfg, ids, n_prompt, n_decode, inputs, chunk_size, layers):
+    yard = ReferenceModel(src, torch.bfloat16)
+    segs = segment_lengths(n_prompt, n_decode, chunk_size)
+    return {L: yard.run_layer(ReferenceLayer(cfg, L, src.layer(L), torch.bfloat16), inputs[L].to(torch.bfloat16),
+                              ids, segs).float() for L in layers}
+
+
+class IndexerScores:
+    """Probe sink keeping the indexer scores of every query."""
+
+    def __init__(self) -> None:
+        self.scores: dict[int, torch.Tensor] = {}
+
+    def wants(self, tap: str) -> bool:
+        return tap == "indexer.scores"
+
+    def sampled(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(positions, dtype=torch.bool)
+
+    def emit(self, tap, positions, scores):
+        for p, row in zip(positions.tolist(), scores):
+            self.scores[p] = row
+
+
+def test_decode_only_patches_leave_prefill_bit_identical(tiny_setup):
+    src, ids, n_prompt, n_decode, inputs, _ = tiny_setup
+    layers = range(TINY.num_hidden_layers)
+    base = local_outputs(src, TINY, ids, n_prompt, n_decode, inputs, [], 256, layers)
+    for pid in ("mma-sparse-decode", "triton-indexer"):
+        assert REGISTRY.get(pid).active_phases(REGISTRY.get(pid).defaults) == ("decode",)
+        out = local_outputs(src, TINY, ids, n_prompt, n_decode, inputs, REGISTRY.choose(pid), 256, layers)
+        for L in layers:
+            assert torch.equal(out[L][:n_prompt], base[L][:n_prompt]), f"{pid} changed prefill at layer {L}"
+    # and they do act in decode: split-K attention changes the decode outputs; the indexer kernel changes the
+    # decode scores (bf16-rounded per-head dots) — its picks may or may not flip on a short prompt
+    mma = local_outputs(src, TINY, ids, n_prompt, n_decode, inputs, REGISTRY.choose("mma-sparse-decode"), 256, layers)
+    assert any(not torch.equal(mma[L][n_prompt:], base[L][n_prompt:]) for L in layers)
+    csa = next(L for L in layers if TINY.layer_kind(L) == "csa")
+    seen = {}
+    for name, choices in (("base", []), ("triton", REGISTRY.choose("triton-indexer"))):
+        model, sink = OptimizedModel(src, choices), IndexerScores()
+        model.run_layer(model.layer(csa), inputs[csa].to(torch.bfloat16), ids,
+                        segment_lengths(n_prompt, n_decode, 256), n_prompt, sink)
+        seen[name] = sink.scores
+    assert all(torch.equal(seen["base"][p], seen["triton"][p]) for p in range(n_prompt))
+    assert all(not torch.equal(seen["base"][p], seen["triton"][p]) for p in range(n_prompt, n_prompt + n_decode))
+
+
+def test_each_patch_changes_only_the_layers_its_ops_touch(tiny_setup):
+    src, ids, n_prompt, n_decode, inputs, _ = tiny_setup
+    layers = list(range(TINY.num_hidden_layers))
+    base = local_outputs(src, TINY, ids, n_prompt, n_decode, inputs, [], 256, layers)
+    csa = {L for L in layers if TINY.layer_kind(L) == "csa"}
+    hashed = {L for L in layers if TINY.is_hash_layer(L)}
+    expect = {
+        "bf16-indexer-gemm": csa,  # indexer projections exist only in CSA layers
+        "hash-topk": hashed,  # fused hash routing replaces the router on hash layers only
+        "triton-indexer:prefill_rows=true": csa,  # indexer logits: CSA layers (prefill rows too, so picks flip)
+        "mma-sparse-decode": set(layers),  # every layer attends in decode
+        "bf16-mhc-prelinear": set(layers),
+        "nvfp4-experts": set(layers),
+    }
+    for pid, touched in expect.items():
+        out = local_outputs(src, TINY, ids, n_prompt, n_decode, inputs, REGISTRY.choose(pid), 256, layers)
+        changed = {L for L in layers if not torch.equal(out[L], base[L])}
+        assert changed == touched, f"{pid}: changed layers {sorted(changed)}, expected {sorted(touched)}"
+
+
+def test_chunked_prefill_agrees_with_one_shot_within_bf16_noise(tiny_setup):
+    """Chunk sizes that split 4- and 128-token windows and the deployed 8192 (one chunk here): the base engine's
+    chunked result differs from its one-shot result by less than the yardstick's own error (bf16 noise)."""
+    src, ids, n_prompt, n_decode, inputs, outputs = tiny_setup
+    layers = list(range(TINY.num_hidden_layers))
+    one_shot = local_outputs(src, TINY, ids, n_prompt, n_decode, inputs, [], None, layers)
+    yard = yardstick_outputs(src, TINY, ids, n_prompt, n_decode, inputs, None, layers)
+    for chunk in (8192, 97, 130, 256):
+        chunked = local_outputs(src, TINY, ids, n_prompt, n_decode, inputs, [], chunk, layers)
+        for L in layers:
+            noise = rel(yard[L], outputs[L])
+            assert rel(chunked[L], one_shot[L]) <= noise, (
+                f"chunk {chunk}, layer {L}: chunked vs one-shot {rel(chunked[L], one_shot[L]):.2e} exceeds the "
+                f"bf16 noise {noise:.2e}")
+
+
+@pytest.mark.parametrize("pid, u", [(None, U_E4M3), ("mma-sparse-decode", U_E4M3), ("triton-indexer", U_E4M3),
+                                    ("bf16-indexer-gemm", U_E4M3), ("bf16-mhc-prelinear", U_E4M3),
+                                    ("hash-topk", U_E4M3), ("nvfp4-experts", U_E2M1)])
+def test_base_and_patches_within_derived_envelope_tiny(tiny_setup, pid, u):
+    src, ids, n_prompt, n_decode, inputs, outputs = tiny_setup
+    layers = list(range(TINY.num_hidden_layers))
+    choices = REGISTRY.choose(pid) if pid else []
+    out = local_outputs(src, TINY, ids, n_prompt, n_decode, inputs, choices, 256, layers)
+    yard = yardstick_outputs(src, TINY, ids, n_prompt, n_decode, inputs, 256, layers)
+    envelope = u / U_BF16
+    for L in layers:
+        drift, noise = rel(out[L], outputs[L]), rel(yard[L], outputs[L])
+        assert 0 < drift <= envelope * noise, (f"{pid or 'base'} layer {L}: drift {drift:.3e} vs "
+                                               f"{envelope:.0f}× yardstick {noise:.3e}")
+
+
+@pytest.mark.slow
+def test_base_and_all_within_derived_envelope_flash_mini():
+    src = SyntheticWeights(FLASH_MINI, 0)
+    ids = torch.randint(1000, 60000, (1200,), generator=torch.Generator().manual_seed(5))
+    n_prompt, n_decode = 1196, 4
+    ref = ReferenceModel(src)
+    layers = [0, 2, 3]  # SWA (hash), CSA (hash), HCA (learned)
+    x = ref.embed(ids)
+    inputs, outputs = {}, {}
+    for L in range(max(layers) + 1):
+        inputs[L] = x
+        x = ref.run_layer(ReferenceLayer(FLASH_MINI, L, src.layer(L)), x, ids, segment_lengths(n_prompt, n_decode, None))
+        outputs[L] = x
+    yard = yardstick_outputs(src, FLASH_MINI, ids, n_prompt, n_decode, inputs, 512, layers)
+    for choices, u in (([], U_E4M3), (REGISTRY.choose("all"), U_E2M1)):
+        out = local_outputs(src, FLASH_MINI, ids, n_prompt, n_decode, inputs, choices, 512, layers)
+        for L in layers:
+            drift, noise = rel(out[L], outputs[L]), rel(yard[L], outputs[L])
+            assert 0 < drift <= (u / U_BF16) * noise, f"layer {L}: {drift:.3e} vs yardstick {noise:.3e}"
+
+
+def test_patch_options_change_what_they_claim(tiny_setup):
+    src, ids, n_prompt, n_decode, inputs, _ = tiny_setup
+    layers = list(range(TINY.num_hidden_layers))
+    csa = [L for L in layers if TINY.layer_kind(L) == "csa"]
+
+    def run(spec, opts=None):
+        return local_outputs(src, TINY, ids, n_prompt, n_decode, inputs, REGISTRY.choose(spec, opts), 256, layers)
+
+    # triton-indexer prefill_rows: serves prefill rows too (prefill changes only with the option)
+    base = local_outputs(src, TINY, ids, n_prompt, n_decode, inputs, [], 256, layers)
+    rows = run("triton-indexer", {"triton-indexer": {"prefill_rows": True}})
+    assert any(not torch.equal(rows[L][:n_prompt], base[L][:n_prompt]) for L in csa)
+    # dot precision: fp32 dots vs bf16-rounded dots give different decode selections/outputs
+    fp32 = run("triton-indexer", {"triton-indexer": {"dot_precision": "fp32", "prefill_rows": True}})
+    assert any(not torch.equal(fp32[L], rows[L]) for L in csa)
+    # hash-topk scale_on=none under-scales the routed experts on hash layers only
+    none = run("hash-topk", {"hash-topk": {"scale_on": "none"}})
+    output = run("hash-topk")
+    hashed = [L for L in layers if TINY.is_hash_layer(L)]
+    assert all(not torch.equal(none[L], output[L]) for L in hashed)
+    assert all(torch.equal(none[L], output[L]) for L in layers if L not in hashed)
+    # mma-sparse-decode split size changes where the bf16 partials are rounded
+    s16 = run("mma-sparse-decode", {"mma-sparse-decode": {"split": 16}})
+    s64 = run("mma-sparse-decode")
+    assert any(not torch.equal(s16[L][n_prompt:], s64[L][n_prompt:]) for L in layers)
+    # nvfp4 activations: W4A16 is closer to the base engine than W4A4
+    a16 = run("nvfp4-experts", {"nvfp4-experts": {"activations": "w4a16"}})
+    a4 = run("nvfp4-experts")
+    assert sum(rel(a16[L], base[L]) for L in layers) < sum(rel(a4[L], base[L]) for L in layers)
+    # bf16-mhc-prelinear precision: tf32 rounds less than bf16
+    tf32 = run("bf16-mhc-prelinear", {"bf16-mhc-prelinear": {"precision": "tf32"}})
+    b16 = run("bf16-mhc-prelinear")
+    assert sum(rel(tf32[L], base[L]) for L in layers) < sum(rel(b16[L], base[L]) for L in layers)
