@@ -25,6 +25,13 @@ from reference.weights.source import TensorBundle, WeightSource
 def ensure_no_tf32() -> None:
     """The reference is pure fp32: refuse to run when TF32 matmuls or convolutions are enabled (DESIGN §10)."""
     problems = []
+    for backend in ("cuda", "mkldnn"):  # torch ≥ 2.9's per-backend setting; the legacy query raises once it is used
+        setting = getattr(getattr(getattr(torch.backends, backend, None), "matmul", None), "fp32_precision", None)
+        if setting in ("tf32", "bf16"):
+            problems.append(f"torch.backends.{backend}.matmul.fp32_precision is {setting!r}")
+    if problems:
+        raise RuntimeError("the fp32 reference refuses to run with TF32 (or bf16) fp32 matmuls: "
+                           + "; ".join(problems) + ". Set them back to 'ieee'.")
     if torch.get_float32_matmul_precision() != "highest":
         problems.append(f"torch.get_float32_matmul_precision() is {torch.get_float32_matmul_precision()!r}")
     if torch.backends.cuda.matmul.allow_tf32:

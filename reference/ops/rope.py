@@ -42,7 +42,8 @@ def layer_inverse_frequencies(cfg: ModelConfig, layer: int) -> torch.Tensor:
     """SWA layers: θ = rope_theta, no YaRN; CSA/HCA layers: compress_rope_theta (+ YaRN when configured)."""
     if cfg.layer_kind(layer) == "swa":
         return inverse_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, None)
-    return inverse_frequencies(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.yarn)
+    return inverse_frequencies(cfg.qk_rope_head_dim, cfg.compress_rope_theta,
+                               cfg.yarn if cfg.uses_yarn(layer) else None)
 
 
 def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
