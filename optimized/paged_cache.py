@@ -58,7 +58,7 @@ class LatentCache:
             raise RuntimeError(f"latent cache full: {self.length} + {n} rows > capacity {self.capacity}")
         codes, scales = quantize_latent_nope(rows[:, : self.nope])
         page, off = self.physical(torch.arange(self.length, self.length + n, device=self.device))
-        self.codes[page, off] = codes
+        self.codes.view(torch.uint8)[page, off] = codes.view(torch.uint8)  # byte copy: no fp8 index_put needed
         self.scales[page, off] = scales
         self.rope_part[page, off] = rows[:, self.nope :].to(torch.bfloat16)
         self.length += n
@@ -125,7 +125,7 @@ class IndexKeyCache:
             self.values_fp4[page, off] = fp4_fake_quant(rows.float(), block=32)
         else:
             codes, scale = quantize_fp8_per_row(rows)
-            self.codes[page, off] = codes
+            self.codes.view(torch.uint8)[page, off] = codes.view(torch.uint8)
             self.scale[page, off] = scale
         self.length += n
 

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One batched GPU session (the device machine: python3 with torch/triton preinstalled, no install step).
+# Usage: bash bench/gpu_session.sh STAGE...   stages: smoke, forward, bench, flash27k
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+dd() { python3 -m harness.cli "$@"; }
+for stage in "$@"; do
+  echo "=== stage $stage $(date -u +%T)"
+  case $stage in
+    smoke)
+      nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv
+      python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+      python3 -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_kernels_gpu.py 2>&1 | tail -15
+      dd run tiny-smoke --device cuda --out "$OUT/tiny-gpu" --no-report 2>&1 | tail -25 ;;
+    forward)
+      python3 -c 'import json; json.dump(list(range(1000, 3100)), open("/tmp/p.json","w")); json.dump([5,6,7,8], open("/tmp/d.json","w"))'
+      for p in none all; do
+        /usr/bin/time -v python3 -m harness.cli forward --model flash --tokens /tmp/p.json --decode-tokens /tmp/d.json \
+          --stack optimized --patches $p --device cuda --out /tmp/fwd-$p.safetensors 2>&1 | grep -E "wrote|Elapsed|Maximum resident|Error|error" ;
+      done
+      /usr/bin/time -v python3 -m harness.cli forward --model flash --tokens /tmp/p.json --decode-tokens /tmp/d.json \
+        --device cuda --out /tmp/fwd-ref.safetensors 2>&1 | grep -E "wrote|Elapsed|Maximum resident|Error|error"
+      python3 - <<'PY'
+from safetensors.torch import load_file
+r = load_file("/tmp/fwd-ref.safetensors")["logits"]
+for p in ("none", "all"):
+    o = load_file(f"/tmp/fwd-{p}.safetensors")["logits"]
+    print(p, "logits rel-L2 vs reference", float((o - r).norm() / r.norm()), "top1 agree", float((o.argmax(-1) == r.argmax(-1)).float().mean()))
+PY
+      ;;
+    bench)
+      python3 bench/layer_timing.py --model flash --tokens 8192 --decode 4 --device cuda --layers 0 2 3 2>&1 | tail -8
+      python3 optimized/kernels/bench_kernels.py 2>&1 | tail -12 ;;
+    flash27k)
+      /usr/bin/time -v python3 -m harness.cli run flash-27k --device cuda --patches all --out "$OUT/flash27k" --no-report \
+        2>&1 | tail -40 ;;
+  esac
+done
