@@ -17,11 +17,11 @@ for stage in "$@"; do
     forward)
       python3 -c 'import json; json.dump(list(range(1000, 3100)), open("/tmp/p.json","w")); json.dump([5,6,7,8], open("/tmp/d.json","w"))'
       for p in none all; do
-        /usr/bin/time -v python3 -m harness.cli forward --model flash --tokens /tmp/p.json --decode-tokens /tmp/d.json \
-          --stack optimized --patches $p --device cuda --out /tmp/fwd-$p.safetensors 2>&1 | grep -E "wrote|Elapsed|Maximum resident|Error|error" ;
+        python3 -m harness.cli forward --model flash --tokens /tmp/p.json --decode-tokens /tmp/d.json \
+          --stack optimized --patches $p --device cuda --out /tmp/fwd-$p.safetensors 2>&1 | tail -3
       done
-      /usr/bin/time -v python3 -m harness.cli forward --model flash --tokens /tmp/p.json --decode-tokens /tmp/d.json \
-        --device cuda --out /tmp/fwd-ref.safetensors 2>&1 | grep -E "wrote|Elapsed|Maximum resident|Error|error"
+      python3 -m harness.cli forward --model flash --tokens /tmp/p.json --decode-tokens /tmp/d.json \
+        --device cuda --out /tmp/fwd-ref.safetensors 2>&1 | tail -3
       python3 - <<'PY'
 from safetensors.torch import load_file
 r = load_file("/tmp/fwd-ref.safetensors")["logits"]
@@ -34,7 +34,7 @@ PY
       python3 bench/layer_timing.py --model flash --tokens 8192 --decode 4 --device cuda --layers 0 2 3 2>&1 | tail -8
       python3 optimized/kernels/bench_kernels.py 2>&1 | tail -12 ;;
     flash27k)
-      /usr/bin/time -v python3 -m harness.cli run flash-27k --device cuda --patches all --out "$OUT/flash27k" --no-report \
-        2>&1 | tail -40 ;;
+      python3 -m harness.cli run flash-27k --device cuda --patches all --out "$OUT/flash27k" --no-report 2>&1 | tail -40
+      python3 -c 'import json; m=json.load(open("'"$OUT"'/flash27k/manifest.json")); print("wall", m.get("wall_seconds"), "peak", m.get("peak_device_gib"))' ;;
   esac
 done

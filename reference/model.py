@@ -23,7 +23,8 @@ from reference.weights.source import TensorBundle, WeightSource
 
 
 def ensure_no_tf32() -> None:
-    """The reference is pure fp32: refuse to run when TF32 matmuls or convolutions are enabled (DESIGN §10)."""
+    """The reference is pure fp32: refuse to run when fp32 matmuls may use TF32 (DESIGN §10). (cuDNN's TF32 flag
+    governs convolutions only, which DeepSeek-V4 has none of.)"""
     problems = []
     for backend in ("cuda", "mkldnn"):  # torch ≥ 2.9's per-backend setting; the legacy query raises once it is used
         setting = getattr(getattr(getattr(torch.backends, backend, None), "matmul", None), "fp32_precision", None)
@@ -36,8 +37,6 @@ def ensure_no_tf32() -> None:
         problems.append(f"torch.get_float32_matmul_precision() is {torch.get_float32_matmul_precision()!r}")
     if torch.backends.cuda.matmul.allow_tf32:
         problems.append("torch.backends.cuda.matmul.allow_tf32 is True")
-    if torch.backends.cudnn.allow_tf32 and torch.backends.cudnn.is_available() and torch.cuda.is_available():
-        problems.append("torch.backends.cudnn.allow_tf32 is True")
     if problems:
         raise RuntimeError("the fp32 reference refuses to run with TF32 enabled: " + "; ".join(problems)
                            + ". Call torch.set_float32_matmul_precision('highest').")

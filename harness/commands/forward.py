@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -96,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     model, chunk_size, label = build_stack(args, source)
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
     with Progress(transient=True) as bar:
         task = bar.add_task(label, total=cfg.num_hidden_layers)
         result = model.forward(prompt, decode, chunk_size, keep_layer_outputs=args.dump_layers,
@@ -118,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(args.out), metadata=meta)
+    seconds = time.perf_counter() - started
+    peak = f", peak device memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if args.device.startswith("cuda") else ""
     print(f"wrote {args.out}: logits {tuple(tensors['logits'].shape)}"
-          + (f" and {len(result.layer_outputs)} layer outputs" if result.layer_outputs else ""))
+          + (f" and {len(result.layer_outputs)} layer outputs" if result.layer_outputs else "")
+          + f" ({label}, {seconds:.1f} s{peak})")
     return 0

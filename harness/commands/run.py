@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness.ui import console
+import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from harness.errors import UsageError
@@ -16,6 +17,7 @@ from harness.runner import LockstepRunner
 from harness.scenario import find_scenario, load_scenario, parse_scenario
 from harness.store import RunStore
 from harness.summary import summary_table
+from harness.ui import console
 
 DEFAULT_SCENARIO = "demo-cpu"
 
@@ -78,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
     n_layers = spec.source.config.num_hidden_layers
     stacks = 1 + len(spec.stacks())
+    if spec.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=out, transient=True) as bar:
@@ -94,8 +98,11 @@ def run(args: argparse.Namespace) -> int:
 
         LockstepRunner(spec, store, progress).run(start, streams)
     seconds = time.perf_counter() - t0
+    peaks = {"peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+    if spec.device.startswith("cuda"):
+        peaks["peak_device_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     store.update_manifest(status="complete", finished=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                          wall_seconds=round(seconds, 2))
+                          wall_seconds=round(seconds, 2), **peaks)
     metrics = store.read_metrics().to_pandas()
     out.print(summary_table(metrics))
     findings = store.read_findings()
@@ -109,5 +116,5 @@ def run(args: argparse.Namespace) -> int:
             write_report = None
         if write_report is not None:
             out.print(f"report: {write_report(store.dir)}")
-    out.print(f"run directory: {store.dir}  ({seconds:.1f} s)")
+    out.print(f"run directory: {store.dir}  ({seconds:.1f} s, " + ", ".join(f"{k} {v}" for k, v in peaks.items()) + ")")
     return 0
