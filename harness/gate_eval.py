@@ -10,6 +10,9 @@ mode, tap, layer and phase gives the relative bound:
     base:      loss ≤ base + F·max(yardstick, 0) + floor
     baseline:  loss ≤ baseline·(1 + slack) + floor        (with a baseline, for checks that ask for one)
 
+F is a factor on the error amplitude. For metrics quadratic in it (KL, JS, 1 − cos, whose square roots are
+distances) the same triangle inequality is applied to square roots: F²·yardstick and (√base + F·√yardstick)².
+
 A NaN loss fails every bound. Comparisons allow a 1e-9 relative tolerance, so a loss computed as
 1 − 2/3 still equals a floor of 1/3. Any NaN/Inf finding of the run (findings.json) fails the gate,
 whatever the policy says.
@@ -44,6 +47,14 @@ class RunData:
     manifest: dict[str, Any]
     metrics: pd.DataFrame
     findings: list[dict[str, Any]]
+
+    _by_metric: dict[str, pd.DataFrame] | None = field(default=None, repr=False)
+
+    def rows_of(self, metric: str) -> pd.DataFrame:
+        """The metric's rows (grouped once: a flash run holds ~10⁶ rows and a policy ~30 checks)."""
+        if self._by_metric is None:
+            self._by_metric = {m: part for m, part in self.metrics.groupby("metric", sort=False)}
+        return self._by_metric.get(metric, self.metrics.iloc[0:0])
 
     @property
     def config(self) -> dict[str, Any]:
@@ -246,8 +257,13 @@ def explain_limit(c: CheckResult, u: Unit) -> str:
     kind = c.check.bound.kind if c.check.bound else None
     if kind == "absolute":
         parts.append(f"{_fmt(u.limit)} (absolute)")
+    elif kind == "yardstick" and c.check.rule.order == 2:
+        parts.append(f"{_fmt(u.limit)} = {_fmt(c.factor)}²×yardstick {_fmt(u.yardstick)} + floor {_fmt(u.floor)}")
     elif kind == "yardstick":
         parts.append(f"{_fmt(u.limit)} = {_fmt(c.factor)}×yardstick {_fmt(u.yardstick)} + floor {_fmt(u.floor)}")
+    elif kind == "base" and c.check.rule.order == 2:
+        parts.append(f"{_fmt(u.limit)} = (√base {_fmt(u.base)} + {_fmt(c.factor)}×√yardstick {_fmt(u.yardstick)})² "
+                     f"+ floor {_fmt(u.floor)}")
     elif kind == "base":
         parts.append(f"{_fmt(u.limit)} = base {_fmt(u.base)} + {_fmt(c.factor)}×yardstick {_fmt(u.yardstick)} + "
                      f"floor {_fmt(u.floor)}")
@@ -311,7 +327,7 @@ def select_layers(check: Check, run: RunData, file: str) -> set[int]:
         if isinstance(sel, int) or isinstance(sel, tuple):
             a, b = (sel, sel) if isinstance(sel, int) else sel
             if b > n:
-                raise UsageError(f"{file}:{check.line}: checks[{check.name}].layers: layer {b} is past this run's "
+                raise UsageError(f"{file}:{check.line}: {check.path}.layers: layer {b} is past this run's "
                                  f"model ({n} layers 0-{n - 1}; {n} is the logits row)")
             out.update(range(a, b + 1))
         elif sel == "all":
@@ -320,7 +336,7 @@ def select_layers(check: Check, run: RunData, file: str) -> set[int]:
             out.add(n)
         elif sel in ("swa", "csa", "hca"):
             if not kinds:
-                raise UsageError(f"{file}:{check.line}: checks[{check.name}].layers: '{sel}' needs model.config."
+                raise UsageError(f"{file}:{check.line}: {check.path}.layers: '{sel}' needs model.config."
                                  "layer_kinds in the run's manifest")
             out.update(i for i, k in enumerate(kinds) if k == sel)
         elif sel in ("hash", "learned"):
@@ -377,8 +393,8 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
     floor = floor_expr.evaluate(names, policy.file) if floor_expr is not None else None
     kind = check.bound.kind if check.bound else None
     if kind in ("yardstick", "base") and floor is None:
-        raise UsageError(f"{policy.file}:{check.line}: checks[{check.name}].floor: {check.metric} has no built-in "
-                         "rounding floor (its unit depends on the tensor's magnitude); give `floor:` for a relative bound")
+        raise UsageError(f"{policy.file}:{check.line}: {check.path}.floor: {check.metric} has no built-in rounding "
+                         "floor (its unit depends on the tensor's magnitude); give `floor:` for a relative bound")
     factor = check.bound.value.evaluate(names, policy.file) if check.bound else None
     slack = check.baseline_slack.evaluate(names, policy.file) if check.baseline_slack is not None else None
     variants = policy.variants_for(check, run.variants)
@@ -395,9 +411,9 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
                          f"{', '.join(v for v in run.variants if v != YARDSTICK)}); set base_variant: in the policy")
 
     layers = select_layers(check, run, policy.file)
-    m = run.metrics
-    rows = m[(m["metric"] == check.metric) & m["tap"].isin(check.taps) & m["mode"].isin(check.modes)
-             & m["phase"].isin(check.phases) & m["layer"].isin(layers)]
+    m = run.rows_of(check.metric)
+    rows = m[m["tap"].isin(check.taps) & m["mode"].isin(check.modes) & m["phase"].isin(check.phases)
+             & m["layer"].isin(layers)]
     wanted = set(variants) | {YARDSTICK, policy.base_variant}
     rows = loss_columns(rows[rows["variant"].isin(wanted)], rule.direction)
     agg = aggregate_units(rows, check.aggregate, rule.direction)
@@ -419,7 +435,8 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
             unit = dict(zip(UNIT_KEYS, key))
             ref_key = tuple(unit[k] for k in ref_keys)
             units.append(_evaluate_unit(check, unit, float(value), kind, factor, floor, slack, baseline,
-                                        ref_values[YARDSTICK].get(ref_key), ref_values[policy.base_variant].get(ref_key)))
+                                        ref_values[YARDSTICK].get(ref_key),
+                                        ref_values[policy.base_variant].get(ref_key)))
         units.sort(key=_unit_order)
         if check.bound is None and (baseline is None or all(u.baseline is None for u in units)):
             results.append(VariantResult(variant, "skipped", units, reason="baseline-only check and no baseline value"))
@@ -441,17 +458,21 @@ def _evaluate_unit(check: Check, unit: dict, value: float, kind: str | None, fac
         else:
             yard_used = max(yard, 0.0)
     limit = None
+    quadratic = check.rule.order == 2  # bound √loss: the factor is on the error amplitude
     if kind == "absolute":
         limit = factor
     elif kind == "yardstick":
-        limit = factor * yard_used + floor
+        limit = (factor ** 2 if quadratic else factor) * yard_used + floor
     elif kind == "base":
         if base is None or not math.isfinite(base):
             notes.append(f"base value {'missing' if base is None else base} at this unit: taken as 0")
             base_used = 0.0
         else:
             base_used = max(base, 0.0)
-        limit = base_used + factor * yard_used + floor
+        if quadratic:
+            limit = (math.sqrt(base_used) + factor * math.sqrt(yard_used)) ** 2 + floor
+        else:
+            limit = base_used + factor * yard_used + floor
     passed = _within(value, limit) if limit is not None else True
     bl = bl_limit = None
     if slack is not None and baseline is not None:
@@ -478,8 +499,26 @@ def evaluate(policy: Policy, run: RunData, baseline: Baseline | None = None) -> 
     notes = []
     if baseline is not None and not any(c.baseline_slack is not None for c in policy.checks):
         notes.append("a baseline was given but no check of the policy has `baseline: {slack: …}`")
+    present = set(run.metrics["layer"].unique().tolist())
+    missing = [layer for layer in range(run.n_layers + 1) if layer not in present]
+    if missing:
+        notes.append(f"the run has no metrics for layer(s) {_ranges(missing)} (layer {run.n_layers} is the final "
+                     "logits row): an unfinished run (`dsv4-drift run --resume`) or a partial one; those layers "
+                     "are not gated")
     nonfinite = sorted(run.findings, key=lambda f: (int(f.get("layer", 0)), str(f.get("variant"))))
     return GateResult(run, policy, checks, nonfinite, baseline.source if baseline else None, notes)
+
+
+def _ranges(values: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(f"{start}-{v}" if v != start else f"{v}")
+            start = None
+    return ", ".join(out)
 
 
 def observed_values(result: GateResult) -> Iterable[tuple[tuple, float]]:

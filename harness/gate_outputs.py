@@ -10,7 +10,7 @@ gate.json (format "dsv4-drift-gate/1"):
     counts:   {checks, testcases, pass, fail, warn, no_data, skipped, nonfinite}
     failures: one line per failure (NaN/Inf findings first), what the console and banner print
     nonfinite: the run's NaN/Inf findings, each with a `message`
-    checks:   [{name, description, metric, taps, layers, phases, modes, aggregate, direction, severity,
+    checks:   [{name, description, metric, taps, layers, phases, modes, aggregate, direction, order, severity,
                 bound: {kind, expression, value} | null, floor, baseline_slack, bound_text, status,
                 variants: [{variant, status, reason, first_failure, worst,
                             phases: {prefill|decode: {status, first_failing_layer, first_failure, worst}},
@@ -74,7 +74,7 @@ def to_dict(result: GateResult) -> dict[str, Any]:
         checks.append({
             "name": ch.name, "description": ch.description, "metric": ch.metric, "taps": list(ch.taps),
             "layers": _layers_text(ch.layers), "phases": list(ch.phases), "modes": list(ch.modes),
-            "aggregate": ch.aggregate, "direction": ch.direction, "severity": ch.severity,
+            "aggregate": ch.aggregate, "direction": ch.direction, "order": ch.rule.order, "severity": ch.severity,
             "bound": {"kind": ch.bound.kind, "expression": ch.bound.value.text, "value": _num(c.factor)}
             if ch.bound else None,
             "floor": _num(c.floor), "baseline_slack": _num(c.slack), "bound_text": ch.bound_text(),

@@ -34,13 +34,16 @@ first layer where a check fails (harness.gate_eval).
           absolute: 0.05             loss ≤ X
           yardstick: 16              loss ≤ F × yardstick loss (same layer, phase, mode, tap) + floor
           base: 2                    loss ≤ base loss + F × yardstick loss + floor
+                                     F is a factor on the error amplitude: for metrics quadratic in it (KL, JS,
+                                     1 − cos) the gate bounds square roots — F²·yardstick, (√base + F·√yd)²
         floor: 2**-8               [floors[metric], else the metric's built-in floor] the rounding floor, in
                                    loss units, added to relative bounds so a zero yardstick cannot fail
-        baseline: {slack: 0.1}     [none] with `gate --baseline`: loss ≤ baseline × (1 + slack) + floor
+        baseline: {slack: 0.1}     [none] with `gate --baseline`: loss ≤ baseline × (1 + slack) + floor;
+                                   `baseline: null` turns off a baseline given in defaults
         severity: error            [error] error | warn (a failing warn check is reported, never fails the gate)
 
 Numbers (bound factors, floors, slack) may be arithmetic expressions over numbers and the run's model
-config fields, e.g. `2**-4 / 2**-8` or `1/index_topk`, evaluated per run (harness.gate_policy.evaluate).
+config fields, e.g. `2**-4 / 2**-8` or `1/index_topk`, evaluated against each run's config (`Expr.evaluate`).
 """
 
 from __future__ import annotations
@@ -75,11 +78,15 @@ class MetricRule:
     "signed" (a signed error; loss = |x|), "db" (an SNR in dB, higher is better; loss = 10^(−x/20), the
     equivalent relative L2) or "descriptive" (a measurement, not a drift; cannot be gated).
     floor: the built-in rounding floor in loss units (an expression), or None when the metric has no
-    magnitude-free floor and a relative bound must state one."""
+    magnitude-free floor and a relative bound must state one.
+    order: 1 when the loss is linear in the error amplitude, 2 when it is quadratic (KL, JS, 1 − cos: their
+    square roots are distances). Bound factors are factors on the amplitude, so for order 2 the gate applies
+    them to square roots: yardstick F → loss ≤ F²·y + floor; base F → loss ≤ (√base + F·√y)² + floor."""
 
     taps: tuple[str, ...]
     direction: str
     floor: str | None
+    order: int = 1
 
     @property
     def gateable(self) -> bool:
@@ -97,7 +104,7 @@ METRICS: dict[str, MetricRule] = {
     # relative L2 of a tensor: one bf16 rounding of the tensor itself gives ‖δ‖/‖x‖ ≤ u = 2^-8
     "streams.rel_l2": MetricRule(("layer.out",), "upper", _U),
     "streams.sqnr_db": MetricRule(("layer.out",), "db", _U),  # loss is the equivalent rel L2
-    "streams.cosine": MetricRule(("layer.out",), "lower", "2**-17"),  # 1 − cos ≈ r²/2 ≤ u²/2
+    "streams.cosine": MetricRule(("layer.out",), "lower", "2**-17", order=2),  # 1 − cos ≈ r²/2 ≤ u²/2
     "streams.max_abs": MetricRule(("layer.out",), "upper", None),  # absolute units: no magnitude-free floor
     "streams.bias": MetricRule(("layer.out",), "signed", None),
     "attn.out_rel_l2": MetricRule(("attn.out",), "upper", _U),
@@ -111,8 +118,8 @@ METRICS: dict[str, MetricRule] = {
     # attention probabilities stored in bf16: |δp_i| ≤ u·p_i, so TV = ½Σ|δp_i| ≤ u/2, KL ≈ ½Σ δp_i²/p_i ≤ u²/2,
     # JS ≈ KL/4
     "attn.tv": MetricRule(("attn.probs",), "upper", "2**-9"),
-    "attn.kl": MetricRule(("attn.probs",), "upper", "2**-17"),
-    "attn.js": MetricRule(("attn.probs",), "upper", "2**-19"),
+    "attn.kl": MetricRule(("attn.probs",), "upper", "2**-17", order=2),
+    "attn.js": MetricRule(("attn.probs",), "upper", "2**-19", order=2),
     "attn.lse_delta": MetricRule(("attn.lse",), "upper", None),  # nats at the logits' own scale
     "attn.max_logit_delta": MetricRule(("attn.lse",), "upper", None),
     # selections are discrete: the smallest non-zero change is one of k picks (a tie broken the other way)
@@ -125,7 +132,7 @@ METRICS: dict[str, MetricRule] = {
     "moe.flip_rate": MetricRule(("moe.router",), "upper", "1/num_experts_per_tok"),
     # routing weights sum to routed_scaling_factor; bf16 weights move the sum's L1 by ≤ u·Σw
     "moe.weight_l1": MetricRule(("moe.router",), "upper", "2**-8 * routed_scaling_factor"),
-    "logits.kl": MetricRule(("logits",), "upper", "2**-17"),  # bf16 probabilities, as attn.kl
+    "logits.kl": MetricRule(("logits",), "upper", "2**-17", order=2),  # bf16 probabilities, as attn.kl
     "logits.top1_agree": MetricRule(("logits",), "lower", None),  # one position flips by 1: no fractional floor
     "logits.top1_flip_strict": MetricRule(("logits",), "upper", None),
     "ctx.earlier_turn_mass_ref": MetricRule(("attn.probs",), "descriptive", None),
@@ -206,7 +213,8 @@ def _check_expr_syntax(text: str) -> str | None:
         if not isinstance(node, (ast.Constant, ast.Name, ast.UnaryOp, ast.BinOp, ast.USub, ast.UAdd, ast.Load)
                           + tuple(_BINOPS)):
             return f"{text!r}: only numbers, model config names and + - * / ** are allowed"
-        if isinstance(node, ast.Constant) and (isinstance(node.value, bool) or not isinstance(node.value, (int, float))):
+        if isinstance(node, ast.Constant) and (isinstance(node.value, bool)
+                                               or not isinstance(node.value, (int, float))):
             return f"{text!r}: {node.value!r} is not a number"
     return None
 
@@ -234,6 +242,12 @@ class Check:
     severity: str
     description: str = ""
     line: int = 0
+    index: int = 0  # position in the policy's checks list
+
+    @property
+    def path(self) -> str:
+        """The check's field path in the policy file, for error messages: `checks[3]`."""
+        return f"checks[{self.index}]"
 
     @property
     def rule(self) -> MetricRule:
@@ -244,8 +258,12 @@ class Check:
         parts = []
         if self.bound is not None:
             v = self.bound.value.text
-            parts.append({"absolute": f"≤ {v}", "yardstick": f"≤ {v}×yardstick + floor",
-                          "base": f"≤ base + {v}×yardstick + floor"}[self.bound.kind])
+            if self.rule.order == 2:
+                parts.append({"absolute": f"≤ {v}", "yardstick": f"≤ ({v})²×yardstick + floor",
+                              "base": f"≤ (√base + ({v})×√yardstick)² + floor"}[self.bound.kind])
+            else:
+                parts.append({"absolute": f"≤ {v}", "yardstick": f"≤ {v}×yardstick + floor",
+                              "base": f"≤ base + {v}×yardstick + floor"}[self.bound.kind])
         if self.baseline_slack is not None and with_baseline:
             parts.append(f"≤ baseline×(1+{self.baseline_slack.text}) + floor")
         return "; ".join(parts)
@@ -266,7 +284,7 @@ class Policy:
         if check.metric in self.floors:
             return self.floors[check.metric]
         rule_floor = check.rule.floor
-        return Expr(rule_floor, check.line, f"{check.name}.floor (built-in for {check.metric})") \
+        return Expr(rule_floor, check.line, f"{check.path}.floor (built-in for {check.metric})") \
             if rule_floor is not None else None
 
     def variants_for(self, check: Check, run_variants: Sequence[str]) -> list[str]:
@@ -386,7 +404,7 @@ class _PolicyReader:
         else:
             seen: dict[str, int] = {}
             for i, loc in enumerate(top["checks"].value):
-                check = self.check(loc, f"checks[{i}]", defaults)
+                check = self.check(loc, i, defaults)
                 if check is None:
                     continue
                 if check.name in seen:
@@ -397,7 +415,8 @@ class _PolicyReader:
         return Policy(self.file, sha, checks, description, base_variant, floors)
 
     # ---- one check
-    def check(self, loc: Located, path: str, defaults: dict[str, Located]) -> Check | None:
+    def check(self, loc: Located, index: int, defaults: dict[str, Located]) -> Check | None:
+        path = f"checks[{index}]"
         n_before = len(self.issues)
         fields = self.mapping(loc, path, CHECK_KEYS)
         if fields is None:
@@ -471,7 +490,7 @@ class _PolicyReader:
             return None
         return Check(name=name, metric=metric, taps=taps, layers=layers, phases=phases, modes=modes,
                      variants=variants, aggregate=aggregate, direction=direction, bound=bound, floor=floor,
-                     baseline_slack=slack, severity=severity, description=description, line=loc.line)
+                     baseline_slack=slack, severity=severity, description=description, line=loc.line, index=index)
 
     # ---- field readers
     def known_metric(self, metric: str, line: int, path: str) -> bool:

@@ -245,13 +245,14 @@ def _category_flags(column: pd.Series, test) -> np.ndarray:
 
 def per_layer(frame: pd.DataFrame, keys: dict[tuple[str, str], str]) -> pd.DataFrame:
     """One row per (variant, mode, layer, phase, tap, metric): count-weighted mean over the phase's bins,
-    and the worst value (largest per-position max; lowest bin value for higher-is-better metrics).
+    and the worst value (largest per-position max; lowest bin value for higher-is-better metrics); both NaN
+    when any bin is NaN.
 
     rel_l2 bins combine as a weighted root-mean-square and SQNR through its noise power: exact when the
     positions' reference norms are equal, and a close, order-independent approximation otherwise (the
     exact sums are not stored per bin)."""
     if frame.empty:
-        return pd.DataFrame(columns=GROUP_KEYS + ["mean", "worst", "best", "count"])
+        return pd.DataFrame(columns=GROUP_KEYS + ["key", "mean", "worst", "count"])
     f = frame[GROUP_KEYS + ["value", "max", "count"]].copy()
     w = f["count"].astype(np.float64)
     v = f["value"].astype(np.float64)
@@ -262,10 +263,11 @@ def per_layer(frame: pd.DataFrame, keys: dict[tuple[str, str], str]) -> pd.DataF
     f["wsum"] = transformed * w
     f["w"] = w
     f["lowest"] = v
+    f["nan"] = (np.isnan(v) | np.isnan(f["max"].astype(np.float64))).astype(np.int64)
     f["count"] = f["count"].astype(np.int64)
     g = f.groupby(GROUP_KEYS, observed=True, sort=False).agg(
         wsum=("wsum", "sum"), w=("w", "sum"), peak=("max", "max"), lowest=("lowest", "min"),
-        count=("count", "sum"))
+        count=("count", "sum"), nan=("nan", "sum"))
     g = g.reset_index()
     metric = g["metric"].astype(str)
     is_rel = metric.str.endswith("rel_l2").to_numpy()
@@ -276,6 +278,8 @@ def per_layer(frame: pd.DataFrame, keys: dict[tuple[str, str], str]) -> pd.DataF
     g["mean"] = mean
     higher = metric.map(lambda name: metric_info(name).better in ("higher", "sqnr")).to_numpy(bool)
     g["worst"] = np.where(higher, g["lowest"], g["peak"])
+    poisoned = g["nan"].to_numpy() > 0  # pandas sums skip NaN; a NaN anywhere in the layer must show
+    g.loc[poisoned, ["mean", "worst"]] = np.nan
     g["key"] = [keys[(str(t), str(mt))] for t, mt in zip(g["tap"], g["metric"])]
     return g[GROUP_KEYS + ["key", "mean", "worst", "count"]]
 
@@ -419,6 +423,196 @@ def _as_float(v: Any) -> float | None:
 
 
 # ----------------------------------------------------------------------------------------------
+# gate.json and attribution.json, normalised for the page
+# ----------------------------------------------------------------------------------------------
+
+
+def _float(x: Any) -> float | None:
+    """A number from another tool's JSON: floats, ints, or the strings "nan"/"inf"/"-inf" (gate.json)."""
+    if isinstance(x, bool) or x is None:
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, str):
+        try:
+            return float(x)
+        except ValueError:
+            return _as_float(x)
+    return None
+
+
+def _compact(d: dict[str, Any]) -> dict[str, Any]:
+    """Drop missing fields (gate rows are many; the page reads absent as missing)."""
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _rounded(x: Any) -> Any:
+    f = _float(x)
+    return num(f) if f is not None else x
+
+
+def _key_for(keys: dict[tuple[str, str], str], metric: Any, tap: Any) -> str | None:
+    if (str(tap), str(metric)) in keys:
+        return keys[(str(tap), str(metric))]
+    return str(metric) if metric is not None else None
+
+
+def _unit_ratio(unit: dict[str, Any]) -> float | None:
+    """value / the binding limit (the policy bound, or the baseline's where tighter); > 1 fails."""
+    value = _float(unit.get("value"))
+    limits = [x for x in (_float(unit.get("limit")), _float(unit.get("baseline_limit"))) if x is not None]
+    if value is None or not limits:
+        return math.inf if unit.get("status") == "fail" else None
+    limit = min(limits)
+    if math.isnan(value):
+        return math.inf
+    ratio = value / limit if limit > 0 else (math.inf if value > 0 else 0.0)
+    if unit.get("status") == "fail" and not ratio > 1:
+        ratio = math.nextafter(1.0, 2.0)
+    return ratio
+
+
+def gate_view(raw: Any, keys: dict[tuple[str, str], str], n_layers: int) -> dict[str, Any] | None:
+    """gate.json as the page reads it, from either shape:
+
+    - the gate's own format ("dsv4-drift-gate/1": checks × variants × phases, with per-layer units), or
+    - a flat one: {"passed", "policy", "checks": [{name, metric, variant, phase, status, first_failing_layer,
+      worst_value, bound}], "findings"}.
+
+    rows: one per check × variant × phase (check_info: each check's description, bound text, aggregate);
+    cells: {series key: {variant: {mode: {phase: {"ratio": [per layer], "check": [index into check_names]}}}}},
+    the most binding check's value/limit at each layer."""
+    if not isinstance(raw, dict):
+        return None
+    verdict = raw.get("verdict")
+    passed = raw.get("passed") if isinstance(raw.get("passed"), bool) else (
+        True if verdict == "pass" else False if verdict == "fail" else None)
+    policy = raw.get("policy")
+    if isinstance(policy, dict):
+        policy_text = policy.get("file") or policy.get("name") or ""
+        policy_description = policy.get("description")
+    else:
+        policy_text, policy_description = (str(policy) if policy is not None else None), None
+    rows: list[dict[str, Any]] = []
+    check_names: list[str] = []
+    check_info: dict[str, dict[str, Any]] = {}
+    best: dict[tuple, tuple[float, int]] = {}
+    checks = raw.get("checks") if isinstance(raw.get("checks"), list) else []
+    for check in checks:
+        if not isinstance(check, dict):
+            continue
+        name = str(check.get("name") or check.get("metric") or "check")
+        variants = check.get("variants")
+        if not isinstance(variants, list):  # the flat shape: one row per check
+            rows.append({"check": name, "description": check.get("description"), "metric": check.get("metric"),
+                         "variant": check.get("variant"), "phase": check.get("phase"), "status": check.get("status"),
+                         "first_failing_layer": check.get("first_failing_layer"),
+                         "worst_value": check.get("worst_value"), "bound": check.get("bound"),
+                         "bound_text": check.get("bound_text")})
+            continue
+        check_index = len(check_names)
+        check_names.append(name)
+        check_info[name] = _compact({"description": check.get("description"), "bound_text": check.get("bound_text"),
+                                     "aggregate": check.get("aggregate"), "taps": check.get("taps"),
+                                     "modes": check.get("modes"), "severity": check.get("severity")})
+        for vr in variants:
+            if not isinstance(vr, dict):
+                continue
+            phases = vr.get("phases") if isinstance(vr.get("phases"), dict) else {}
+            for phase, pr in (phases.items() or [(None, {})]):
+                pr = pr if isinstance(pr, dict) else {}
+                first = pr.get("first_failure") if isinstance(pr.get("first_failure"), dict) else {}
+                worst = pr.get("worst") if isinstance(pr.get("worst"), dict) else {}
+                rows.append(_compact({"check": name, "metric": check.get("metric"), "variant": vr.get("variant"),
+                                      "phase": phase, "status": pr.get("status", vr.get("status")),
+                                      "reason": vr.get("reason") or None,
+                                      "first_failing_layer": pr.get("first_failing_layer"),
+                                      "first_value": _rounded(first.get("value")),
+                                      "first_limit": _rounded(first.get("limit")),
+                                      "first_tap": first.get("tap"), "first_mode": first.get("mode"),
+                                      "worst_value": _rounded(worst.get("value")),
+                                      "worst_limit": _rounded(worst.get("limit")),
+                                      "worst_layer": worst.get("layer")}))
+            if not phases:
+                rows.append({"check": name, "metric": check.get("metric"), "variant": vr.get("variant"), "phase": None,
+                             "status": vr.get("status"), "reason": vr.get("reason") or None,
+                             "bound_text": check.get("bound_text")})
+            for unit in vr.get("units") or []:
+                if not isinstance(unit, dict) or not isinstance(unit.get("layer"), int):
+                    continue
+                layer = unit["layer"]
+                if not 0 <= layer < n_layers:
+                    continue
+                key = _key_for(keys, check.get("metric"), unit.get("tap"))
+                ratio = _unit_ratio(unit)
+                if key is None or ratio is None:
+                    continue
+                cell = (key, str(unit.get("variant", vr.get("variant"))), str(unit.get("mode", "global")),
+                        str(unit.get("phase")), layer)
+                if cell not in best or ratio > best[cell][0]:
+                    best[cell] = (ratio, check_index)
+    cells: dict[str, Any] = {}
+    for (key, variant, mode, phase, layer), (ratio, index) in best.items():
+        slot = cells.setdefault(key, {}).setdefault(variant, {}).setdefault(mode, {}).setdefault(phase, {
+            "ratio": [None] * n_layers, "check": [None] * n_layers})
+        slot["ratio"][layer] = num(ratio)
+        slot["check"][layer] = index
+    findings = raw.get("nonfinite") if isinstance(raw.get("nonfinite"), list) else raw.get("findings")
+    failures = raw.get("failures") if isinstance(raw.get("failures"), list) else None
+    return {"format": raw.get("format"), "passed": passed, "verdict": verdict, "exit_code": raw.get("exit_code"),
+            "created": raw.get("created"), "policy": policy_text, "policy_description": policy_description,
+            "baseline": raw.get("baseline"),
+            "counts": raw.get("counts") if isinstance(raw.get("counts"), dict) else None,
+            "failures": [str(f) for f in failures] if failures is not None else None,
+            "findings": findings if isinstance(findings, list) else [], "notes": raw.get("notes"),
+            "rows": rows, "check_names": check_names, "check_info": check_info, "cells": cells}
+
+
+def attribution_view(raw: Any, n_layers: int) -> dict[str, Any] | None:
+    """attribution.json as the page reads it, from either shape of the matrix —
+    {metric: {"mode", "layers", "phases": {phase: {patch: [blame per listed layer]}}}} (`dsv4-drift attribute`)
+    or {metric: {phase: {patch: [blame per layer]}}} — with blame spread over layers 0 … n_layers (the last:
+    logits) and first divergences as a list per patch."""
+    if not isinstance(raw, dict):
+        return None
+    patches = [p if isinstance(p, str) else str((p or {}).get("id", p)) if isinstance(p, dict) else str(p)
+               for p in raw.get("patches") or []]
+    matrix: dict[str, Any] = {}
+    for metric, entry in (raw.get("matrix") or {}).items():
+        if not isinstance(entry, dict):
+            continue
+        phases = entry.get("phases") if isinstance(entry.get("phases"), dict) else entry
+        layers = entry.get("layers") if isinstance(entry.get("layers"), list) else None
+        out_phases = {}
+        for phase, rows in phases.items():
+            if not isinstance(rows, dict):
+                continue
+            spread: dict[str, list[Any]] = {}
+            for patch, values in rows.items():
+                if not isinstance(values, list):
+                    continue
+                where = layers if layers is not None and len(layers) == len(values) else list(range(len(values)))
+                full = [None] * max(n_layers, (max(where) + 1) if where else 0)
+                for layer, value in zip(where, values):
+                    if isinstance(layer, int) and 0 <= layer < len(full):
+                        full[layer] = num(_float(value)) if value is not None else None
+                spread[str(patch)] = full
+                if not str(patch).startswith("_") and str(patch) not in patches:
+                    patches.append(str(patch))
+            out_phases[str(phase)] = spread
+        matrix[str(metric)] = {"mode": entry.get("mode"), "phases": out_phases}
+    first: dict[str, list[Any]] = {}
+    for patch, entry in (raw.get("first_divergence") or {}).items():
+        items = entry if isinstance(entry, list) else [entry] if isinstance(entry, dict) else []
+        first[str(patch)] = [{**d, "first_layer": d.get("first_layer", d.get("layer"))} for d in items
+                             if isinstance(d, dict)]
+    return {"patches": patches, "matrix": matrix, "first_divergence": first,
+            "ranking": raw.get("ranking") if isinstance(raw.get("ranking"), list) else [],
+            "verdict": raw.get("verdict"), "interactions": raw.get("interactions") or [],
+            "gate_passed": raw.get("gate_passed"), "variants": raw.get("variants")}
+
+
+# ----------------------------------------------------------------------------------------------
 # the payload
 # ----------------------------------------------------------------------------------------------
 
@@ -479,8 +673,10 @@ def build_payload(run_dir: str | Path) -> dict[str, Any]:
         "crossings": first_crossings(table, n_layers, logits),
         "crossing_rule": {"factor": CROSSING_FACTOR, "floor": CROSSING_FLOOR},
         "findings": findings,
-        "gate": gate,
-        "attribution": attribution,
+        "gate": gate_view(gate, keys, n_layers),
+        "attribution": attribution_view(attribution, n_layers),
+        "layers_with_data": sorted(int(x) for x in frame["layer"].unique() if int(x) < n_layers)
+        if not frame.empty else [],
         "problems": problems,
         "rows": int(len(frame)),
     }

@@ -23,8 +23,8 @@ PAYLOAD_ID = "report-data"
 
 def asset(name: str) -> str:
     text = (ASSETS / name).read_text(encoding="utf-8")
-    if "</script" in text.lower() or "</style" in text.lower():
-        raise ValueError(f"report asset {name} must not contain a closing script/style tag")
+    if any(tag in text.lower() for tag in ("<script", "</script", "</style", "<!--")):
+        raise ValueError(f"report asset {name} must not contain script/style tags or <!-- (it is inlined)")
     return text
 
 
@@ -61,7 +61,7 @@ def render_page(payload: dict[str, Any]) -> str:
     script = asset("report.js")
     style = asset("report.css")
     digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode()
-    csp = (f"default-src 'none'; script-src 'sha256-{digest}'; style-src 'unsafe-inline'; img-src data:; "
+    csp = (f"default-src 'none'; script-src 'sha256-{digest}'; style-src 'unsafe-inline'; img-src 'none'; "
            "connect-src 'none'; form-action 'none'; base-uri 'none'")
     scenario = ((payload.get("manifest") or {}).get("scenario") or {}).get("name") or "run"
     title = html.escape(f"dsv4-drift · {scenario}")

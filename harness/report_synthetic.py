@@ -116,11 +116,15 @@ def _manifest(name: str, description: str, scenario_text: str, cfg: dict, n_prom
 def write_synthetic_run(run_dir: str | Path, *, preset: str = "flash", n_prompt: int = 27648, n_decode: int = 64,
                         chunk_size: int = 8192, bin_size: int = 512, n_turns: int = 6, n_single_patch_variants: int = 6,
                         force_decisions: bool = False, gate: bool = True, attribution: bool = True,
-                        nan_variant: str | None = None, scenario_name: str = "flash-27k-synthetic",
+                        nan_variant: str | None = None, flat_gate: bool = False, extra_variant: str | None = None,
+                        patch_note: str = "", scenario_name: str = "flash-27k-synthetic",
                         scenario_description: str = "synthetic 27K-token agent session (report sizing)",
                         scenario_text: str = "# synthetic scenario\nname: flash-27k-synthetic\n",
                         seed: int = 0) -> Path:
-    """Write a synthetic run directory; returns its path. `nan_variant` adds a NaN finding for that variant."""
+    """Write a synthetic run directory; returns its path. `nan_variant` adds a NaN finding for that variant;
+    `flat_gate` writes gate.json in the minimal flat shape instead of the gate's own; `extra_variant` adds a
+    patch-less variant of that name and `patch_note` is appended to every patch description (tests use both
+    to smuggle hostile text into the page)."""
     rng = np.random.default_rng(seed)
     cfg = get_preset(preset).to_dict()
     n_layers = cfg["num_hidden_layers"]
@@ -143,14 +147,16 @@ def write_synthetic_run(run_dir: str | Path, *, preset: str = "flash", n_prompt:
         "pos_end": np.array([b.end for b in bins], dtype=np.int64),
     }
 
-    patch_list = [{"id": pid, "options": {}, "phases": phases, "source": "built-in", "description": desc}
+    patch_list = [{"id": pid, "options": {}, "phases": phases, "source": "built-in", "description": desc + patch_note}
                   for pid, phases, desc in PATCHES]
     variants = [{"name": "base", "patches": []}]
     variants += [{"name": p["id"], "patches": [p]} for p in patch_list[:n_single_patch_variants]]
     variants += [{"name": "all", "patches": patch_list}]
+    if extra_variant:
+        variants.append({"name": extra_variant, "patches": []})
     scale = {"yardstick": 0.5, "base": 1.0, "all": 1.6}
-    stacks = [("yardstick", "global"), ("yardstick", "local")] + [(v["name"], m) for v in variants for m in
-                                                                    (["global", "local"] + (["forced"] if force_decisions else []))]
+    modes = ["global", "local"] + (["forced"] if force_decisions else [])
+    stacks = [("yardstick", "global"), ("yardstick", "local")] + [(v["name"], m) for v in variants for m in modes]
     store = RunStore(run_dir)
     store.create(_manifest(scenario_name, scenario_description, scenario_text, cfg, n_prompt, n_decode, chunk_size,
                            bin_size, turns, needles, variants, force_decisions))
@@ -228,43 +234,114 @@ def write_synthetic_run(run_dir: str | Path, *, preset: str = "flash", n_prompt:
                          "phase": "decode", "position": n_prompt + 3})
     store.write_findings(findings)
     if gate:
-        (store.dir / "gate.json").write_text(json.dumps(synthetic_gate(variants, nan_variant), indent=1))
+        gate_json = synthetic_gate(variants, nan_variant, kinds, flat_gate)
+        (store.dir / "gate.json").write_text(json.dumps(gate_json, indent=1))
     if attribution:
-        (store.dir / "attribution.json").write_text(json.dumps(synthetic_attribution(patch_list, n_layers, rng), indent=1))
+        attribution_json = synthetic_attribution(patch_list, n_layers, rng)
+        (store.dir / "attribution.json").write_text(json.dumps(attribution_json, indent=1))
     return store.dir
 
 
-def synthetic_gate(variants: list[dict], nan_variant: str | None) -> dict[str, Any]:
-    checks = []
-    for v in variants:
-        for metric, bound in (("attn.tv", 0.05), ("indexer.mass_recall", 0.9), ("streams.rel_l2", 0.05)):
+def synthetic_gate(variants: list[dict], nan_variant: str | None, kinds: list[str] | None = None,
+                   flat: bool = False) -> dict[str, Any]:
+    """A gate.json for the synthetic run: the gate's own shape ("dsv4-drift-gate/1", checks × variants × phases
+    with per-layer units), or with `flat` the minimal shape {passed, policy, checks: [...], findings}."""
+    kinds = kinds or list(get_preset("flash").layer_kinds)
+    specs = (("attn-tv", "attn.tv", "attn.probs", 0.05, None),
+             ("indexer-mass-recall", "indexer.mass_recall", "attn.probs", 0.1, "csa"),
+             ("streams-rel-l2", "streams.rel_l2", "layer.out", 0.05, None))
+    if flat:
+        checks = []
+        for v in variants:
+            for name, metric, _, bound, _ in specs:
+                for phase in ("prefill", "decode"):
+                    failing = v["name"] in (BAD_PATCH, "all") and phase == "decode" and metric != "streams.rel_l2"
+                    checks.append({"name": f"{name} {phase}", "metric": metric, "variant": v["name"], "phase": phase,
+                                   "status": "fail" if failing else "pass",
+                                   "first_failing_layer": BAD_FROM_LAYER if failing else None,
+                                   "worst_value": 0.31 if failing else 0.012,
+                                   "bound": 1 - bound if metric.endswith("recall") else bound})
+        findings = [{"variant": nan_variant, "layer": 17, "tap": "moe.out", "phase": "decode"}] if nan_variant else []
+        return {"passed": not any(c["status"] == "fail" for c in checks) and not findings, "policy": "default",
+                "checks": checks, "findings": findings}
+    checks, failures = [], []
+    for name, metric, tap, bound, only_kind in specs:
+        check_variants = []
+        for v in variants:
+            units, phases = [], {}
             for phase in ("prefill", "decode"):
-                failing = v["name"] in (BAD_PATCH, "all") and phase == "decode" and metric != "streams.rel_l2"
-                checks.append({"name": f"{metric} {phase}", "metric": metric, "variant": v["name"], "phase": phase,
-                               "status": "fail" if failing else "pass",
-                               "first_failing_layer": BAD_FROM_LAYER if failing else None,
-                               "worst_value": 0.31 if failing else 0.012, "bound": bound})
-    findings = [{"variant": nan_variant, "layer": 17, "tap": "moe.out", "phase": "decode"}] if nan_variant else []
-    return {"passed": not any(c["status"] == "fail" for c in checks) and not findings, "policy": "default",
-            "checks": checks, "findings": findings}
+                first = worst = None
+                for layer, kind in enumerate(kinds):
+                    if only_kind and kind != only_kind:
+                        continue
+                    failing = v["name"] in (BAD_PATCH, "all") and phase == "decode" and layer >= BAD_FROM_LAYER \
+                        and metric != "streams.rel_l2"
+                    value = (0.2 + 0.004 * layer) if failing else bound * (0.2 + 0.01 * layer)
+                    unit = {"variant": v["name"], "mode": "global", "tap": tap, "layer": layer, "phase": phase,
+                            "value": value, "limit": bound, "status": "fail" if failing else "pass",
+                            "yardstick": bound / 16, "base": None, "floor": 0.0039, "baseline": None,
+                            "baseline_limit": None, "notes": []}
+                    units.append(unit)
+                    if failing and first is None:
+                        first = unit
+                    if worst is None or value / bound > worst["value"] / worst["limit"]:
+                        worst = unit
+                phases[phase] = {"status": "fail" if first else "pass",
+                                 "first_failing_layer": first["layer"] if first else None, "first_failure": first,
+                                 "worst": worst}
+                if first:
+                    failures.append(f"{name} [{v['name']}]: {metric} first fails at layer {first['layer']} {phase} "
+                                    f"(global, {tap}): {first['value']:.4g} > {bound:.4g}")
+            status = "fail" if any(p["status"] == "fail" for p in phases.values()) else "pass"
+            check_variants.append({"variant": v["name"], "status": status, "reason": "", "phases": phases,
+                                   "first_failure": None, "worst": None, "units": units})
+        checks.append({"name": name, "description": f"{metric} within 16× the yardstick", "metric": metric,
+                       "taps": [tap], "layers": ["all"], "phases": ["prefill", "decode"], "modes": ["global"],
+                       "aggregate": "max", "direction": "upper", "severity": "error",
+                       "bound": {"kind": "absolute", "expression": str(bound), "value": bound}, "floor": 0.0039,
+                       "baseline_slack": 0.0, "bound_text": f"≤ {bound}",
+                       "status": "fail" if any(c["status"] == "fail" for c in check_variants) else "pass",
+                       "variants": check_variants})
+    nonfinite = []
+    if nan_variant:
+        nonfinite.append({"variant": nan_variant, "mode": "global", "layer": 17, "tap": "moe.out", "field": "out",
+                          "phase": "decode", "position": 0,
+                          "message": f"NaN/Inf in {nan_variant} (global): first at layer 17"})
+    n_fail = sum(v["status"] == "fail" for c in checks for v in c["variants"])
+    n_cases = sum(len(c["variants"]) for c in checks)
+    return {"format": "dsv4-drift-gate/1", "verdict": "fail" if n_fail or nonfinite else "pass",
+            "exit_code": 1 if n_fail or nonfinite else 0, "created": "2026-01-01T00:01:00+00:00",
+            "run": {}, "policy": {"file": "harness/policies/default.yaml", "sha256": "0" * 64,
+                                  "description": "synthetic policy", "base_variant": "base"},
+            "baseline": None, "counts": {"checks": len(checks), "testcases": n_cases, "pass": n_cases - n_fail,
+                                         "fail": n_fail, "warn": 0, "no_data": 0, "skipped": 0,
+                                         "nonfinite": len(nonfinite)},
+            "failures": [n["message"] for n in nonfinite] + failures, "nonfinite": nonfinite, "checks": checks,
+            "notes": []}
 
 
 def synthetic_attribution(patches: list[dict], n_layers: int, rng: np.random.Generator) -> dict[str, Any]:
+    """An attribution.json in the shape `dsv4-drift attribute` writes."""
     ids = [p["id"] for p in patches]
+    layers = list(range(n_layers))
     matrix: dict[str, Any] = {}
     for metric in ("attn.tv", "indexer.mass_recall", "streams.rel_l2"):
+        phases = {}
         for phase in ("prefill", "decode"):
             rows = {}
             for pid in ids:
-                blame = rng.uniform(0, 0.1, n_layers)
+                blame = rng.uniform(-0.01, 0.03, n_layers)
                 if pid == BAD_PATCH and phase == "decode":
-                    blame[BAD_FROM_LAYER:] += np.linspace(0.5, 1.0, n_layers - BAD_FROM_LAYER)
+                    blame[BAD_FROM_LAYER:] += np.linspace(0.2, 0.5, n_layers - BAD_FROM_LAYER)
                 rows[pid] = [round(float(x), 4) for x in blame]
-            matrix.setdefault(metric, {})[phase] = rows
-    first = {pid: ({"phase": "decode", "layer": BAD_FROM_LAYER, "metric": "indexer.mass_recall", "value": 0.71,
-                    "bound": 0.9} if pid == BAD_PATCH else None) for pid in ids}
-    verdict = {"patch": BAD_PATCH, "phase": "decode", "first_layer": BAD_FROM_LAYER, "metric": "indexer.mass_recall",
-               "value": 0.71, "bound": 0.9}
-    ranking = [{"patch": pid, "score": round(1.0 if pid == BAD_PATCH else 0.05 * (i + 1), 3)} for i, pid in enumerate(ids)]
-    ranking.sort(key=lambda r: -r["score"])
-    return {"patches": ids, "matrix": matrix, "first_divergence": first, "ranking": ranking, "verdict": verdict}
+            rows["_yardstick"] = [round(float(x), 4) for x in rng.uniform(0.005, 0.02, n_layers)]
+            phases[phase] = rows
+        matrix[metric] = {"mode": "local", "layers": layers, "phases": phases}
+    bad = {"patch": BAD_PATCH, "phase": "decode", "first_layer": BAD_FROM_LAYER, "metric": "indexer.mass_recall",
+           "check": "indexer-mass-recall", "value": 0.29, "bound": 0.1, "excess": 0.19}
+    first = {pid: ([bad] if pid == BAD_PATCH else []) for pid in ids}
+    verdict = {**bad, "phases": ["decode"], "kind": "single",
+               "summary": f"patch {BAD_PATCH}, decode phase, first at layer {BAD_FROM_LAYER}, indexer.mass_recall 0.29 "
+                          "(bound 0.1)"}
+    return {"scenario": "synthetic", "gate_passed": False, "patches": ids, "matrix": matrix,
+            "first_divergence": first, "ranking": [bad], "interactions": [], "verdict": verdict}

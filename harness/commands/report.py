@@ -15,7 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Reads RUN_DIR (manifest.json, metrics.parquet, findings.json, and gate.json / attribution.json "
                     "when present) and writes one HTML file that opens offline: verdict, run metadata, per-layer "
                     "table, drift-vs-layer charts, layer × position heatmap, indexer recall by position, the "
-                    "context-loss lens, mHC accumulation, the attribution matrix, first crossings and NaN/Inf findings.")
+                    "context-loss lens, mHC accumulation, the attribution matrix, first crossings and NaN/Inf "
+                    "findings.")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory written by `dsv4-drift run`")
     p.add_argument("--out", type=Path, metavar="FILE", help="where to write the page (default: RUN_DIR/report.html)")
     p.set_defaults(func=run)

@@ -1,4 +1,4 @@
-/* dsv4-drift report: draws the page from the JSON payload embedded in <script id="report-data">.
+/* dsv4-drift report: draws the page from the JSON payload embedded in the script element #report-data.
  *
  * No dependencies and no network: charts are hand-written SVG (line charts) and canvas (heatmap).
  * Every string that came from a user (scenario, prompt, variant and patch names, gate/attribution
@@ -6,6 +6,7 @@
  */
 (function () {
   'use strict';
+  var started = performance.now();
 
   // ------------------------------------------------------------------------------------------
   // data
@@ -82,6 +83,7 @@
     if (Number.isNaN(v)) return 'NaN';
     if (!Number.isFinite(v)) return v > 0 ? '+inf' : '-inf';
     if (v === 0) return '0';
+    if (Number.isInteger(v) && Math.abs(v) < 1e9) return String(v);  // counts, positions, sizes: exact
     var a = Math.abs(v);
     if (a >= 1e5 || a < 1e-3) return v.toExponential(2).replace('e+', 'e');
     var p = 3;
@@ -192,15 +194,17 @@
   // ------------------------------------------------------------------------------------------
   // gate bounds and colours
   // ------------------------------------------------------------------------------------------
-  var CHECKS = Array.isArray(get(D.gate, 'checks')) ? D.gate.checks.filter(function (c) { return c && typeof c === 'object'; }) : [];
+  var GATE = D.gate && typeof D.gate === 'object' ? D.gate : null;
+  var CHECKS = GATE && Array.isArray(GATE.rows) ? GATE.rows.filter(function (c) { return c && typeof c === 'object'; }) : [];
   function wild(x) { return x === null || x === undefined || x === '*' || x === 'any' || x === 'both'; }
-  function checkFor(key, variant, phase) {
+  function flatCheckFor(key, variant, phase) {
     var metric = info(key).metric;
     for (var i = 0; i < CHECKS.length; i++) {
       var c = CHECKS[i];
       if (c.metric !== key && c.metric !== metric) continue;
       if (!wild(c.variant) && c.variant !== variant) continue;
       if (!wild(c.phase) && c.phase !== phase) continue;
+      if (boundValue(c.bound, 0) === null && !Array.isArray(c.bound)) continue;
       return c;
     }
     return null;
@@ -215,17 +219,25 @@
     return null;
   }
   var RULE = D.crossing_rule || { factor: 2, floor: 1e-9 };
-  /** How close a value is to its limit: badness / limit, > 1 = beyond the gate bound or 2× yardstick. */
+  /**
+   * How close a value is to its limit (> 1: beyond it). With gate.json: the gate's own verdict at that layer
+   * (its aggregated loss over the binding limit, per check); else a flat check's numeric bound; else
+   * RULE.factor × the yardstick at the same layer.
+   */
   function limitRatio(key, variant, phase, layer, value, mode, agg) {
     if (variant === YARD) return null;
+    var cell = get(GATE, 'cells', key, variant, mode, phase);
+    if (cell && cell.ratio && cell.ratio[layer] !== null && cell.ratio[layer] !== undefined) {
+      return { r: cell.ratio[layer], source: 'gate', check: get(GATE, 'check_names', cell.check[layer]) };
+    }
     var b = badness(key, value);
     if (b === null) return null;
-    var check = checkFor(key, variant, phase);
+    var check = flatCheckFor(key, variant, phase);
     var bound = check ? boundValue(check.bound, layer) : null;
     if (bound !== null) {
       var lb = badness(key, bound);
       if (lb === null) return null;
-      return { r: lb > 0 ? b / lb : (b > 0 ? Infinity : 0), source: 'gate', bound: bound };
+      return { r: lb > 0 ? b / lb : (b > 0 ? Infinity : 0), source: 'bound', bound: bound, check: check.check };
     }
     var ys = series(yardMode(mode), YARD, key, phase, agg);
     var y = ys ? ys[layer] : null;
@@ -269,8 +281,8 @@
     if (v === 0) return '0';
     var a = Math.abs(v);
     if (a >= 1e4 || a < 1e-2) {
-      var e = Math.round(Math.log10(a)), m = v / Math.pow(10, e);
-      return (Math.abs(m - 1) < 1e-9 ? '' : parseFloat(m.toPrecision(2)) + '·') + '1e' + e;
+      var e = Math.floor(Math.log10(a) + 1e-9), m = parseFloat((v / Math.pow(10, e)).toPrecision(2));
+      return (m === 1 ? '' : m === -1 ? '-' : m + '') + (Math.abs(m) === 1 ? '1e' : 'e') + e;
     }
     return String(parseFloat(v.toPrecision(3)));
   }
@@ -296,7 +308,8 @@
     var a = Math.min.apply(null, vals), b = Math.max.apply(null, vals);
     if (upperOne && b <= 1 && b > 1 - 1e-9) b = 1;
     var span = b - a;
-    if (!(span > 0)) { span = Math.abs(a) || 1; a -= span * 0.5; b += span * 0.5; } else { a -= span * 0.06; b += span * (upperOne && b === 1 ? 0.02 : 0.06); }
+    if (!(span > 0) && upperOne && b === 1) { a = 0.9; b = 1.01; }
+    else if (!(span > 0)) { span = Math.abs(a) || 1; a -= span * 0.5; b += span * 0.5; } else { a -= span * 0.06; b += span * (upperOne && b === 1 ? 0.02 : 0.06); }
     var step = niceStep((b - a) / 4), t = [];
     for (var x = Math.ceil(a / step) * step; x <= b + step * 1e-9; x += step) t.push({ v: x, label: tickLabel(Math.abs(x) < step * 1e-9 ? 0 : x) });
     return { f: function (v) { return Number.isFinite(v) ? (v - a) / (b - a) : null; }, ticks: t, log: false };
@@ -333,7 +346,7 @@
     var m = { l: 46, r: 8, t: 8, b: o.kinds ? 30 : 22 };
     var pw = W - m.l - m.r, ph = H - m.t - m.b, n = Math.max(o.n, 1), cw = pw / n;
     var X = function (i) { return m.l + (i + 0.5) * cw; };
-    var wrap = h('div', { class: 'chart' });
+    var wrap = h('div', { class: 'chart' + (o.wide ? ' wide' : '') });
     if (o.title) wrap.appendChild(h('div', { class: 'ctitle', text: o.title }));
     var vis = o.series.filter(function (se) { return se.values && !se.hidden; });
     var all = [];
@@ -446,6 +459,14 @@
     return box;
   }
 
+  function kindLegend() {
+    var box = h('div', { class: 'legend' }, 'layer kind (strip under each x axis): ');
+    [['swa', 'SWA (sliding window)'], ['csa', 'CSA (compressed sparse, indexer)'], ['hca', 'HCA (heavily compressed)']].forEach(function (k) {
+      if (LAYERS.some(function (l) { return l.kind === k[0]; })) box.appendChild(h('span', null, h('span', { class: 'sw', style: { background: KIND_COLOR[k[0]] } }), k[1]));
+    });
+    if (LAYERS.some(function (l) { return l.hash; })) box.appendChild(h('span', null, h('span', { class: 'sw', style: { background: '#6a3d9a', borderRadius: '50%', width: '7px', height: '7px' } }), 'hash-routed MoE'));
+    return box;
+  }
   var hidden = new Set();  // variants hidden in every chart (legend toggles)
   var redrawers = [];
   function toggleVariant(v) { if (hidden.has(v)) hidden.delete(v); else hidden.add(v); redrawers.forEach(function (f) { f(); }); }
@@ -494,26 +515,44 @@
   function section(id, title, render) { SECTIONS.push({ id: id, title: title, render: render }); }
 
   // --- verdict ------------------------------------------------------------------------------
+  /** The variant the page opens on: the attribution's suspect, else the earliest gate failure, else the last variant. */
+  var FOCUS = (function () {
+    var patch = get(D.attribution, 'verdict', 'patch');
+    if (patch) {
+      var names = ['only:' + patch, patch];
+      for (var i = 0; i < names.length; i++) if (OPT.indexOf(names[i]) >= 0) return names[i];
+    }
+    var fails = CHECKS.filter(function (c) { return c.status === 'fail' && OPT.indexOf(c.variant) >= 0; });
+    fails.sort(function (a, b) { return (typeof a.first_failing_layer === 'number' ? a.first_failing_layer : 1e9) - (typeof b.first_failing_layer === 'number' ? b.first_failing_layer : 1e9); });
+    return fails.length ? fails[0].variant : (OPT[OPT.length - 1] || VARIANTS[0]);
+  })();
+  function checkInfo(row) { return get(GATE, 'check_info', row.check) || {}; }
+  function failingRows() { return CHECKS.filter(function (c) { return c.status === 'fail'; }); }
   section('verdict', 'Verdict', function (el) {
-    var gate = D.gate;
-    if (gate && typeof gate === 'object') {
-      var passed = typeof gate.passed === 'boolean' ? gate.passed : (gate.status === 'pass' ? true : gate.status === 'fail' ? false : null);
-      var fails = CHECKS.filter(function (c) { return c.status === 'fail' || c.passed === false; });
+    if (GATE) {
+      var passed = GATE.passed;
+      var fails = failingRows();
       var cls = passed === true ? 'pass' : passed === false ? 'fail' : 'neutral';
-      var head = passed === true ? 'GATE PASSED' : passed === false ? 'GATE FAILED' : 'GATE RESULT (no pass/fail field)';
+      var head = passed === true ? 'GATE PASSED' : passed === false ? 'GATE FAILED' : 'GATE RESULT: ' + plain(GATE.verdict);
+      var counts = GATE.counts;
+      var countText = counts ? plain(counts.pass) + ' of ' + plain(counts.testcases !== undefined ? counts.testcases : counts.checks) + ' check × variant pass' +
+        (counts.fail ? ', ' + counts.fail + ' fail' : '') + (counts.warn ? ', ' + counts.warn + ' warn' : '') + (counts.no_data ? ', ' + counts.no_data + ' without data' : '')
+        : CHECKS.length ? (CHECKS.length - fails.length) + ' of ' + CHECKS.length + ' checks pass' + (fails.length ? ', ' + fails.length + ' fail' : '') : 'no checks listed';
       var box = h('div', { class: 'banner ' + cls, id: 'gate-banner' },
-        h('div', { class: 'headline', text: head + (gate.policy ? ' · policy ' + plain(gate.policy) : '') }),
-        h('div', { text: CHECKS.length ? (CHECKS.length - fails.length) + ' of ' + CHECKS.length + ' checks pass' + (fails.length ? ', ' + fails.length + ' fail' : '') : 'no checks listed' }));
-      if (fails.length) {
-        var ul = h('ul');
+        h('div', { class: 'headline', text: head + (GATE.policy ? ' · policy ' + plain(GATE.policy) : '') }),
+        h('div', { text: countText + (GATE.policy_description ? ' — ' + plain(GATE.policy_description) : '') }));
+      var ul = h('ul');
+      if (Array.isArray(GATE.failures) && GATE.failures.length) {
+        GATE.failures.slice(0, 8).forEach(function (line) { ul.appendChild(h('li', { class: 'mono', text: line })); });
+        if (GATE.failures.length > 8) ul.appendChild(h('li', { text: 'and ' + (GATE.failures.length - 8) + ' more (see First crossings)' }));
+      } else {
         fails.slice(0, 8).forEach(function (c) {
-          ul.appendChild(h('li', null, h('b', { text: plain(c.name || c.metric) }), ' · ' + plain(c.variant) + ' · ' + plain(c.phase) + ': first failing layer ',
-            layerRef(c.first_failing_layer), ', worst ' + plain(c.worst_value) + ' vs bound ' + plain(c.bound)));
+          ul.appendChild(h('li', null, h('b', { text: plain(c.check || c.metric) }), ' · ' + plain(c.variant) + ' · ' + plain(c.phase) + ': first failing layer ',
+            layerRef(c.first_failing_layer), ', worst ' + plain(c.worst_value) + ' vs bound ' + plain(c.bound !== undefined ? c.bound : c.worst_limit)));
         });
         if (fails.length > 8) ul.appendChild(h('li', { text: 'and ' + (fails.length - 8) + ' more (see First crossings)' }));
-        box.appendChild(ul);
       }
-      if (Array.isArray(gate.findings) && gate.findings.length) box.appendChild(h('div', { text: 'gate findings: ' + gate.findings.length + ' (see NaN/Inf findings)' }));
+      if (ul.childNodes.length) box.appendChild(ul);
       el.appendChild(box);
     } else {
       var crossed = (D.crossings || []).filter(function (c) { return c.first_layer !== null && c.first_layer !== undefined; });
@@ -535,10 +574,13 @@
     if (att && typeof att === 'object') {
       var v = att.verdict;
       var sb = h('div', { class: 'banner suspect', id: 'suspect-banner' });
-      if (v && typeof v === 'object') {
-        sb.appendChild(h('div', { class: 'headline' }, 'Top suspect: ', h('span', { class: 'mono', text: plain(v.patch) })));
+      if (v && typeof v === 'object' && v.patch) {
+        sb.appendChild(h('div', { class: 'headline' }, v.kind === 'interaction' ? 'Top suspect (interaction): ' : 'Top suspect: ', h('span', { class: 'mono', text: plain(v.patch) })));
         sb.appendChild(h('div', null, plain(v.phase) + ' phase, first at ', layerRef(v.first_layer),
-          v.metric !== undefined ? ', ' + labelOf(String(v.metric)) + ' ' + plain(v.value) + (v.bound !== undefined ? ' (bound ' + plain(v.bound) + ')' : '') : ''));
+          v.metric !== undefined && v.metric !== null ? ', ' + labelOf(String(v.metric)) + ' ' + plain(v.value) + (v.bound !== undefined && v.bound !== null ? ' (bound ' + plain(v.bound) + ')' : '') : '',
+          v.check ? ' · check ' + plain(v.check) : ''));
+      } else if (v && typeof v === 'object') {
+        sb.appendChild(h('div', { class: 'headline', text: 'Attribution: ' + plain(v.summary || v.kind || 'no suspect') }));
       } else if (v) {
         sb.appendChild(h('div', { class: 'headline', text: 'Attribution: ' + plain(v) }));
       } else {
@@ -559,9 +601,9 @@
     }
     var status = M.status;
     var done = D.layers_with_data || [];
-    if (status && status !== 'complete') {
-      el.appendChild(h('div', { class: 'banner fail' }, h('div', { class: 'headline', text: 'Run ' + plain(status) }),
-        h('div', { text: done.length + ' of ' + NL + ' layers have metrics; the report shows what was finished.' })));
+    if (done.length < NL) {
+      el.appendChild(h('div', { class: 'banner fail', id: 'incomplete-banner' }, h('div', { class: 'headline', text: 'Incomplete run' + (status ? ' (status: ' + plain(status) + ')' : '') }),
+        h('div', { text: done.length + ' of ' + NL + ' layers have metrics; the report shows what was finished (`dsv4-drift run --resume` completes it).' })));
     }
     (D.problems || []).forEach(function (p) { el.appendChild(h('div', { class: 'error-box', text: p })); });
   });
@@ -597,28 +639,30 @@
       ['needles', Object.keys(needles).length ? Object.keys(needles).map(function (k) { var n = needles[k] || {}; return k + ' [' + plain(n.start) + ', ' + plain(n.end) + ') in turn ' + plain(n.turn); }).join('; ') : 'none'],
       ['tokenizer', prompt.tokenizer], ['digest', prompt.digest],
     ])));
-    var vlist = h('ul', { class: 'patch-list' });
+    // every patch once (id, phases, description, options), then each variant as its list of patch ids
+    var patchInfo = new Map();
     (stacks.variants || []).forEach(function (v) {
-      var patches = Array.isArray(v.patches) ? v.patches : [];
-      var li = h('li', null, h('span', { style: { color: colorOf(v.name), fontWeight: 650 }, text: plain(v.name) }), patches.length ? '' : ' — no patches (stock low-precision stack)');
-      if (patches.length) {
-        var ul = h('ul', { class: 'patch-list' });
-        patches.forEach(function (p) {
-          ul.appendChild(h('li', null, h('span', { class: 'mono', text: plain(p.id) }), ' ',
-            (Array.isArray(p.phases) ? p.phases : []).map(function (ph) { return h('span', { class: 'chip phase', text: ph }); }),
-            ' ' + plain(p.description || ''), p.options && Object.keys(p.options).length ? h('span', { class: 'empty', text: ' (' + plain(p.options) + ')' }) : null,
-            p.source && p.source !== 'built-in' ? h('span', { class: 'empty', text: ' from ' + plain(p.source) }) : null));
-        });
-        li.appendChild(ul);
-      }
-      vlist.appendChild(li);
+      (Array.isArray(v.patches) ? v.patches : []).forEach(function (p) { if (p && !patchInfo.has(String(p.id))) patchInfo.set(String(p.id), p); });
+    });
+    var vlist = h('ul', { class: 'patch-list', id: 'variant-list' });
+    (stacks.variants || []).forEach(function (v) {
+      var ids = (Array.isArray(v.patches) ? v.patches : []).map(function (p) { return String(p && p.id); });
+      vlist.appendChild(h('li', null, h('span', { style: { color: colorOf(v.name), fontWeight: 650 }, text: plain(v.name) }),
+        ids.length ? [': ', ids.map(function (id, i) { return [i ? ', ' : '', h('span', { class: 'mono', text: id })]; })] : ' — no patches (stock low-precision stack)'));
+    });
+    var plist = h('ul', { class: 'patch-list', id: 'patch-list' });
+    patchInfo.forEach(function (p, id) {
+      plist.appendChild(h('li', null, h('span', { class: 'mono', style: { fontWeight: 650 }, text: id }), ' ',
+        (Array.isArray(p.phases) ? p.phases : []).map(function (ph) { return h('span', { class: 'chip phase', text: ph }); }),
+        ' ' + plain(p.description || ''), p.options && Object.keys(p.options).length ? h('span', { class: 'empty', text: ' (' + plain(p.options) + ')' }) : null,
+        p.source && p.source !== 'built-in' ? h('span', { class: 'empty', text: ' from ' + plain(p.source) }) : null));
     });
     cards.appendChild(h('div', { class: 'card', style: { gridColumn: 'span 2' } }, h('h3', { text: 'Stacks and variants' }), kv([
       ['reference', plain(get(stacks, 'reference', 'dtype')) + (get(stacks, 'reference', 'parity') && stacks.reference.parity.length ? ' + parity ' + plain(stacks.reference.parity) : ' (pure)')],
       ['yardstick', stacks.yardstick ? 'bf16 re-execution of the reference graph (noise floor)' : 'off'],
       ['engine', plain(stacks.engine)], ['modes', MODES.join(', ')],
       ['measure', 'bins of ' + plain(measure.bin_size) + ' tokens, attention every ' + plain(measure.attn_sample_every) + ', logits every ' + plain(measure.logits_sample_every)],
-    ]), vlist));
+    ]), h('h3', { style: { marginTop: '8px' }, text: 'Variants' }), vlist, patchInfo.size ? [h('h3', { style: { marginTop: '8px' }, text: 'Patches' }), plist] : null));
     cards.appendChild(h('div', { class: 'card' }, h('h3', { text: 'Environment' }), kv([
       ['device', plain(env.device_name) + (env.device ? ' (' + plain(env.device) + ')' : '')],
       ['compute capability', env.compute_capability === null || env.compute_capability === undefined ? '– (not a GPU)' : env.compute_capability],
@@ -694,7 +738,7 @@
     'indexer.boundary_recall', 'mhc.comb_rel_err@attn.hc', 'mhc.comb_rel_err@ffn.hc', 'mhc.comb_rel_err', 'moe.flip_rate',
     'moe.out_rel_l2', 'ctx.earlier_turn_recall', 'ctx.needle_recall', 'streams.amplification'];
   section('layers', 'Per-layer drift', function (el) {
-    var st = { variant: OPT[OPT.length - 1] || VARIANTS[0], mode: 'global', agg: 'mean', phase: 'both', sort: null, asc: false };
+    var st = { variant: FOCUS, mode: 'global', agg: 'mean', phase: 'both', sort: null, asc: false };
     var cols = TABLE_COLUMNS.filter(function (k) { return D.metrics && D.metrics[k]; });
     var host = h('div');
     var controls = h('div', { class: 'controls' });
@@ -757,7 +801,8 @@
           var lr = limitRatio(c.key, st.variant, c.phase, i, v, st.mode, st.agg);
           var cls = (lr ? ratioClass(lr.r) : (Number.isNaN(v) ? 'c-bad3' : '')) + gl + (firstCross[ci] === i ? ' first-cross' : '');
           var title = labelOf(c.key) + ' · ' + c.phase + ' · layer ' + i + ': ' + fmt(v);
-          if (lr && lr.source === 'gate') title += '\ngate bound ' + fmt(lr.bound) + ' (' + fmtRatio(lr.r) + ' of the bound)';
+          if (lr && lr.source === 'gate') title += '\ngate check ' + plain(lr.check) + ': ' + fmtRatio(lr.r) + ' of its limit (' + (lr.r > 1 ? 'fails' : 'passes') + ')';
+          else if (lr && lr.source === 'bound') title += '\ngate bound ' + fmt(lr.bound) + ' (' + fmtRatio(lr.r) + ' of the bound)';
           else if (lr) title += '\nyardstick ' + fmt(lr.yd) + ' (' + fmtRatio(lr.xyd) + ' yardstick)';
           tr.appendChild(h('td', { class: cls, title: title, text: fmt(v) }));
         });
@@ -799,10 +844,10 @@
     var controls = h('div', { class: 'controls' },
       selectBox('mode', MODES, st.mode, function (v) { st.mode = v; draw(); }),
       selectBox('per layer', [{ value: 'mean', label: 'mean over positions' }, { value: 'worst', label: 'worst position / bin' }], st.agg, function (v) { st.agg = v; draw(); }));
-    var leg = h('div'), grid = h('div', { class: 'chart-grid' });
-    el.appendChild(controls); el.appendChild(leg); el.appendChild(grid);
+    var leg = h('div'), grid = h('div', { class: 'chart-grid pairs' });
+    el.appendChild(controls); el.appendChild(kindLegend()); el.appendChild(leg); el.appendChild(grid);
     function draw() {
-      clear(leg).appendChild(variantLegend([{ key: 'k', name: 'layer kind: ', color: 'transparent', toggle: false }]));
+      clear(leg).appendChild(variantLegend());
       clear(grid);
       families.forEach(function (f) {
         var keys = familyKeys(f[0]);
@@ -814,7 +859,7 @@
         PHASES.forEach(function (phase) {
           var ax = layerAxis();
           pair.appendChild(lineChart(Object.assign(ax, {
-            title: phase, series: variantSeries(st.mode, key, phase, st.agg), scale: m.scale, upperOne: m.better === 'higher', height: 190,
+            title: phase, series: variantSeries(st.mode, key, phase, st.agg), scale: m.scale, upperOne: m.better === 'higher', width: 380, height: 210,
           })));
         });
         card.appendChild(pair);
@@ -828,11 +873,11 @@
   // --- heatmap --------------------------------------------------------------------------------
   section('heatmap', 'Layer × position heatmap', function (el) {
     if (!HEAT_KEYS.length || !NB) { el.appendChild(h('p', { class: 'empty', text: 'No per-position metrics in this run.' })); return; }
-    var st = { key: HEAT_KEYS.indexOf('streams.rel_l2') >= 0 ? 'streams.rel_l2' : HEAT_KEYS[0], variant: OPT[OPT.length - 1] || VARIANTS[0], view: 'value' };
+    var st = { key: HEAT_KEYS.indexOf('streams.rel_l2') >= 0 ? 'streams.rel_l2' : HEAT_KEYS[0], variant: FOCUS, view: 'value' };
     el.appendChild(h('p', { class: 'note', text: 'Global mode, one row per layer and one column per position bin (prefill bins, then one column per decode step). Solid dark lines: prefill chunk boundaries; thick line: prefill → decode; dashed orange: turn boundaries. Colour “value”: pale = close to the reference, dark red = far (recall-like metrics are drawn as 1 − value). “× yardstick”: blue = better than the bf16 noise floor, white = equal, red = worse.' }));
     var controls = h('div', { class: 'controls' });
     var bar = h('div', { class: 'colorbar' });
-    var wrap = h('div', { class: 'heat-wrap', id: 'heatmap' });
+    var wrap = h('div', { class: 'heat-wrap', id: 'heatmap-canvas' });
     el.appendChild(controls); el.appendChild(bar); el.appendChild(wrap);
     function rebuild() {
       clear(controls);
@@ -881,8 +926,8 @@
 
       var gutL = 92, gutT = 34, gutB = 26;
       var avail = Math.max((wrap.clientWidth || 1000) - gutL - 20, 240);
-      var cw = Math.max(3, Math.min(28, Math.floor(avail / NB)));
-      var ch = Math.max(9, Math.min(22, Math.floor(560 / Math.max(NL, 1))));
+      var cw = Math.max(3, Math.min(48, Math.floor(avail / NB)));
+      var ch = Math.max(9, Math.min(26, Math.floor(560 / Math.max(NL, 1))));
       var Wd = gutL + NB * cw + 12, Ht = gutT + NL * ch + gutB;
       var dpr = window.devicePixelRatio || 1;
       var cv = document.createElement('canvas');
@@ -968,8 +1013,8 @@
   section('indexer', 'Indexer recall vs position (CSA layers)', function (el) {
     var keys = ['indexer.recall', 'indexer.mass_recall', 'indexer.boundary_recall', 'ctx.earlier_turn_recall', 'ctx.needle_recall'].filter(function (k) { return HEAT_KEYS.indexOf(k) >= 0; });
     if (!keys.length) { el.appendChild(h('p', { class: 'empty', text: 'No indexer metrics in this run (no CSA layers, or not measured).' })); return; }
-    var st = { key: keys[0], variant: OPT[OPT.length - 1] || VARIANTS[0] };
-    el.appendChild(h('p', { class: 'note', text: 'Per position bin, global mode: thin lines are the individual CSA layers (colour = depth, dark shallow → yellow deep), the black line their mean, the dashed grey line the yardstick’s mean. Vertical lines: chunk (dark), decode (thick) and turn (dashed orange) boundaries.' }));
+    var st = { key: keys[0], variant: FOCUS };
+    el.appendChild(h('p', { class: 'note', text: 'Per position bin, global mode: thin lines are the individual CSA layers (colour = depth, dark purple shallow → green deep), the black line their mean, the dashed grey line the yardstick’s mean. Vertical lines: chunk (dark), decode (thick) and turn (dashed orange) boundaries.' }));
     var controls = h('div', { class: 'controls' }), host = h('div', { class: 'chart-card' });
     el.appendChild(controls); el.appendChild(host);
     function draw() {
@@ -990,14 +1035,14 @@
         return out;
       };
       var ser = layers.map(function (i, j) {
-        return { name: 'L' + i, color: ramp(DEPTH, layers.length > 1 ? j / (layers.length - 1) : 0.5), values: grid[i], width: 0.9, opacity: 0.85, markers: false };
+        return { name: 'L' + i, color: ramp(DEPTH, layers.length > 1 ? 0.85 * j / (layers.length - 1) : 0.5), values: grid[i], width: 0.9, opacity: 0.85, markers: false };
       });
       ser.push({ name: 'mean of CSA layers', color: REF_COLOR, values: mean(grid), width: 2.4, markers: false });
       if (st.variant !== YARD && yard.length) ser.push({ name: 'yardstick mean', color: YARD_COLOR, dash: '5 3', values: mean(yard), width: 1.6, markers: false });
       var ax = binAxis();
-      host.appendChild(lineChart(Object.assign(ax, { series: ser, scale: 'linear', upperOne: true, height: 260, width: 1000, tooltipSort: 'asc', tooltipMax: 10, title: labelOf(st.key) + ' · ' + st.variant })));
+      host.appendChild(lineChart(Object.assign(ax, { series: ser, scale: 'linear', upperOne: true, height: 250, width: 1200, wide: true, tooltipSort: 'asc', tooltipMax: 10, title: labelOf(st.key) + ' · ' + st.variant })));
       host.appendChild(legend([
-        { name: 'shallow CSA layer', color: ramp(DEPTH, 0), toggle: false }, { name: 'deep CSA layer', color: ramp(DEPTH, 1), toggle: false },
+        { name: 'shallow CSA layer', color: ramp(DEPTH, 0), toggle: false }, { name: 'deep CSA layer', color: ramp(DEPTH, 0.85), toggle: false },
         { name: 'mean', color: REF_COLOR, toggle: false }, { name: 'yardstick mean', color: YARD_COLOR, dash: true, toggle: false },
         { name: 'turn boundary', color: '#d9480f', dash: true, toggle: false }, { name: 'chunk / decode boundary', color: '#1d2330', toggle: false },
       ]));
@@ -1097,64 +1142,77 @@
   });
 
   // --- attribution ----------------------------------------------------------------------------
-  function patchId(p) { return typeof p === 'string' ? p : p && typeof p === 'object' ? String(p.id || p.name || plain(p)) : plain(p); }
   section('attribution', 'Attribution', function (el) {
     var A = D.attribution;
     if (!A || typeof A !== 'object') { el.appendChild(h('p', { class: 'empty', text: 'No attribution.json in this run directory (`dsv4-drift attribute` writes one: each patch alone and all-but-one, with a patch × layer blame matrix).' })); return; }
     var matrix = A.matrix && typeof A.matrix === 'object' ? A.matrix : {};
     var metrics = Object.keys(matrix);
-    var patches = (Array.isArray(A.patches) ? A.patches : []).map(patchId);
-    metrics.forEach(function (mt) { Object.keys(matrix[mt] || {}).forEach(function (ph) { Object.keys(matrix[mt][ph] || {}).forEach(function (p) { if (patches.indexOf(p) < 0) patches.push(p); }); }); });
-    var st = { metric: metrics[0], phase: null };
-    var v = A.verdict;
-    if (v && typeof v === 'object' && metrics.indexOf(String(v.metric)) >= 0) st.metric = String(v.metric);
+    var patches = Array.isArray(A.patches) ? A.patches.map(String) : [];
+    var v = A.verdict && typeof A.verdict === 'object' ? A.verdict : {};
+    var st = { metric: metrics.indexOf(String(v.metric)) >= 0 ? String(v.metric) : metrics[0], phase: null };
     var first = A.first_divergence && typeof A.first_divergence === 'object' ? A.first_divergence : {};
     var controls = h('div', { class: 'controls' }), host = h('div');
-    el.appendChild(h('p', { class: 'note', text: 'Blame per patch and layer for the chosen metric and phase (darker = more blame; blue = the patch reduces the error). An outlined cell is the patch’s first layer of divergence beyond the gate.' }));
+    el.appendChild(h('p', { class: 'note', text: 'Blame per patch and layer: the drift each patch adds at that layer (mean of its add-one-in and leave-one-out effects on the loss; red = more, blue = the patch reduces it), for the chosen metric and phase. The grey row is the yardstick’s own loss for scale. An outlined cell is the patch’s first layer of divergence beyond the gate in that phase.' }));
     el.appendChild(controls); el.appendChild(host);
     function draw() {
       clear(controls); clear(host);
-      if (!metrics.length) { host.appendChild(h('p', { class: 'empty', text: 'attribution.json has no matrix' })); return; }
-      var phases = Object.keys(matrix[st.metric] || {});
-      if (phases.indexOf(st.phase) < 0) st.phase = v && phases.indexOf(v.phase) >= 0 ? v.phase : phases[0];
-      controls.appendChild(selectBox('metric', metrics.map(function (k) { return { value: k, label: labelOf(k) }; }), st.metric, function (x) { st.metric = x; draw(); }));
-      controls.appendChild(selectBox('phase', phases, st.phase, function (x) { st.phase = x; draw(); }));
-      var rows = get(matrix, st.metric, st.phase) || {};
-      var maxAbs = 0, width = NL;
-      Object.keys(rows).forEach(function (p) { (Array.isArray(rows[p]) ? rows[p] : []).forEach(function (x) { if (finite(x)) maxAbs = Math.max(maxAbs, Math.abs(x)); }); width = Math.max(width, (rows[p] || []).length || 0); });
-      var t = h('table', { class: 'matrix', id: 'attribution-matrix' });
-      var head = h('tr', null, h('th', { class: 'patch', text: 'patch \\ layer' }));
-      var kinds = h('tr', null, h('th', { class: 'patch' }));
-      for (var i = 0; i < width; i++) {
-        head.appendChild(h('th', { class: 'lh', text: i % 5 === 0 ? String(i) : '' }));
-        kinds.appendChild(h('td', { class: 'kind', style: { background: LAYERS[i] ? KIND_COLOR[LAYERS[i].kind] || '#ccc' : '#fff' }, title: LAYERS[i] ? 'L' + i + ' ' + LAYERS[i].kind : null }));
-      }
-      head.appendChild(h('th', { class: 'lh', text: 'max' }));
-      t.appendChild(h('thead', null, head, kinds));
-      var tb = h('tbody');
-      patches.forEach(function (p) {
-        var vals = Array.isArray(rows[p]) ? rows[p] : null;
-        var fd = first[p];
-        var fdLayer = fd && typeof fd === 'object' && (fd.phase === undefined || fd.phase === st.phase) ? fd.layer : null;
-        var tr = h('tr', null, h('th', { class: 'patch', text: p }));
-        var mx = null;
+      if (!metrics.length) { host.appendChild(h('p', { class: 'empty', text: 'attribution.json has no blame matrix' })); }
+      else {
+        var entry = matrix[st.metric] || {};
+        var phases = Object.keys(entry.phases || {});
+        if (phases.indexOf(st.phase) < 0) st.phase = phases.indexOf(v.phase) >= 0 ? v.phase : phases[0];
+        controls.appendChild(selectBox('metric', metrics.map(function (k) { return { value: k, label: labelOf(k) }; }), st.metric, function (x) { st.metric = x; draw(); }));
+        controls.appendChild(selectBox('phase', phases, st.phase, function (x) { st.phase = x; draw(); }));
+        if (entry.mode) controls.appendChild(h('span', { class: 'empty', text: 'measured in ' + plain(entry.mode) + ' mode' }));
+        var rows = get(entry, 'phases', st.phase) || {};
+        var names = patches.filter(function (p) { return rows[p]; });
+        Object.keys(rows).forEach(function (p) { if (names.indexOf(p) < 0 && p.charAt(0) !== '_') names.push(p); });
+        var maxAbs = 0, width = NL;
+        names.forEach(function (p) { rows[p].forEach(function (x) { if (finite(x)) maxAbs = Math.max(maxAbs, Math.abs(x)); }); width = Math.max(width, rows[p].length); });
+        var cellW = Math.max(15, Math.min(44, Math.floor(900 / Math.max(width, 1))));
+        var t = h('table', { class: 'matrix', id: 'attribution-matrix' });
+        var head = h('tr', null, h('th', { class: 'patch', text: 'patch \\ layer' }));
+        var kinds = h('tr', null, h('th', { class: 'patch' }));
         for (var i = 0; i < width; i++) {
-          var x = vals ? vals[i] : null;
-          if (finite(x)) mx = mx === null ? x : Math.max(mx, x);
-          var bg = !vals || x === null || x === undefined ? '#f3f4f6' : !Number.isFinite(x) ? '#111' : maxAbs > 0 ? (x >= 0 ? ramp(SEQ, x / maxAbs) : ramp(DIV, 0.5 + 0.5 * x / maxAbs)) : ramp(SEQ, 0);
-          tr.appendChild(h('td', { class: 'cell' + (fdLayer === i ? ' first' : ''), style: { background: bg }, title: p + ' · layer ' + i + (LAYERS[i] ? ' (' + LAYERS[i].kind + ')' : '') + ': ' + fmt(x) + (fdLayer === i ? '\nfirst divergence beyond the gate' : '') }));
+          head.appendChild(h('th', { class: 'lh', text: i === NL ? 'lg' : (cellW >= 30 || i % 5 === 0) ? String(i) : '' }));
+          kinds.appendChild(h('td', { class: 'kind', style: { background: LAYERS[i] ? KIND_COLOR[LAYERS[i].kind] || '#ccc' : '#fff' }, title: LAYERS[i] ? 'L' + i + ' ' + LAYERS[i].kind : i === NL ? 'final logits' : null }));
         }
-        tr.appendChild(h('td', { style: { paddingLeft: '6px' }, text: fmt(mx) }));
-        tb.appendChild(tr);
-      });
-      t.appendChild(tb);
-      host.appendChild(h('div', { style: { overflowX: 'auto' } }, t));
+        head.appendChild(h('th', { class: 'lh', text: 'max' }));
+        t.appendChild(h('thead', null, head, kinds));
+        var tb = h('tbody');
+        var rowFor = function (label, vals, firstLayer, isRef) {
+          var tr = h('tr', null, h('th', { class: 'patch', style: isRef ? { color: YARD_COLOR, fontWeight: 400 } : null, text: label }));
+          var mx = null;
+          for (var i = 0; i < width; i++) {
+            var x = vals ? vals[i] : null;
+            if (finite(x)) mx = mx === null ? x : Math.max(mx, x);
+            var bg = x === null || x === undefined ? '#f3f4f6' : !Number.isFinite(x) ? '#111' : isRef ? 'rgba(122,132,148,' + (maxAbs > 0 ? Math.min(1, Math.abs(x) / maxAbs) : 0).toFixed(2) + ')'
+              : maxAbs > 0 ? (x >= 0 ? ramp(SEQ, x / maxAbs) : ramp(DIV, 0.5 + 0.5 * x / maxAbs)) : ramp(SEQ, 0);
+            tr.appendChild(h('td', { class: 'cell' + (firstLayer === i ? ' first' : ''), style: { background: bg, width: cellW + 'px', minWidth: cellW + 'px' },
+              title: label + ' · ' + (i === NL ? 'final logits' : 'layer ' + i + (LAYERS[i] ? ' (' + LAYERS[i].kind + ')' : '')) + ': ' + fmt(x) + (firstLayer === i ? '\nfirst divergence beyond the gate' : '') }));
+          }
+          tr.appendChild(h('td', { style: { paddingLeft: '6px' }, text: fmt(mx) }));
+          return tr;
+        };
+        names.forEach(function (p) {
+          var fd = (Array.isArray(first[p]) ? first[p] : []).filter(function (d) { return d && d.phase === st.phase; })[0];
+          tb.appendChild(rowFor(p, rows[p], fd ? fd.first_layer : null, false));
+        });
+        if (rows._yardstick) tb.appendChild(rowFor('yardstick loss', rows._yardstick, null, true));
+        t.appendChild(tb);
+        host.appendChild(h('div', { style: { overflowX: 'auto' } }, t));
+      }
       var two = h('div', { class: 'two-col', style: { marginTop: '12px' } });
-      var ranking = Array.isArray(A.ranking) ? A.ranking : [];
-      two.appendChild(h('div', null, h('h3', { text: 'Ranking' }), objectTable(ranking, ['patch'])));
-      var fdRows = Object.keys(first).map(function (p) { var f = first[p]; return f && typeof f === 'object' ? Object.assign({ patch: p }, f) : { patch: p, layer: null }; });
-      two.appendChild(h('div', null, h('h3', { text: 'First divergence beyond the gate' }), objectTable(fdRows, ['patch', 'phase', 'layer', 'metric', 'value', 'bound'])));
+      two.appendChild(h('div', null, h('h3', { text: 'Ranking (patches whose add-one-in variant fails, earliest first)' }), objectTable(A.ranking, ['patch', 'phase', 'first_layer', 'metric', 'value', 'bound', 'check'])));
+      var fdRows = [];
+      patches.forEach(function (p) {
+        var ds = Array.isArray(first[p]) ? first[p] : [];
+        if (!ds.length) fdRows.push({ patch: p, phase: null, first_layer: null });
+        ds.forEach(function (d) { fdRows.push(Object.assign({ patch: p }, d)); });
+      });
+      two.appendChild(h('div', null, h('h3', { text: 'First divergence beyond the gate, per patch and phase' }), objectTable(fdRows, ['patch', 'phase', 'first_layer', 'metric', 'value', 'bound', 'check'])));
       host.appendChild(two);
+      if (Array.isArray(A.interactions) && A.interactions.length) host.appendChild(h('div', null, h('h3', { text: 'Interactions (pairs of patches)' }), objectTable(A.interactions, ['patch', 'phase', 'first_layer', 'metric', 'value', 'bound'])));
     }
     draw();
   });
@@ -1162,25 +1220,40 @@
   // --- first crossings -----------------------------------------------------------------------
   section('crossings', 'First crossings', function (el) {
     if (CHECKS.length) {
-      el.appendChild(h('p', { class: 'note', text: 'From gate.json: each check’s first failing layer (the first layer where the metric crosses its bound).' }));
-      var sorted = CHECKS.slice().sort(function (a, b) {
-        var fa = a.status === 'fail' ? 0 : 1, fb = b.status === 'fail' ? 0 : 1;
-        if (fa !== fb) return fa - fb;
-        var la = typeof a.first_failing_layer === 'number' ? a.first_failing_layer : 1e9, lb = typeof b.first_failing_layer === 'number' ? b.first_failing_layer : 1e9;
-        return la - lb;
-      });
-      var t = h('table', { class: 'data', id: 'gate-table' });
-      t.appendChild(h('thead', null, h('tr', null, ['status', 'check', 'metric', 'variant', 'phase', 'first failing layer', 'worst value', 'bound'].map(function (c) { return h('th', { class: 'left', text: c }); }))));
-      var tb = h('tbody');
-      sorted.forEach(function (c) {
-        tb.appendChild(h('tr', null, h('td', { class: 'left status-' + (c.status === 'fail' ? 'fail' : 'pass'), text: plain(c.status) }),
-          h('td', { class: 'left', text: plain(c.name) }), h('td', { class: 'left', text: plain(c.metric) }), h('td', { class: 'left', text: plain(c.variant) }),
-          h('td', { class: 'left', text: plain(c.phase) }), h('td', { class: 'left' }, layerRef(c.first_failing_layer)),
-          h('td', { text: plain(c.worst_value) }), h('td', { text: plain(c.bound) })));
-      });
-      t.appendChild(tb);
-      el.appendChild(h('div', { class: 'table-wrap', style: { maxHeight: '480px' } }, t));
-    } else if (D.gate) {
+      el.appendChild(h('p', { class: 'note', text: 'From gate.json: per check, variant and phase, the first layer where the check’s loss crosses its limit (losses are errors, or 1 − x for recall-like metrics, aggregated as the check says), the loss and limit there, and the worst layer.' }));
+      var gst = { onlyFail: failingRows().length > 0 };
+      var gateHost = h('div');
+      el.appendChild(h('div', { class: 'controls' }, checkBox('only failing checks', gst.onlyFail, function (x) { gst.onlyFail = x; drawGate(); })));
+      el.appendChild(gateHost);
+      var drawGate = function () {
+        clear(gateHost);
+        var order = { fail: 0, warn: 1, no_data: 2, skipped: 3, pass: 4 };
+        var rows = CHECKS.filter(function (c) { return !gst.onlyFail || c.status === 'fail' || c.status === 'warn'; }).sort(function (a, b) {
+          var fa = order[a.status] !== undefined ? order[a.status] : 2, fb = order[b.status] !== undefined ? order[b.status] : 2;
+          if (fa !== fb) return fa - fb;
+          var la = typeof a.first_failing_layer === 'number' ? a.first_failing_layer : 1e9, lb = typeof b.first_failing_layer === 'number' ? b.first_failing_layer : 1e9;
+          return la - lb;
+        });
+        var t = h('table', { class: 'data', id: 'gate-table' });
+        t.appendChild(h('thead', null, h('tr', null, ['status', 'check', 'metric', 'variant', 'phase', 'first failing layer', 'loss there', 'limit there', 'worst loss', 'limit', 'at', 'bound'].map(function (c, i) { return h('th', { class: i < 6 || i === 11 ? 'left' : '', text: c }); }))));
+        var tb = h('tbody');
+        rows.forEach(function (c) {
+          var first = c.first_value !== undefined ? plain(c.first_value) : '–';
+          tb.appendChild(h('tr', null, h('td', { class: 'left status-' + (c.status === 'fail' ? 'fail' : c.status === 'pass' ? 'pass' : 'other'), text: plain(c.status) }),
+            h('td', { class: 'left', text: plain(c.check), title: checkInfo(c).description ? plain(checkInfo(c).description) + (checkInfo(c).aggregate ? ' (aggregate: ' + plain(checkInfo(c).aggregate) + ')' : '') : null }), h('td', { class: 'left', text: plain(c.metric) }),
+            h('td', { class: 'left' }, h('span', { style: { color: colorOf(c.variant) }, text: plain(c.variant) })),
+            h('td', { class: 'left', text: plain(c.phase) }), h('td', { class: 'left' }, c.status === 'fail' || typeof c.first_failing_layer === 'number' ? layerRef(c.first_failing_layer) : h('span', { class: 'empty', text: c.reason ? plain(c.reason) : '—' })),
+            h('td', { text: first }), h('td', { text: plain(c.first_limit) }),
+            h('td', { text: plain(c.worst_value) }), h('td', { text: plain(c.worst_limit !== undefined ? c.worst_limit : null) }),
+            h('td', null, typeof c.worst_layer === 'number' ? layerRef(c.worst_layer) : '–'),
+            h('td', { class: 'left', text: checkInfo(c).bound_text ? plain(checkInfo(c).bound_text) : c.bound_text ? plain(c.bound_text) : plain(c.bound) })));
+        });
+        if (!rows.length) tb.appendChild(h('tr', null, h('td', { class: 'left empty', colspan: 12, text: 'no failing checks' })));
+        t.appendChild(tb);
+        gateHost.appendChild(h('div', { class: 'table-wrap', style: { maxHeight: '520px' } }, t));
+      };
+      drawGate();
+    } else if (GATE) {
       el.appendChild(h('p', { class: 'note', text: 'gate.json lists no checks.' }));
     }
     var crossings = D.crossings || [];
@@ -1217,8 +1290,8 @@
       el.appendChild(h('p', { class: 'note', text: 'The first non-finite value each stack produced (later layers of that stack are not trustworthy).' }));
       el.appendChild(objectTable(findings, ['variant', 'mode', 'layer', 'tap', 'field', 'phase', 'position']));
     }
-    var gf = get(D.gate, 'findings');
-    if (Array.isArray(gf) && gf.length) { el.appendChild(h('h3', { text: 'Gate findings' })); el.appendChild(objectTable(gf)); }
+    var gf = get(GATE, 'findings');
+    if (Array.isArray(gf) && gf.length) { el.appendChild(h('h3', { text: 'Non-finite findings in gate.json' })); el.appendChild(objectTable(gf, ['message'])); }
   });
 
   // ------------------------------------------------------------------------------------------
@@ -1245,4 +1318,5 @@
   });
   app.appendChild(h('footer', { text: 'dsv4-drift report · ' + plain(D.format) + ' · ' + (D.rows || 0) + ' metric rows · self-contained: no network access' }));
   document.body.setAttribute('data-rendered', errors.length ? 'with-errors' : 'ok');
+  document.body.setAttribute('data-render-ms', String(Math.round(performance.now() - started)));
 })();

@@ -1,0 +1,262 @@
+"""The HTML report: one self-contained file, written for a real tiny run and for a synthetic 43-layer run,
+with its JSON payload intact and every user-supplied string inert."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness.cli import main
+from harness.report import write_report
+from harness.report_data import CODE_ALPHABET, NONFINITE, build_payload, pack_row
+from harness.report_html import extract_payload
+from harness.report_synthetic import write_synthetic_run
+
+HOSTILE = "<script>document.title='pwned'</script></script><img src=x onerror=alert(1)>&amp;"
+
+MINI_SCENARIO = textwrap.dedent("""\
+    name: report-mini
+    description: "report test <script>document.title='pwned'</script> & </script><b>bold</b>"
+    model: {preset: tiny, seed: 0}
+    prompt:
+      thinking: false
+      messages:
+        - role: system
+          content: "You are a terse assistant. <script>alert(1)</script>"
+        - role: user
+          content: "Remember the code word falcon-42 for later, then say ok."
+          needles: {code: "falcon-42"}
+        - role: assistant
+          content: "ok"
+        - role: user
+          content: "What was the code word?"
+        - role: assistant
+          content: "falcon-42"
+    tokenizer: fallback
+    prefill: {chunk_size: 64}
+    decode: {steps: 2, tokens: continuation}
+    stacks:
+      reference: {dtype: float32}
+      yardstick: true
+      variants:
+        - {name: base, patches: []}
+        - {name: all, patches: all}
+    measure: {local: false, force_decisions: false}
+    probes: {bin_size: 32, attn_sample_every: 4, logits_sample_every: 16}
+    """)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """A real run of the tiny preset (5 layers, every layer kind) on a short two-turn chat with a needle."""
+    root = tmp_path_factory.mktemp("tiny")
+    scenario = root / "report-mini.yaml"
+    scenario.write_text(MINI_SCENARIO)
+    assert main(["run", str(scenario), "--out", str(root / "run"), "--no-report"]) == 0
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory) -> Path:
+    """A 43-layer flash-schedule run with gate.json (the gate's own shape) and attribution.json."""
+    return write_synthetic_run(tmp_path_factory.mktemp("synthetic") / "run", n_prompt=8192, n_decode=16, bin_size=512,
+                               n_single_patch_variants=3, force_decisions=True, nan_variant="all",
+                               scenario_name=HOSTILE, scenario_description=HOSTILE, scenario_text=HOSTILE,
+                               extra_variant=HOSTILE, patch_note=HOSTILE)
+
+
+def assert_self_contained(page: str) -> None:
+    external = re.findall(r"(?i)\b(?:https?|ftp)://|//[a-z0-9.-]+\.[a-z]{2,}/|\bsrc\s*=\s*[\"'][^\"'#]|"
+                          r"\bhref\s*=\s*[\"'][^\"'#]|@import|url\(", page)
+    assert not external, f"the report must not reference anything outside itself, found {external[:5]}"
+
+
+def assert_inert(page: str, hostile: str) -> None:
+    assert hostile not in page, "user text reached the page unescaped"
+    assert "<script>document.title" not in page and "<img src=x" not in page
+    # exactly two script elements: the JSON payload and the page's own script
+    assert page.count("<script") == 2 and page.count("</script>") == 2, "data must not open or close script elements"
+
+
+@pytest.mark.slow
+def test_report_of_a_real_tiny_run(tiny_run: Path) -> None:
+    path = write_report(tiny_run)
+    assert path == tiny_run / "report.html"
+    page = path.read_text()
+    assert page.startswith("<!doctype html>")
+    assert path.stat().st_size < 1_000_000, f"tiny report is {path.stat().st_size} bytes"
+    assert_self_contained(page)
+    payload = extract_payload(page)
+    assert len(payload["layers"]) == 5
+    assert [layer["kind"] for layer in payload["layers"]] == ["swa", "swa", "csa", "hca", "csa"]
+    assert payload["variants"] == ["yardstick", "base", "all"]
+    stream = payload["table"]["global"]["all"]["streams.rel_l2"]["prefill"]["mean"]
+    assert len(stream) == 5 and all(isinstance(v, float) and v > 0 for v in stream)
+    assert payload["logits"]["all"]["prefill"]["logits.kl"]["mean"] > 0
+    assert payload["heat"]["indexer.recall"]["all"][2] is not None, "CSA layer 2 has indexer recall per position"
+    assert payload["heat"]["indexer.recall"]["all"][0] is None, "SWA layer 0 has no indexer"
+    assert payload["gate"] is None and payload["attribution"] is None
+    # the prompt's <script> travels only as escaped JSON and comes back intact
+    assert "<script>alert(1)</script>" in payload["manifest"]["scenario"]["text"]
+    assert_inert(page, "<script>alert(1)</script>")
+    assert "<b>bold</b>" not in page
+
+
+@pytest.mark.slow
+def test_report_reads_the_gates_own_gate_json(tiny_run: Path, tmp_path: Path) -> None:
+    """`dsv4-drift gate` writes gate.json into the run; the page's verdict and colours come from it."""
+    rc = main(["gate", str(tiny_run), "--quiet"])
+    assert rc in (0, 1), f"gate exit code {rc}"
+    payload = extract_payload(write_report(tiny_run, tmp_path / "gated.html").read_text())
+    gate = payload["gate"]
+    assert gate["passed"] is (rc == 0)
+    assert gate["rows"] and {"check", "variant", "phase", "status"} <= set(gate["rows"][0])
+    cells = gate["cells"]["streams.rel_l2"]["all"]["global"]["prefill"]
+    assert len(cells["ratio"]) == 5 and all(r is not None for r in cells["ratio"])
+    assert all(0 <= i < len(gate["check_names"]) for i in cells["check"])
+
+
+def test_report_of_a_synthetic_43_layer_run(synthetic_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "nested" / "report.html"
+    path = write_report(synthetic_run, out)
+    assert path == out and out.is_file()
+    page = out.read_text()
+    assert_self_contained(page)
+    assert_inert(page, HOSTILE)
+    payload = extract_payload(page)
+    assert len(payload["layers"]) == 43
+    assert sum(layer["kind"] == "csa" for layer in payload["layers"]) == 21
+    assert sum(layer["hash"] for layer in payload["layers"]) == 3
+    assert payload["modes"] == ["global", "local", "forced"]
+    assert HOSTILE in payload["variants"], "a hostile variant name survives as data"
+    assert payload["manifest"]["scenario"]["name"] == HOSTILE
+    rel = payload["table"]["global"]["base"]["streams.rel_l2"]
+    assert len(rel["decode"]["mean"]) == 43 and len(rel["prefill"]["worst"]) == 43
+    n_bins = len(payload["bins"]["pos_bin"])
+    assert payload["bins"]["phase"].count("decode") == 16, "one bin per decode step"
+    assert payload["bins"]["phase"].count("prefill") >= 8192 // 512, "512-token bins, split at turn boundaries"
+    recall = payload["heat"]["indexer.recall"]["triton-indexer"]
+    assert len(recall) == 43 and recall[0] is None and len(recall[2][3]) == 2 * n_bins
+    # gate (the gate's own shape), attribution and findings reach the page normalised
+    gate = payload["gate"]
+    assert gate["passed"] is False and gate["failures"]
+    failing = [r for r in gate["rows"] if r["status"] == "fail"]
+    assert failing and all(r["first_failing_layer"] == 4 for r in failing)
+    assert max(r for r in gate["cells"]["attn.tv"]["triton-indexer"]["global"]["decode"]["ratio"] if r) > 1
+    att = payload["attribution"]
+    assert att["verdict"]["patch"] == "triton-indexer"
+    assert len(att["matrix"]["attn.tv"]["phases"]["decode"]["triton-indexer"]) == 43
+    assert payload["findings"][0]["variant"] == "all"
+    crossings = {(c["variant"], c["metric"], c["phase"]): c for c in payload["crossings"]}
+    assert crossings[("triton-indexer", "attn.tv", "decode")]["first_layer"] is not None
+
+
+def test_payload_is_strict_json_and_parses_back(synthetic_run: Path, tmp_path: Path) -> None:
+    page = write_report(synthetic_run, tmp_path / "r.html").read_text()
+    start = page.index('<script type="application/json" id="report-data">')
+    raw = page[start:page.index("</script>", start)].split(">", 1)[1]
+    assert "<" not in raw and ">" not in raw and "&" not in raw, "payload must carry <, >, & as \\u escapes"
+
+    def reject(constant: str) -> None:
+        raise AssertionError(f"non-standard JSON constant {constant} in the payload")
+
+    payload = json.loads(raw, parse_constant=reject)
+    assert payload == extract_payload(page)
+    rebuilt = build_payload(synthetic_run)
+    for key in ("table", "heat", "bins", "crossings", "layers", "variants"):
+        assert payload[key] == json.loads(json.dumps(rebuilt[key])), f"payload[{key!r}] changed on the way"
+
+
+def test_non_finite_values_travel_as_markers(tmp_path: Path) -> None:
+    run = write_synthetic_run(tmp_path / "run", preset="tiny", n_prompt=256, n_decode=2, chunk_size=128, bin_size=64,
+                              n_single_patch_variants=1, gate=False, attribution=False)
+    import pyarrow.parquet as pq
+
+    from harness.store import RunStore
+
+    store = RunStore(run)
+    table = pq.read_table(store.part_path(0)).to_pandas()
+    mask = (table["variant"] == "all") & (table["metric"] == "streams.rel_l2") & (table["mode"] == "global")
+    table.loc[mask, "value"] = [math.nan, math.inf] + [0.5] * (int(mask.sum()) - 2)
+    rows = table.to_dict("records")
+    store.write_layer(0, rows)
+    payload = extract_payload(write_report(run, tmp_path / "r.html").read_text())
+    prefill = payload["table"]["global"]["all"]["streams.rel_l2"]["prefill"]
+    assert prefill["mean"][0] == NONFINITE["nan"] and prefill["mean"][1] != NONFINITE["nan"]
+    assert decode_row(payload["heat"]["streams.rel_l2"]["all"][0], 2) == ["nan", "inf"]
+    assert payload["gate"] is None
+
+
+def decode_row(row: list, n: int) -> list:
+    """Python twin of the page's unpackRow (report.js)."""
+    lo, hi, use_log, codes = row
+    out = []
+    for c in range(n):
+        k = CODE_ALPHABET.index(codes[2 * c]) * 64 + CODE_ALPHABET.index(codes[2 * c + 1])
+        if k == 4095:
+            out.append(None)
+        elif k in (4094, 4093, 4092):
+            out.append({4094: "nan", 4093: "inf", 4092: "-inf"}[k])
+        else:
+            t = k / 4091
+            out.append(math.exp(math.log(lo) + t * (math.log(hi) - math.log(lo))) if use_log else lo + t * (hi - lo))
+    return out
+
+
+def test_packed_heatmap_rows_round_trip_within_a_colour_step() -> None:
+    rng = np.random.default_rng(1)
+    values = rng.lognormal(-6, 1.5, 120)
+    present = np.ones(120, bool)
+    present[[5, 17]] = False
+    row = pack_row(values, present)
+    assert row[2] == 1, "a positive row spanning decades is log-coded"
+    back = decode_row(row, 120)
+    assert back[5] is None and back[17] is None
+    rel = max(abs(b - v) / v for b, v, p in zip(back, values, present) if p)
+    span = math.log(values.max() / values.min())
+    assert rel < span / 4091, f"relative error {rel} above one code step"
+    recall = np.clip(1 - rng.uniform(0, 0.05, 64), 0, 1)
+    back = decode_row(pack_row(recall, np.ones(64, bool)), 64)
+    assert max(abs(b - v) for b, v in zip(back, recall)) < 0.05 / 4091 + 1e-12
+    assert pack_row(values, np.zeros(120, bool)) is None
+
+
+def test_flat_gate_and_unreadable_files_still_render(tmp_path: Path) -> None:
+    run = write_synthetic_run(tmp_path / "run", n_prompt=2048, n_decode=4, bin_size=512, n_single_patch_variants=2,
+                              flat_gate=True)
+    payload = extract_payload(write_report(run).read_text())
+    rows = payload["gate"]["rows"]
+    assert payload["gate"]["passed"] is False and payload["gate"]["cells"] == {}
+    assert any(r["status"] == "fail" and r["first_failing_layer"] == 4 and r["bound"] == 0.05 for r in rows)
+    (run / "attribution.json").write_text("{not json")
+    (run / "gate.json").write_text(json.dumps({"verdict": "pass", "checks": "?", "nonfinite": [{"x": float("nan")}]}))
+    payload = extract_payload(write_report(run).read_text())
+    assert payload["attribution"] is None and any("attribution.json" in p for p in payload["problems"])
+    assert payload["gate"]["passed"] is True and payload["gate"]["rows"] == []
+    assert payload["gate"]["findings"] == [{"x": NONFINITE["nan"]}]
+
+
+def test_report_of_an_unfinished_run(tmp_path: Path) -> None:
+    """A run killed before its first layer still gets a page (metadata, 'not measured' sections)."""
+    run = write_synthetic_run(tmp_path / "run", preset="tiny", n_prompt=256, n_decode=2, chunk_size=128, bin_size=64,
+                              n_single_patch_variants=1, gate=False, attribution=False)
+    for part in (run / "parts").glob("*.parquet"):
+        part.unlink()
+    (run / "metrics.parquet").unlink()
+    payload = extract_payload(write_report(run).read_text())
+    assert payload["rows"] == 0 and payload["table"] == {} and payload["heat"] == {}
+    assert len(payload["layers"]) == 5
+
+
+def test_cli_report_command(synthetic_run: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "cli.html"
+    assert main(["report", str(synthetic_run), "--out", str(out)]) == 0
+    assert out.is_file() and str(out) in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "not a run directory" in capsys.readouterr().err
