@@ -75,6 +75,10 @@ def uniform_int(key: int, numel: int, device: torch.device | str) -> torch.Tenso
     return hash_u32(key, torch.arange(numel, dtype=torch.int64, device=device))
 
 
+RESIDUAL_OUTPUT_PROJECTIONS = ("attn.wo_b.weight", "ffn.shared_experts.w2.weight")
+"""Projections whose output is added to the residual streams (with the routed experts' w2)."""
+
+
 class SyntheticWeights:
     """A `WeightSource` of deterministic synthetic weights for any `ModelConfig`."""
 
@@ -145,7 +149,13 @@ class SyntheticWeights:
             return gain * self._norm_weight(layer, name, shape, device)
         if name == "embed.weight":
             return z()
-        if name in ("head.weight",) or spec.storage in ("fp8_block128", "fp4_mx32") or name.endswith(("wkv.weight", "wgate.weight", "weights_proj.weight", "gate.weight")):
+        if name in RESIDUAL_OUTPUT_PROJECTIONS or (name.startswith("ffn.experts.") and name.endswith(".w2.weight")):
+            # sub-layer outputs are small updates to the residual streams, as in trained models (and GPT-2's
+            # 1/sqrt(2·n_layers) output init): a random block otherwise rewrites the stream every layer and any
+            # perturbation, rounding included, compounds through 43 layers into decorrelation
+            return z() / math.sqrt(shape[1] * 2 * self.config.num_hidden_layers)
+        if name in ("head.weight",) or spec.storage in ("fp8_block128", "fp4_mx32") or name.endswith(
+                ("wkv.weight", "wgate.weight", "weights_proj.weight", "gate.weight")):
             return z() / math.sqrt(shape[1])
         if name == "attn.attn_sink":
             return 1.0 + z()
