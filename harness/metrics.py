@@ -87,9 +87,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(ref > 0, err / ref, torch.where(err > 0, torch.full_like(err, math.inf), torch.zeros_like(err)))
 
 
+def square_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: Σ(a−b)², Σb², Σa·b with the difference formed in fp32 and the sums accumulated in fp64.
+    (The fp32 difference of two fp32/bf16 tensors is within 2^-24 of exact, far below any drift measured.)"""
+    af, bf = a.float().flatten(1), b.float().flatten(1)
+    diff = af - bf
+    return diff.pow(2).sum(1, dtype=torch.float64), bf.pow(2).sum(1, dtype=torch.float64), diff
+
+
 def ratio_metric(name: str, positions: torch.Tensor, a: torch.Tensor, b: torch.Tensor, combine: str) -> MetricValues:
-    err2 = (a - b).flatten(1).pow(2).sum(1)
-    ref2 = b.flatten(1).pow(2).sum(1)
+    err2, ref2, _ = square_sums(a, b)
     return MetricValues(name, positions, RATIO_COMBINE[combine](err2, ref2), err2, ref2, combine)
 
 
@@ -100,15 +107,16 @@ def ratio_metric(name: str, positions: torch.Tensor, a: torch.Tensor, b: torch.T
 
 def compare_streams(pos, ref, var, ctx) -> list[MetricValues]:
     """layer.out: the residual streams [B, n, D]."""
-    a, b = _f64(var["streams"]), _f64(ref["streams"])
-    af, bf = a.flatten(1), b.flatten(1)
-    cos = (af * bf).sum(1) / (af.norm(dim=1) * bf.norm(dim=1)).clamp_min(1e-300)
+    err2, ref2, diff = square_sums(var["streams"], ref["streams"])
+    af, bf = var["streams"].float().flatten(1), ref["streams"].float().flatten(1)
+    var2 = af.pow(2).sum(1, dtype=torch.float64)
+    cos = (af * bf).sum(1, dtype=torch.float64) / (var2 * ref2).sqrt().clamp_min(1e-300)
     return [
-        ratio_metric("streams.rel_l2", pos, a, b, "rel_l2"),
-        ratio_metric("streams.sqnr_db", pos, a, b, "sqnr_db"),
+        MetricValues("streams.rel_l2", pos, combine_rel_l2(err2, ref2), err2, ref2, "rel_l2"),
+        MetricValues("streams.sqnr_db", pos, combine_sqnr_db(err2, ref2), err2, ref2, "sqnr_db"),
         MetricValues("streams.cosine", pos, cos),
-        MetricValues("streams.max_abs", pos, (af - bf).abs().amax(1)),
-        MetricValues("streams.bias", pos, (af - bf).mean(1)),
+        MetricValues("streams.max_abs", pos, diff.abs().amax(1).double()),
+        MetricValues("streams.bias", pos, diff.sum(1, dtype=torch.float64) / diff.shape[1]),
     ]
 
 
@@ -171,27 +179,37 @@ def _membership(rows: torch.Tensor, valid: torch.Tensor, n_rows: int) -> torch.T
     return member.scatter_(1, idx.cpu(), True)[:, :n_rows]
 
 
+def _picked_in(rows: torch.Tensor, valid: torch.Tensor, other: torch.Tensor, other_valid: torch.Tensor) -> torch.Tensor:
+    """[B, k] — is each valid pick of `rows` also a valid pick of `other`? (one dense membership row per query)"""
+    n_rows = _max_id(rows, other) + 1
+    member = _membership(other, other_valid, n_rows)
+    return valid & member.gather(1, rows.long().clamp(0, max(n_rows - 1, 0))) if n_rows else torch.zeros_like(valid)
+
+
 def compare_selected(pos, ref, var, ctx) -> list[MetricValues]:
-    """indexer.selected: recall@k = |S_opt ∩ S_ref|/|S_ref| and flips = |S_ref \\ S_opt| per query."""
-    n_rows = _max_id(ref["row_ids"], var["row_ids"]) + 1
-    s_ref = _membership(ref["row_ids"].cpu(), ref["valid"].cpu(), n_rows)
-    s_opt = _membership(var["row_ids"].cpu(), var["valid"].cpu(), n_rows)
-    n_ref = s_ref.sum(1).double()
-    hit = (s_ref & s_opt).sum(1).double()
-    recall = torch.where(n_ref > 0, hit / n_ref.clamp_min(1), torch.ones_like(n_ref))
-    out = [MetricValues("indexer.recall", pos, recall), MetricValues("indexer.flips", pos, n_ref - hit)]
-    early = row_spans_before_turn(ctx, n_rows, pos)
-    n_early = (s_ref & early).sum(1).double()
+    """indexer.selected: recall@k = |S_opt ∩ S_ref|/|S_ref| and flips = |S_ref \\ S_opt| per query, plus the
+    recall restricted to reference picks in earlier turns and on needles (context-loss lens)."""
+    rows_r, valid_r = ref["row_ids"].cpu(), ref["valid"].cpu()
+    hit = _picked_in(rows_r, valid_r, var["row_ids"].cpu(), var["valid"].cpu())
+    n_ref = valid_r.sum(1).double()
+    n_hit = hit.sum(1).double()
+    recall = torch.where(n_ref > 0, n_hit / n_ref.clamp_min(1), torch.ones_like(n_ref))
+    out = [MetricValues("indexer.recall", pos, recall), MetricValues("indexer.flips", pos, n_ref - n_hit)]
+    start, end = row_span(ctx, rows_r.long().clamp_min(0))
+    early = valid_r & (end <= ctx.turn_start[pos.cpu()][:, None])
+    n_early = early.sum(1).double()
     keep = n_early > 0
     if bool(keep.any()):
-        out.append(MetricValues("ctx.earlier_turn_recall", pos[keep], ((s_ref & s_opt & early).sum(1).double() / n_early)[keep]))
-    needle = row_spans_on_needles(ctx, n_rows)
-    if needle is not None:
-        n_needle = (s_ref & needle[None]).sum(1).double()
+        out.append(MetricValues("ctx.earlier_turn_recall", pos[keep], ((hit & early).sum(1).double() / n_early)[keep]))
+    if ctx.needle_spans:
+        on_needle = torch.zeros_like(valid_r)
+        for s, e in ctx.needle_spans:
+            on_needle |= (start < e) & (end > s)
+        on_needle &= valid_r
+        n_needle = on_needle.sum(1).double()
         keep = n_needle > 0
         if bool(keep.any()):
-            out.append(MetricValues("ctx.needle_recall", pos[keep],
-                                    ((s_ref & s_opt & needle[None]).sum(1).double() / n_needle)[keep]))
+            out.append(MetricValues("ctx.needle_recall", pos[keep], ((hit & on_needle).sum(1).double() / n_needle)[keep]))
     return out
 
 

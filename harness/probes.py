@@ -20,6 +20,8 @@ from harness.metrics import COMPARATORS, CompareContext, MetricValues, compare_i
 DENSE_TAPS = ("attn.out", "moe.out", "attn.hc", "ffn.hc", "attn.lse", "moe.router", "indexer.selected", "layer.out")
 ROW_TAPS = ("compressor.rows", "indexer.rows")
 SAMPLED_TAPS = ("attn.probs", "indexer.scores")
+FINITE_CHECKED_TAPS = ("attn.hc", "attn.lse", "attn.out", "ffn.hc", "moe.router", "moe.out", "layer.out")
+"""Taps checked for NaN/Inf, in data-flow order (none of them carries −inf as a mask value)."""
 
 
 @dataclass
@@ -186,11 +188,17 @@ class ComparingSink:
             self.acc.add(tap, mv)
 
     def _check_finite(self, tap: str, positions: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        """Record the first tap (in emission order: the data flow) where this stack produced NaN/Inf. Taps off
+        the main path are skipped: a non-finite value there reaches attn.out or moe.out in the same layer."""
+        if tap not in FINITE_CHECKED_TAPS:
+            return
         if any(f.variant == self.variant and f.mode == self.mode for f in self.findings):
             return
         for name, v in values.items():
-            if not v.is_floating_point() or name in ("scores",) or (tap == "attn.probs" and name != "probs"):
-                continue  # −inf is a legitimate mask value in indexer scores
+            if not v.is_floating_point():
+                continue
+            if bool(torch.isfinite(v.sum(dtype=torch.float64))):  # one reduction; NaN/Inf anywhere poisons it
+                continue
             bad = ~torch.isfinite(v)
             if bool(bad.any()):
                 first = int(torch.nonzero(bad.flatten(1).any(1) if bad.dim() > 1 else bad).flatten()[0])

@@ -28,6 +28,7 @@ class Overrides:
     device: str | None = None
     patches: str | None = None  # replaces the variants with `base` and one variant with these patches
     patch_modules: tuple[str, ...] = ()
+    local: bool | None = None  # replaces the scenario's measure.local
 
 
 def prompt_digest(ids: list[int]) -> str:
@@ -72,7 +73,8 @@ def build_run_spec(scenario: Scenario, overrides: Overrides, decode_ids: list[in
         needle_spans=[(n.start, n.end) for n in plan.needles.values()], variants=variants,
         chunk_size=scenario.prefill.chunk_size, reference_chunk_size=scenario.prefill.reference_chunk_size,
         reference_dtype=dtype, parity=parity, yardstick=scenario.stacks.yardstick,
-        engine=scenario.stacks.engine.options(), local=scenario.measure.local,
+        engine=scenario.stacks.engine.options(),
+        local=scenario.measure.local if overrides.local is None else overrides.local,
         force_decisions=scenario.measure.force_decisions, bin_size=scenario.probes.bin_size,
         attn_sample_every=scenario.probes.attn_sample_every, logits_sample_every=scenario.probes.logits_sample_every,
         dump_taps=scenario.probes.dump.tap_names(), dump_positions=list(scenario.probes.dump.positions),
@@ -92,7 +94,7 @@ def manifest_for(scenario: Scenario, scenario_text: str, overrides: Overrides, s
         "scenario": {"name": scenario.name, "file": scenario.file, "text": scenario_text,
                      "description": scenario.description},
         "overrides": {"device": overrides.device, "patches": overrides.patches,
-                      "patch_modules": list(overrides.patch_modules)},
+                      "patch_modules": list(overrides.patch_modules), "local": overrides.local},
         "model": {"config": cfg.to_dict(), "weights": spec.source.describe()},
         "prompt": {"n_prompt": spec.n_prompt, "n_decode": len(spec.decode_ids), "digest": prompt_digest(spec.prompt_ids),
                    "decode_ids": spec.decode_ids, "decode_source": plan.decode_source,

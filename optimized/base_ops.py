@@ -70,7 +70,7 @@ def hc_pre(ctx: OpContext, streams: torch.Tensor, site: str) -> tuple[torch.Tens
 
 def hc_post(ctx: OpContext, f: torch.Tensor, streams: torch.Tensor, mix: HCMix) -> torch.Tensor:
     """X' = post·f + Cᵀ·X in fp32, stored bf16 (the residual streams are bf16 between sub-layers)."""
-    mixed = torch.einsum("tjk,tjd->tkd", mix.comb, streams.float())
+    mixed = mix.comb.transpose(-1, -2) @ streams.float()  # Cᵀ X
     return (mix.post.unsqueeze(-1) * f.float().unsqueeze(-2) + mixed).to(torch.bfloat16)
 
 
@@ -116,7 +116,7 @@ def indexer_logits(ctx: OpContext, q: torch.Tensor, weights: torch.Tensor, posit
         k, k_scale = keys.dense(), torch.ones(keys.length, device=q.device)
     else:
         k, k_scale = keys.dense_codes()
-    dots = torch.einsum("bhd,rd->bhr", q8.float(), k)
+    dots = q8.float() @ k.T
     logits = (w.unsqueeze(-1) * torch.relu(dots)).sum(1) * k_scale[None, :]
     hidden = torch.arange(keys.length, device=q.device)[None, :] >= visible_rows(positions, ctx.state.ratio)[:, None]
     return logits.masked_fill(hidden, float("-inf"))
@@ -126,7 +126,10 @@ def indexer_topk(ctx: OpContext, logits: torch.Tensor, positions: torch.Tensor, 
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk (GPU tie order, not stable) over min(k, rows) columns, then re-masked by causal length."""
     k = min(k, logits.shape[-1])
-    row_ids = torch.topk(logits, k, dim=-1).indices
+    if k == logits.shape[-1]:  # every row fits: nothing to select
+        row_ids = torch.arange(k, device=logits.device).expand(logits.shape[0], k)
+    else:
+        row_ids = torch.topk(logits, k, dim=-1).indices
     valid = row_ids < visible_rows(positions, ctx.state.ratio)[:, None]
     return row_ids, valid
 
@@ -166,17 +169,16 @@ def sparse_attention(ctx: OpContext, q: torch.Tensor, window_slots: torch.Tensor
     qb = bf16(q)
 
     def scores(ks: KeySet) -> torch.Tensor:
-        pattern = "bhd,kd->bhk" if ks.keys.dim() == 2 else "bhd,bkd->bhk"
-        return torch.einsum(pattern, qb, ks.keys).masked_fill(~ks.valid[:, None, :], float("-inf"))
+        return (qb @ ks.keys.transpose(-1, -2)).masked_fill_(~ks.valid[:, None, :], float("-inf"))
 
-    logits = torch.cat([scores(ks) for ks in key_sets], -1) * ctx.cfg.head_dim**-0.5
+    logits = torch.cat([scores(ks) for ks in key_sets], -1).mul_(ctx.cfg.head_dim**-0.5)
     m = torch.maximum(logits.amax(-1), sink[None, :])
-    e = torch.exp(logits - m[..., None])
+    e = logits.sub_(m[..., None]).exp_()
     denom = e.sum(-1) + torch.exp(sink[None, :] - m)  # fp32 statistics
     p = bf16(e)  # P rounded to bf16 for the P·V MMA
     acc = torch.zeros_like(qb)
     for ks, part in zip(key_sets, p.split([ks.valid.shape[-1] for ks in key_sets], -1)):
-        acc = acc + torch.einsum("bhk,kd->bhd" if ks.keys.dim() == 2 else "bhk,bkd->bhd", part, ks.keys)
+        acc = acc + part @ ks.keys
     return bf16(acc / denom[..., None]), m + torch.log(denom)
 
 

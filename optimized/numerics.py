@@ -30,10 +30,14 @@ def fp8_activation(x: torch.Tensor) -> torch.Tensor:
 
 class DenseCache:
     """Dequantized fp32 copies of stored weights, made once per layer (the kernels read the stored bits;
-    the emulation multiplies the exactly dequantized values, which is the same arithmetic)."""
+    the emulation multiplies the exactly dequantized values, which is the same arithmetic).
 
-    def __init__(self) -> None:
+    Copies are kept only up to `budget_bytes`: a full-width layer's 768 expert matrices are 25 GB in fp32, so
+    past the budget a tensor is dequantized on every use instead (cheap next to the GEMM that uses it)."""
+
+    def __init__(self, budget_bytes: int = 4 << 30) -> None:
         self._cache: dict[str, torch.Tensor] = {}
+        self.budget_bytes, self.used_bytes = budget_bytes, 0
 
     def get(self, name: str, stored: torch.Tensor | QuantizedTensor | Callable[[], torch.Tensor | QuantizedTensor],
             device: torch.device) -> torch.Tensor:
@@ -44,7 +48,9 @@ class DenseCache:
                 stored = stored()
             t = stored.dequantize(torch.float32) if isinstance(stored, QuantizedTensor) else stored.float()
             t = t.to(device)
-            self._cache[name] = t
+            if self.used_bytes + t.numel() * 4 <= self.budget_bytes:
+                self._cache[name] = t
+                self.used_bytes += t.numel() * 4
         return t
 
 

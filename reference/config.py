@@ -427,8 +427,8 @@ FLASH = ModelConfig(
 
 FLASH_MINI = FLASH.replace(
     name="flash-mini",
-    hidden_size=128,
-    num_attention_heads=4,
+    hidden_size=64,
+    num_attention_heads=2,  # attention cost on 2 CPU cores scales with heads × keys
     head_dim=64,
     qk_rope_head_dim=8,  # r/d = 1/8 as in Flash (64/512)
     q_lora_rank=64,

@@ -113,8 +113,8 @@ class ReferenceModel:
         kept = []
         for layer in range(self.cfg.num_hidden_layers):
             streams = self.run_layer(self.layer(layer), streams, ids, segments)
-            if keep_layer_outputs:
-                kept.append(streams.float().cpu())
+            if keep_layer_outputs:  # in the computation's precision (fp64 stays fp64), bf16 widened to fp32
+                kept.append((streams.float() if streams.dtype == torch.bfloat16 else streams).cpu())
             if progress:
                 progress(layer + 1, self.cfg.num_hidden_layers)
         return ForwardResult(self.logits(streams), kept)

@@ -35,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "(comma list, 'all'; inline options as id:key=value)")
     p.add_argument("--patch-module", action="append", default=[], metavar="FILE_OR_MODULE",
                    help="plugin module with Patch objects (repeatable)")
+    p.add_argument("--local", action=argparse.BooleanOptionalAction, default=None,
+                   help="override the scenario's measure.local (shadow runs of every layer on the reference's input)")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="complete an interrupted run with identical numbers")
     p.add_argument("--no-report", action="store_true", help="do not write report.html")
     p.set_defaults(func=run)
@@ -43,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     out = console(stderr=True)
     if args.resume:
-        if args.scenario or args.patches or args.patch_module:
+        if args.scenario or args.patches or args.patch_module or args.local is not None:
             raise UsageError("--resume takes the scenario and options from the run's manifest; give nothing else")
         store = RunStore(args.resume)
         try:
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         sc = manifest["scenario"]
         scenario = parse_scenario(sc["text"], sc["file"], Path(sc["file"]).parent if sc["file"] != "<string>" else None)
         ov = manifest["overrides"]
-        overrides = Overrides(args.device or ov["device"], ov["patches"], tuple(ov["patch_modules"]))
+        overrides = Overrides(args.device or ov["device"], ov["patches"], tuple(ov["patch_modules"]), ov.get("local"))
         spec, plan = build_run_spec(scenario, overrides, decode_ids=manifest["prompt"]["decode_ids"])
         if prompt_digest(spec.prompt_ids) != manifest["prompt"]["digest"]:
             raise UsageError(f"{args.resume}: the scenario now resolves to a different prompt; cannot resume")
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         path = find_scenario(args.scenario or DEFAULT_SCENARIO)
         scenario = load_scenario(path)
-        overrides = Overrides(args.device, args.patches, tuple(args.patch_module))
+        overrides = Overrides(args.device, args.patches, tuple(args.patch_module), args.local)
         spec, plan = build_run_spec(scenario, overrides)
         store = RunStore(args.out or default_out_dir(scenario))
         try:

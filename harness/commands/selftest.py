@@ -17,7 +17,7 @@ from harness.commands.attribute import attribute
 from harness.selftest_faults import FAULTS, benign_change
 from harness.ui import console
 
-SELFTEST_SCENARIO = "tiny-smoke"
+SELFTEST_SCENARIO = "selftest"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -62,12 +62,20 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
         scale = (stored_scale if stored_scale is not None else 1.0) if opt_scale == "checkpoint" else float(opt_scale)
         return nvfp4_activation(x, scale)
 
+    # the routed input is quantized per token, independent of the expert, so it is quantized once per global
+    # input_scale (experts sharing one scale, e.g. the pinned 1.0, share the result)
+    quantized_input: dict[float | None, torch.Tensor] = {}
+
+    def act_input(stored_scale: float | None, tok: torch.Tensor) -> torch.Tensor:
+        if stored_scale not in quantized_input:
+            quantized_input[stored_scale] = act(y, stored_scale)
+        return quantized_input[stored_scale][tok]
+
     per_slot = torch.zeros(*routing.expert_ids.shape, y.shape[-1], dtype=torch.float32, device=y.device)
     for e in torch.unique(routing.expert_ids).tolist():
         tok, slot = torch.nonzero(routing.expert_ids == e, as_tuple=True)
         (w1, s1), (w3, s3), (w2, s2) = (_nvfp4_weight(ctx, f"ffn.experts.{e}.{p}.weight") for p in ("w1", "w3", "w2"))
-        x = y[tok]
-        h = swiglu_fp32(bf16(act(x, s1) @ w1.T), bf16(act(x, s3) @ w3.T), ctx.cfg.swiglu_limit)
+        h = swiglu_fp32(bf16(act_input(s1, tok) @ w1.T), bf16(act_input(s3, tok) @ w3.T), ctx.cfg.swiglu_limit)
         h = bf16(h * routing.weights[tok, slot, None])
         per_slot[tok, slot] = bf16(act(h, s2) @ w2.T)
     return per_slot.sum(1)

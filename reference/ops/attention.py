@@ -67,20 +67,19 @@ def sparse_attention_with_sink(q: torch.Tensor, key_sets: list[KeySet], sink: to
     over j ∈ J_t = the valid keys of every key set. q [B, H, d]; sink [H]."""
     d = q.shape[-1]
 
-    def scores(ks: KeySet) -> torch.Tensor:
-        pattern = "bhd,kd->bhk" if ks.keys.dim() == 2 else "bhd,bkd->bhk"
-        return torch.einsum(pattern, q, ks.keys).masked_fill(~ks.valid[:, None, :], float("-inf"))
+    def scores(ks: KeySet) -> torch.Tensor:  # q·kv_j for every key of the set: [B, H, K]
+        return (q @ ks.keys.transpose(-1, -2)).masked_fill_(~ks.valid[:, None, :], float("-inf"))
 
-    logits = torch.cat([scores(ks) for ks in key_sets], -1) / d**0.5
+    logits = torch.cat([scores(ks) for ks in key_sets], -1).div_(d**0.5)
     max_logit = logits.amax(-1)
     m = torch.maximum(max_logit, sink[None, :])
-    e = torch.exp(logits - m[..., None])
+    e = logits.sub_(m[..., None]).exp_()  # in place: the logits are not needed again
     e_sink = torch.exp(sink[None, :] - m)
     denom = e.sum(-1) + e_sink
-    probs = e / denom[..., None]
+    probs = e.div_(denom[..., None])
     out = torch.zeros_like(q)
     for ks, p in zip(key_sets, probs.split([ks.valid.shape[-1] for ks in key_sets], -1)):
-        out = out + torch.einsum("bhk,kd->bhd" if ks.keys.dim() == 2 else "bhk,bkd->bhd", p, ks.keys)
+        out = out + p @ ks.keys  # Σ_j p_j kv_j
     return AttentionResult(out, probs, e_sink / denom, m + torch.log(denom), max_logit)
 
 

@@ -15,7 +15,7 @@ from reference.ops.topk import stable_topk_indices
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q [B, n_I, d_I], weights [B, n_I], keys [R, d_I] -> scores [B, R]."""
-    dots = torch.einsum("bhd,rd->bhr", q, keys)
+    dots = q @ keys.T  # qI_h · kI_w: [B, n_I, R]
     return (weights.unsqueeze(-1) * torch.relu(dots)).sum(1)
 
 
@@ -28,8 +28,8 @@ def select_rows(scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk:
     n_rows = scores.shape[-1]
     visible = visible_rows(positions, ratio)  # [B]
     row_ids = torch.arange(n_rows, device=scores.device)
-    masked = scores.masked_fill(row_ids[None, :] >= visible[:, None], float("-inf"))
-    k = min(topk, n_rows)
-    chosen = stable_topk_indices(masked, k)
-    valid = torch.arange(k, device=scores.device)[None, :] < visible[:, None]
-    return chosen, valid
+    if n_rows <= topk:  # at most k rows exist: every visible one is taken, no ranking needed
+        chosen = row_ids.expand(scores.shape[0], n_rows)
+    else:
+        chosen = stable_topk_indices(scores.masked_fill(row_ids[None, :] >= visible[:, None], float("-inf")), topk)
+    return chosen, chosen < visible[:, None]  # ranked first, the −inf (not yet visible) rows come last
