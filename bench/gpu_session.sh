@@ -9,6 +9,8 @@ dd() { python3 -m harness.cli "$@"; }
 for stage in "$@"; do
   echo "=== stage $stage $(date -u +%T)"
   case $stage in
+    gputests)
+      python3 -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_kernels_gpu.py 2>&1 | tail -15 ;;
     smoke)
       nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv
       python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
@@ -34,7 +36,7 @@ PY
       python3 bench/layer_timing.py --model flash --tokens 8192 --decode 4 --device cuda --layers 0 2 3 2>&1 | tail -8
       python3 optimized/kernels/bench_kernels.py 2>&1 | tail -12 ;;
     flash27k)
-      python3 -m harness.cli run flash-27k --device cuda --patches all --out "$OUT/flash27k" --no-report 2>&1 | tail -40
+      python3 -m harness.cli run flash-27k --device cuda --patches none --no-local --out "$OUT/flash27k" --no-report 2>&1 | tail -40
       python3 -c 'import json; m=json.load(open("'"$OUT"'/flash27k/manifest.json")); print("wall", m.get("wall_seconds"), "peak", m.get("peak_device_gib"))' ;;
   esac
 done
