@@ -134,6 +134,10 @@ def first_divergences(gate: GateResult, variant: str, patch: str) -> list[Diverg
             for u, c in found.values()]
 
 
+def _divergence_order(d: Divergence) -> tuple:
+    return (d.first_layer, {"prefill": 0, "decode": 1}.get(d.phase, 2), -d.excess if math.isfinite(d.excess) else -1e308)
+
+
 @dataclass
 class Attribution:
     patches: list[str]
@@ -143,8 +147,10 @@ class Attribution:
     interactions: list[dict[str, Any]] = field(default_factory=list)
 
     def ranking(self) -> list[Divergence]:
-        firsts = [min(d, key=lambda x: (x.first_layer, -x.excess)) for d in self.divergences.values() if d]
-        return sorted(firsts, key=lambda x: (x.first_layer, -x.excess if math.isfinite(x.excess) else -1e308))
+        """Each patch's first divergence — lowest layer, prefill before decode at the same layer (data flows
+        through prefill first), then the larger excess — ranked the same way."""
+        firsts = [min(d, key=_divergence_order) for d in self.divergences.values() if d]
+        return sorted(firsts, key=_divergence_order)
 
     def verdict(self) -> dict[str, Any]:
         ranked = self.ranking()
