@@ -281,7 +281,7 @@ class OptimizedModel:
 
     def forward(self, prompt_ids: Sequence[int], decode_ids: Sequence[int] = (),
                 chunk_size: int | None = DEFAULT_CHUNK_SIZE, keep_layer_outputs: bool = False,
-                progress: Callable[[int, int], None] | None = None) -> ForwardResult:
+                progress: Callable[[int, int], None] | None = None, compute_logits: bool = True) -> ForwardResult:
         ids = torch.tensor(list(prompt_ids) + list(decode_ids), dtype=torch.int64, device=self.device)
         segments = segment_lengths(len(prompt_ids), len(decode_ids), chunk_size)
         streams = self.embed(ids)
@@ -292,4 +292,4 @@ class OptimizedModel:
                 kept.append(streams.float().cpu())
             if progress:
                 progress(layer + 1, self.cfg.num_hidden_layers)
-        return ForwardResult(self.logits(streams), kept)
+        return ForwardResult(self.logits(streams) if compute_logits else None, kept, streams)

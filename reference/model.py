@@ -55,8 +55,9 @@ def segment_lengths(n_prompt: int, n_decode: int, chunk_size: int | None) -> lis
 
 @dataclass
 class ForwardResult:
-    logits: torch.Tensor  # [T, vocab] float32
+    logits: torch.Tensor | None  # [T, vocab] float32 (None when the caller computes them in blocks)
     layer_outputs: list[torch.Tensor] = field(default_factory=list)  # [T, n, D] per layer when requested
+    final_streams: torch.Tensor | None = None  # [T, n, D] after the last layer
 
 
 class ReferenceModel:
@@ -103,9 +104,10 @@ class ReferenceModel:
         return (h @ top.dense("head.weight", self.dtype).T).float()
 
     def forward(self, prompt_ids: Sequence[int], decode_ids: Sequence[int] = (), chunk_size: int | None = None,
-                keep_layer_outputs: bool = False,
-                progress: Callable[[int, int], None] | None = None) -> ForwardResult:
-        """Logits for every prompt position and every teacher-forced decode token."""
+                keep_layer_outputs: bool = False, progress: Callable[[int, int], None] | None = None,
+                compute_logits: bool = True) -> ForwardResult:
+        """Logits for every prompt position and every teacher-forced decode token (or, with compute_logits
+        False, the final streams to compute them from in blocks: [T, vocab] can be many GB)."""
         ensure_no_tf32()
         ids = torch.tensor(list(prompt_ids) + list(decode_ids), dtype=torch.int64, device=self.device)
         segments = segment_lengths(len(prompt_ids), len(decode_ids), chunk_size)
@@ -117,4 +119,4 @@ class ReferenceModel:
                 kept.append((streams.float() if streams.dtype == torch.bfloat16 else streams).cpu())
             if progress:
                 progress(layer + 1, self.cfg.num_hidden_layers)
-        return ForwardResult(self.logits(streams), kept)
+        return ForwardResult(self.logits(streams) if compute_logits else None, kept, streams)

@@ -8,16 +8,17 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from harness.environment import environment_record
 from harness.errors import UsageError
+from harness.safetensors_stream import write_streamed
 from harness.sources import open_weights
 from harness.token_files import read_token_file
 from reference.layer import ParityOptions
 from reference.model import ReferenceModel
 
 PARITY_SWITCHES = {"fp8-kv": "fp8_kv", "indexer-fp4": "indexer_fp4"}
+LOGITS_BLOCK_ROWS = 1024  # logits rows computed and written at a time (1024 × 129,280 fp32 = 0.5 GB)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -103,11 +104,17 @@ def run(args: argparse.Namespace) -> int:
     with Progress(transient=True) as bar:
         task = bar.add_task(label, total=cfg.num_hidden_layers)
         result = model.forward(prompt, decode, chunk_size, keep_layer_outputs=args.dump_layers,
-                               progress=lambda done, total: bar.update(task, completed=done))
+                               progress=lambda done, total: bar.update(task, completed=done), compute_logits=False)
 
-    tensors = {"logits": result.logits.float().contiguous().cpu()}
-    for layer, out in enumerate(result.layer_outputs):
-        tensors[f"layers.{layer}.out"] = out.contiguous()
+    streams, n_total = result.final_streams, len(prompt) + len(decode)
+
+    def logit_blocks():  # LOGITS_BLOCK_ROWS positions at a time: the full table is [T, vocab] fp32
+        for start in range(0, n_total, LOGITS_BLOCK_ROWS):
+            yield model.logits(streams[start : start + LOGITS_BLOCK_ROWS]).float()
+
+    entries = [("logits", torch.float32, (n_total, cfg.vocab_size), logit_blocks)]
+    entries += [(f"layers.{layer}.out", out.dtype, tuple(out.shape), lambda out=out: [out])
+                for layer, out in enumerate(result.layer_outputs)]
     meta = {
         "stack": args.stack,
         "dtype": args.dtype if args.stack == "reference" else ("bfloat16" if args.stack == "yardstick" else "mixed"),
@@ -121,10 +128,10 @@ def run(args: argparse.Namespace) -> int:
         "environment": json.dumps(environment_record(args.device)),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(args.out), metadata=meta)
+    write_streamed(args.out, entries, meta)
     seconds = time.perf_counter() - started
     peak = f", peak device memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if args.device.startswith("cuda") else ""
-    print(f"wrote {args.out}: logits {tuple(tensors['logits'].shape)}"
+    print(f"wrote {args.out}: logits {(n_total, cfg.vocab_size)}"
           + (f" and {len(result.layer_outputs)} layer outputs" if result.layer_outputs else "")
           + f" ({label}, {seconds:.1f} s{peak})")
     return 0

@@ -1,0 +1,124 @@
+"""`dsv4-drift run` end to end: the run directory, resume after a kill, findings, the CLI's exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from harness.cli import main
+from harness.runner import LockstepRunner
+from harness.store import METRICS_SCHEMA, RunStore
+
+CANONICAL_METRICS = {
+    "streams.rel_l2", "streams.cosine", "streams.sqnr_db", "attn.tv", "attn.kl", "attn.js", "attn.out_rel_l2",
+    "attn.lse_delta", "indexer.recall", "indexer.mass_recall", "indexer.boundary_recall", "indexer.flips",
+    "mhc.pre_rel_err", "mhc.post_rel_err", "mhc.comb_rel_err", "mhc.ds_residual", "moe.flip_rate", "moe.weight_l1",
+    "logits.kl", "logits.top1_agree", "ctx.earlier_turn_mass_ref", "ctx.earlier_turn_mass_opt", "ctx.needle_recall",
+}
+"""The canonical metric names the report, the gate and users rely on (issue: Probes and metrics)."""
+
+
+def sorted_metrics(path: Path) -> pd.DataFrame:
+    df = pd.read_parquet(path)
+    keys = [c for c in METRICS_SCHEMA.names if c not in ("value", "max", "count")]
+    return df.sort_values(keys).reset_index(drop=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    assert main(["run", "tiny-smoke", "--out", str(out), "--no-report"]) == 0
+    return out
+
+
+def test_run_directory_holds_manifest_metrics_and_every_canonical_metric(tiny_run):
+    manifest = json.loads((tiny_run / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["wall_seconds"] > 0
+    for key in ("scenario", "model", "prompt", "stacks", "environment", "started", "finished"):
+        assert key in manifest, key
+    env = manifest["environment"]
+    assert env["torch"] and "device_name" in env and "compute_capability" in env
+    assert manifest["model"]["weights"]["seed"] == 0
+    df = pd.read_parquet(tiny_run / "metrics.parquet")
+    assert set(METRICS_SCHEMA.names) <= set(df.columns)
+    layers = manifest["model"]["config"]["num_hidden_layers"]
+    assert set(df["layer"]) == set(range(layers + 1))  # + the final logits row
+    assert CANONICAL_METRICS <= set(df["metric"]), CANONICAL_METRICS - set(df["metric"])
+    for phase in ("prefill", "decode"):
+        assert CANONICAL_METRICS - {"ctx.needle_recall", "indexer.boundary_recall"} <= set(
+            df[df["phase"] == phase]["metric"]), phase
+    # every metric can be read against the yardstick at the same place
+    assert {"yardstick", "base", "all"} <= set(df["variant"])
+
+
+def test_killed_run_resumes_to_identical_metrics(tmp_path, tiny_run):
+    """Issue: a run killed at a random layer and resumed gives the same metrics.parquet as an uninterrupted run."""
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "run", "tiny-smoke", "--out", str(out), "--no-report"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    kill_after = random.Random(1234).randint(1, 4)  # a layer in the middle of the 5-layer model
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "parts" / f"layer-{kill_after - 1:03d}.parquet").exists():
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    store = RunStore(out)
+    done = store.completed_layers()
+    assert done and max(done) < 5 and store.read_manifest()["status"] == "running"
+    assert main(["run", "--resume", str(out), "--no-report"]) == 0
+    pd.testing.assert_frame_equal(sorted_metrics(out / "metrics.parquet"), sorted_metrics(tiny_run / "metrics.parquet"))
+
+
+def test_nan_in_a_stack_is_recorded_with_layer_tap_and_phase_and_the_run_finishes(tmp_path):
+    plugin = tmp_path / "nan_plugin.py"
+    plugin.write_text(
+        "import torch\n"
+        "from optimized.patching import Patch\n"
+        "nan = Patch('nan-at-layer-3', phases=('decode',), description='poisons the MoE output in decode')\n"
+        "@nan.op('experts')\n"
+        "def experts(ctx, y, routing):\n"
+        "    out = ctx.base(y=y, routing=routing)\n"
+        "    return out * float('nan') if ctx.layer == 3 else out\n")
+    out = tmp_path / "nan"
+    assert main(["run", "tiny-smoke", "--out", str(out), "--no-report", "--patches", "nan-at-layer-3",
+                 "--patch-module", str(plugin)]) == 0
+    findings = json.loads((out / "findings.json").read_text())
+    first = [f for f in findings if f["variant"] != "base" and f["mode"] == "global"]
+    assert first and first[0]["layer"] == 3 and first[0]["phase"] == "decode" and first[0]["tap"] == "moe.out"
+    assert RunStore(out).read_manifest()["status"] == "complete"
+
+
+def test_run_cli_input_errors_exit_2(tmp_path, capsys):
+    assert main(["run", "no-such-scenario", "--out", str(tmp_path / "x")]) == 2
+    assert main(["run", "tiny-smoke", "--patches", "no-such-patch", "--out", str(tmp_path / "y")]) == 2
+    assert "no-such-patch" in capsys.readouterr().err
+    assert main(["run", "--resume", str(tmp_path / "missing")]) == 2
+
+
+def test_progress_reports_every_layer(tmp_path):
+    from harness.run_setup import Overrides, build_run_spec
+    from harness.scenario import find_scenario, load_scenario
+
+    spec, _ = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(local=False))
+    events = []
+    store = RunStore(tmp_path / "p")
+    store.create({})
+    LockstepRunner(spec, store, events.append).run()
+    done = [e["layer"] for e in events if e["event"] == "layer_done"]
+    assert done == list(range(spec.source.config.num_hidden_layers)) and events[-1]["event"] == "done"
+    stacks = {(e["stack"], e["mode"]) for e in events if e["event"] == "stack"}
+    assert ("reference", "global") in stacks and ("yardstick", "global") in stacks and ("base", "local") not in stacks
