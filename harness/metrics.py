@@ -220,67 +220,65 @@ def row_span(ctx: CompareContext, rows: torch.Tensor) -> tuple[torch.Tensor, tor
     return start.clamp_min(0), (rows + 1) * m
 
 
-def row_spans_before_turn(ctx: CompareContext, n_rows: int, pos: torch.Tensor) -> torch.Tensor:
-    """[B, n_rows]: the row's tokens all lie before the query's turn began."""
-    _, end = row_span(ctx, torch.arange(n_rows))
-    return end[None, :] <= ctx.turn_start[pos.cpu()][:, None]
+_NO_KEY = torch.iinfo(torch.int64).max
 
 
-def row_spans_on_needles(ctx: CompareContext, n_rows: int) -> torch.Tensor | None:
-    if not ctx.needle_spans:
-        return None
-    start, end = row_span(ctx, torch.arange(n_rows))
-    hit = torch.zeros(n_rows, dtype=torch.bool)
-    for s, e in ctx.needle_spans:
-        hit |= (start < e) & (end > s)
-    return hit
-
-
-def dense_attention(ctx: CompareContext, pos: torch.Tensor, tap: dict[str, torch.Tensor], n_rows: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scatter one side's attention rows into a dense per-query key space: [B, H, W + n_rows] plus the sink [B, H].
-
-    Key index: window key at position p → t − p (0 … W−1); compressed row r → W + r.
-    """
-    probs, sink = _cpu64(tap["probs"]), _cpu64(tap["sink_prob"])
-    B, H, _ = probs.shape
-    W = ctx.window
+def _key_codes(pos: torch.Tensor, tap: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One id per attended key: window key at position p → 2p, compressed row r → 2r+1, invalid → _NO_KEY."""
     wpos, crow = tap["window_pos"].cpu().long(), tap["comp_rows"].cpu().long()
-    p = pos.cpu()[:, None]
-    widx = torch.where(wpos >= 0, p - wpos, W + n_rows)
-    cidx = torch.where(crow >= 0, W + crow, W + n_rows)
-    idx = torch.cat([widx, cidx], 1)[:, None, :].expand(B, H, -1)
-    dense = torch.zeros(B, H, W + n_rows + 1, dtype=torch.float64).scatter_add_(2, idx, probs)
-    return dense[..., : W + n_rows], sink
+    return torch.cat([torch.where(wpos >= 0, 2 * wpos, _NO_KEY), torch.where(crow >= 0, 2 * crow + 1, _NO_KEY)], 1)
 
 
-def key_positions_masks(ctx: CompareContext, pos: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Masks over the dense key space: keys wholly before the query's turn; keys touching a needle."""
-    W = ctx.window
-    p = pos.cpu()[:, None]
-    wkey_pos = p - torch.arange(W)[None, :]  # [B, W]
-    turn_start = ctx.turn_start[pos.cpu()][:, None]
-    early_w = (wkey_pos >= 0) & (wkey_pos < turn_start)
-    early_c = row_spans_before_turn(ctx, n_rows, pos) if n_rows else torch.zeros(pos.numel(), 0, dtype=torch.bool)
-    early = torch.cat([early_w, early_c], 1)
+def key_union(codes_r: torch.Tensor, codes_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The union of both sides' keys per query, compacted: (the compact slot of every ref key, of every variant
+    key, and the key code held by every compact slot). Slots number ≤ Kr + Kv — not the whole window plus every
+    compressed row of the sequence — so a Flash layer's 64 heads stay cheap. Invalid keys share one last slot."""
+    both = torch.cat([codes_r, codes_v], 1)
+    ordered, order = both.sort(1)
+    fresh = torch.ones_like(ordered, dtype=torch.bool)
+    fresh[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    slot = fresh.long().cumsum(1) - 1
+    spill = both.shape[1]
+    slot = torch.where(ordered == _NO_KEY, spill, slot)
+    compact = torch.empty_like(slot).scatter_(1, order, slot)
+    codes = torch.full((both.shape[0], spill + 1), _NO_KEY, dtype=torch.long).scatter_(1, slot, ordered)
+    return compact[:, : codes_r.shape[1]], compact[:, codes_r.shape[1]:], codes[:, :spill]
+
+
+def _scatter_probs(tap: dict[str, torch.Tensor], slots: torch.Tensor, n_slots: int) -> torch.Tensor:
+    probs = _cpu64(tap["probs"])
+    B, H, _ = probs.shape
+    out = torch.zeros(B, H, n_slots + 1, dtype=torch.float64)
+    return out.scatter_add_(2, slots[:, None, :].expand(B, H, -1), probs)[..., :n_slots]
+
+
+def key_masks(ctx: CompareContext, pos: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per compact key: lies wholly before the query's turn; touches a needle."""
+    valid = codes != _NO_KEY
+    window = valid & (codes % 2 == 0)
+    index = torch.where(valid, codes // 2, 0)
+    start, end = row_span(ctx, index) if ctx.ratio else (index, index + 1)
+    start = torch.where(window, index, start)
+    end = torch.where(window, index + 1, end)
+    early = valid & (end <= ctx.turn_start[pos.cpu()][:, None])
     if not ctx.needle_spans:
         return early, None
-    needle_w = torch.zeros_like(early_w)
+    needle = torch.zeros_like(valid)
     for s, e in ctx.needle_spans:
-        needle_w |= (wkey_pos >= s) & (wkey_pos < e)
-    needle_c = row_spans_on_needles(ctx, n_rows)[None].expand(pos.numel(), -1) if n_rows else early_c
-    return early, torch.cat([needle_w, needle_c], 1)
+        needle |= valid & (start < e) & (end > s)
+    return early, needle
 
 
 def compare_attention(pos, ref, var, ctx) -> list[MetricValues]:
     """attn.probs at sampled queries: distance between the two attention distributions over the union of
     their keys plus the sink (TV, KL(ref‖opt), JS; mean over heads), indexer mass recall, and the
     context-loss lens (mass on earlier turns and on needles)."""
-    n_rows = _max_id(ref["comp_rows"], var["comp_rows"]) + 1
-    pr, sr = dense_attention(ctx, pos, ref, n_rows)
-    pv, sv = dense_attention(ctx, pos, var, n_rows)
-    P = torch.cat([pr, sr[..., None]], -1)
-    Q = torch.cat([pv, sv[..., None]], -1)
+    codes_r, codes_v = _key_codes(pos, ref), _key_codes(pos, var)
+    slots_r, slots_v, codes = key_union(codes_r, codes_v)
+    n_slots = codes.shape[1]
+    pr, pv = _scatter_probs(ref, slots_r, n_slots), _scatter_probs(var, slots_v, n_slots)
+    P = torch.cat([pr, _cpu64(ref["sink_prob"])[..., None]], -1)
+    Q = torch.cat([pv, _cpu64(var["sink_prob"])[..., None]], -1)
     tv = 0.5 * (P - Q).abs().sum(-1)
     kl = (P * (torch.log(P.clamp_min(KL_FLOOR)) - torch.log(Q.clamp_min(KL_FLOOR)))).sum(-1)
     M = 0.5 * (P + Q)
@@ -294,25 +292,27 @@ def compare_attention(pos, ref, var, ctx) -> list[MetricValues]:
            MetricValues("attn.js", pos, js.mean(-1)),
            MetricValues("attn.max_logit_delta", pos, (_cpu64(var["max_logit"]) - _cpu64(ref["max_logit"])).abs().mean(-1))]
 
-    W = ctx.window
-    if ctx.layer_kind == "csa" and n_rows:
-        ref_sel = _membership(ref["comp_rows"].cpu(), ref["comp_rows"].cpu() >= 0, n_rows)
-        opt_sel = _membership(var["comp_rows"].cpu(), var["comp_rows"].cpu() >= 0, n_rows)
-        mass = pr[..., W:].mean(1)  # reference attention mass per compressed row, mean over heads
-        on_ref = (mass * ref_sel).sum(1)
+    compressed = (codes != _NO_KEY) & (codes % 2 == 1)
+    if ctx.layer_kind == "csa" and bool(compressed.any()):
+        in_ref = torch.zeros(codes.shape[0], n_slots + 1, dtype=torch.bool).scatter_(
+            1, slots_r, codes_r != _NO_KEY)[:, :n_slots] & compressed
+        in_var = torch.zeros(codes.shape[0], n_slots + 1, dtype=torch.bool).scatter_(
+            1, slots_v, codes_v != _NO_KEY)[:, :n_slots] & compressed
+        mass = pr.mean(1)  # reference attention mass per key, mean over heads
+        on_ref = (mass * in_ref).sum(1)
         keep = on_ref > 0
         if bool(keep.any()):
-            out.append(MetricValues("indexer.mass_recall", pos[keep], ((mass * (ref_sel & opt_sel)).sum(1) / on_ref)[keep]))
+            out.append(MetricValues("indexer.mass_recall", pos[keep], ((mass * (in_ref & in_var)).sum(1) / on_ref)[keep]))
 
-    early, needle = key_positions_masks(ctx, pos, n_rows)
-    has_early = early.any(1)
+    early, needle = key_masks(ctx, pos, codes)
+    has_early = ctx.turn_start[pos.cpu()] > 0  # queries in a later turn: earlier turns exist to attend to
     if bool(has_early.any()):
         m_ref = (pr * early[:, None, :]).sum(-1).mean(-1)
         m_opt = (pv * early[:, None, :]).sum(-1).mean(-1)
         out += [MetricValues("ctx.earlier_turn_mass_ref", pos[has_early], m_ref[has_early]),
                 MetricValues("ctx.earlier_turn_mass_opt", pos[has_early], m_opt[has_early])]
     if needle is not None:
-        has_needle = needle.any(1)
+        has_needle = torch.tensor([any(e <= int(t) for _, e in ctx.needle_spans) for t in pos.cpu()])  # needle in the past
         if bool(has_needle.any()):
             n_ref = (pr * needle[:, None, :]).sum(-1).mean(-1)
             n_opt = (pv * needle[:, None, :]).sum(-1).mean(-1)
