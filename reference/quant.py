@@ -82,10 +82,21 @@ _E2M1_UPPER = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIES_UP = (0.75, 1.75, 3.5)  # midpoints whose upper neighbour has the even code
 
 
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _table(name: str, values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A small constant table on `device`, made once (a host-to-device copy per call would stall a GPU)."""
+    key = (name, torch.device(device))
+    if key not in _TABLES:
+        _TABLES[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return _TABLES[key]
+
+
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> 4-bit e2m1 code (uint8 in [0, 15]), RNE, saturating at ±6."""
     mag = x.float().abs()
-    upper = torch.tensor(_E2M1_UPPER, device=x.device)
+    upper = _table("e2m1_upper", _E2M1_UPPER, x.device)
     code = torch.bucketize(mag, upper, right=False)  # decision points strictly below mag (ties round down)
     tie_up = (mag == _E2M1_TIES_UP[0]) | (mag == _E2M1_TIES_UP[1]) | (mag == _E2M1_TIES_UP[2])
     code = (code + tie_up.to(code.dtype)).to(torch.uint8)
@@ -95,7 +106,7 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
     """4-bit e2m1 code (uint8) -> fp32."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=code.device)
+    table = _table("e2m1_values", E2M1_VALUES, code.device)
     mag = table[(code & 7).long()]
     return torch.where((code & 8) != 0, -mag, mag)
 
