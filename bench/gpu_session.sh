@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device machine: python3 with torch/triton preinstalled, no install step).
-# Usage: bash bench/gpu_session.sh STAGE...   stages: smoke, forward, bench, flash27k
+# Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, flash27k
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -36,7 +36,14 @@ PY
       python3 bench/layer_timing.py --model flash --tokens 8192 --decode 4 --device cuda --layers 0 2 3 2>&1 | tail -8
       python3 optimized/kernels/bench_kernels.py 2>&1 | tail -12 ;;
     flash27k)
-      python3 -m harness.cli run flash-27k --device cuda --patches none --no-local --out "$OUT/flash27k" --no-report 2>&1 | tail -40
-      python3 -c 'import json; m=json.load(open("'"$OUT"'/flash27k/manifest.json")); print("wall", m.get("wall_seconds"), "peak", m.get("peak_device_gib"))' ;;
+      # Resumable across calls while the machine stays warm: the run lives in /tmp/flash27k, each call runs at most
+      # RUN_LIMIT seconds, and the measured files come back under $OUT/flash27k (report and gate run off-device).
+      # PATCHES (default none: reference, yardstick, base) picks the variants: base plus one with these patches.
+      P=${PATCHES:-none}; D=/tmp/flash27k-$P
+      if [ -f $D/manifest.json ]; then args=(run --resume $D); else
+        args=(run flash-27k --device cuda --patches "$P" --no-local --out $D); fi
+      timeout "${RUN_LIMIT:-540}" python3 -m harness.cli "${args[@]}" --no-report 2>&1 | grep -v "^\s*$" | tail -70
+      mkdir -p "$OUT/flash27k-$P" && cp $D/manifest.json $D/findings.json $D/metrics.parquet "$OUT/flash27k-$P/" 2>/dev/null
+      python3 -c 'import json, sys; m=json.load(open(sys.argv[1])); print("status", m.get("status"), "wall", m.get("wall_seconds"), "peaks", m.get("peak_device_gib"), m.get("peak_host_rss_gib"), "segments", m.get("segments"))' $D/manifest.json ;;
   esac
 done

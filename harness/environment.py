@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import platform
+import re
 from importlib import metadata
+from pathlib import Path
 
 import torch
 
@@ -15,11 +17,25 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _project_version() -> str | None:
+    """The installed distribution's version, or — run from a source tree without installing (PYTHONPATH, as on
+    the GPU machine) — the version in the tree's pyproject.toml, marked as such."""
+    installed = _version("dsv4-drift")
+    if installed:
+        return installed
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    if pyproject.is_file():
+        match = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.MULTILINE)
+        if match:
+            return f"{match.group(1)} (source tree)"
+    return None
+
+
 def environment_record(device: str | torch.device = "cpu") -> dict[str, object]:
     """Recorded in every manifest and output file: results are only comparable with this context."""
     dev = torch.device(device)
     record: dict[str, object] = {
-        "dsv4_drift": _version("dsv4-drift"),
+        "dsv4_drift": _project_version(),
         "torch": torch.__version__,
         "triton": _version("triton"),
         "python": platform.python_version(),

@@ -24,13 +24,13 @@ import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
 from harness.errors import UsageError
-from harness.gate_policy import YARDSTICK, Check, Policy, config_names
+from harness.gate_policy import PICK_SHARE, PICK_SHARE_METRICS, YARDSTICK, Check, Policy, config_names
 
 REL_TOL = 1e-9
 UNIT_KEYS = ["variant", "mode", "tap", "layer", "phase"]
@@ -390,9 +390,13 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
     rule = check.rule
     names = config_names(run.config)
     floor_expr = policy.floor_of(check)
-    floor = floor_expr.evaluate(names, policy.file) if floor_expr is not None else None
+    per_unit_floor = floor_expr is not None and PICK_SHARE in floor_expr.names()
+    if per_unit_floor and check.rule.pick_share is None:
+        raise UsageError(f"{policy.file}:{check.line}: {check.path}.floor: `{PICK_SHARE}` is defined only for recalls "
+                         f"over a subset of the picks ({', '.join(sorted(PICK_SHARE_METRICS))}), not {check.metric}")
+    floor = floor_expr.evaluate(names, policy.file) if floor_expr is not None and not per_unit_floor else None
     kind = check.bound.kind if check.bound else None
-    if kind in ("yardstick", "base") and floor is None:
+    if kind in ("yardstick", "base") and floor_expr is None:
         raise UsageError(f"{policy.file}:{check.line}: {check.path}.floor: {check.metric} has no built-in rounding "
                          "floor (its unit depends on the tensor's magnitude); give `floor:` for a relative bound")
     factor = check.bound.value.evaluate(names, policy.file) if check.bound else None
@@ -417,6 +421,7 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
     wanted = set(variants) | {YARDSTICK, policy.base_variant}
     rows = loss_columns(rows[rows["variant"].isin(wanted)], rule.direction)
     agg = aggregate_units(rows, check.aggregate, rule.direction)
+    shares = _pick_shares(run, check, layers) if per_unit_floor else None
     ref_keys = ["mode", "tap", "layer", "phase"]
     ref_values: dict[str, dict[tuple, float]] = {}
     for ref in (YARDSTICK, policy.base_variant):
@@ -434,7 +439,14 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
         for key, value in part.items():
             unit = dict(zip(UNIT_KEYS, key))
             ref_key = tuple(unit[k] for k in ref_keys)
-            units.append(_evaluate_unit(check, unit, float(value), kind, factor, floor, slack, baseline,
+            unit_floor = floor
+            if shares is not None:
+                if key not in shares.index:
+                    raise UsageError(f"{run.dir}: no {rule.pick_share} rows for {variant} at layer {unit['layer']} "
+                                     f"{unit['phase']}: the run predates that metric, which the floor of check "
+                                     f"{check.name!r} reads; rerun it")
+                unit_floor = floor_expr.evaluate({**names, PICK_SHARE: float(shares[key])}, policy.file)
+            units.append(_evaluate_unit(check, unit, float(value), kind, factor, unit_floor, slack, baseline,
                                         ref_values[YARDSTICK].get(ref_key),
                                         ref_values[policy.base_variant].get(ref_key)))
         units.sort(key=_unit_order)
@@ -445,6 +457,16 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
         status = ("warn" if check.severity == "warn" else "fail") if failed else "pass"
         results.append(VariantResult(variant, status, units))
     return CheckResult(check, results, factor, floor, slack)
+
+
+def _pick_shares(run: RunData, check: Check, layers: Sequence[int]) -> pd.Series:
+    """Per unit, the count-weighted mean of the metric's pick share 1/|subset| over the unit's queries: the
+    recall loss of one pick lost at every query, the subset-recall analogue of 1/k for indexer.recall."""
+    m = run.rows_of(check.rule.pick_share)
+    m = m[m["tap"].isin(check.taps) & m["mode"].isin(check.modes) & m["phase"].isin(check.phases)
+          & m["layer"].isin(layers)]
+    weighted = (m["value"] * m["count"]).groupby([m[k] for k in UNIT_KEYS], sort=False).sum()
+    return weighted / m.groupby(UNIT_KEYS, sort=False)["count"].sum()
 
 
 def _evaluate_unit(check: Check, unit: dict, value: float, kind: str | None, factor: float | None,

@@ -9,7 +9,7 @@ first layer where a check fails (harness.gate_eval).
     description: "…"               [""]
     base_variant: base             [base] the variant `base:` bounds are relative to (the stock engine)
     floors:                        [{}] metric -> rounding floor, overriding the metric's built-in floor
-      streams.rel_l2: 2**-8
+      streams.rel_l2: 2**-8        expressions over the config's numeric fields; subset recalls also `pick_share`
     defaults:                      [{}] any of layers, phases, modes, variants, aggregate, severity, baseline
       modes: [global]
     checks:                        required, a non-empty list
@@ -87,6 +87,9 @@ class MetricRule:
     direction: str
     floor: str | None
     order: int = 1
+    pick_share: str | None = None
+    """For a recall over a subset of the reference's picks: the metric holding each query's 1/|subset|, which a
+    floor expression reads as `pick_share` (the unit's count-weighted mean: one lost pick per query)."""
 
     @property
     def gateable(self) -> bool:
@@ -127,8 +130,13 @@ METRICS: dict[str, MetricRule] = {
     "indexer.flips": MetricRule(("indexer.selected",), "upper", "1"),
     "indexer.mass_recall": MetricRule(("attn.probs",), "lower", "1/index_topk"),
     "indexer.boundary_recall": MetricRule(("indexer.scores",), "lower", "1/index_topk"),
-    "ctx.earlier_turn_recall": MetricRule(("indexer.selected",), "lower", "1/index_topk"),
-    "ctx.needle_recall": MetricRule(("indexer.selected",), "lower", "1/index_topk"),
+    # recalls over a subset of the picks (earlier turns, needles): one pick is 1/|subset| of a query's recall,
+    # often far more than 1/k (a needle may hold 3 of a query's 512 picks), so the floor is one pick per query
+    "ctx.earlier_turn_recall": MetricRule(("indexer.selected",), "lower", "pick_share",
+                                          pick_share="ctx.earlier_turn_pick_share"),
+    "ctx.needle_recall": MetricRule(("indexer.selected",), "lower", "pick_share", pick_share="ctx.needle_pick_share"),
+    "ctx.earlier_turn_pick_share": MetricRule(("indexer.selected",), "descriptive", None),
+    "ctx.needle_pick_share": MetricRule(("indexer.selected",), "descriptive", None),
     "moe.flip_rate": MetricRule(("moe.router",), "upper", "1/num_experts_per_tok"),
     # routing weights sum to routed_scaling_factor; bf16 weights move the sum's L1 by ≤ u·Σw
     "moe.weight_l1": MetricRule(("moe.router",), "upper", "2**-8 * routed_scaling_factor"),
@@ -170,12 +178,20 @@ class Expr:
     line: int = 0
     path: str = ""
 
+    def names(self) -> set[str]:
+        """The names the expression reads (a syntax error surfaces in evaluate, with its location)."""
+        try:
+            return {n.id for n in ast.walk(ast.parse(self.text, mode="eval")) if isinstance(n, ast.Name)}
+        except SyntaxError:
+            return set()
+
     def evaluate(self, names: Mapping[str, float], file: str = "") -> float:
         try:
             value = float(_eval(ast.parse(self.text, mode="eval").body, names))
         except KeyError as e:
             raise UsageError(f"{file}:{self.line}: {self.path}: {self.text!r} names {e.args[0]!r}, which is not a "
-                             f"numeric field of this run's model config (known: {', '.join(sorted(names))})") from None
+                             f"numeric field of this run's model config or a floor variable (known: "
+                             f"{', '.join(sorted(names))})") from None
         except (ZeroDivisionError, OverflowError, ValueError) as e:
             raise UsageError(f"{file}:{self.line}: {self.path}: cannot evaluate {self.text!r}: {e}") from None
         if not math.isfinite(value) or value < 0:
@@ -608,6 +624,11 @@ class _PolicyReader:
             return None
         expr = self.expr(fields[kinds[0]], f"{path}.{kinds[0]}")
         return Bound(kinds[0], expr) if expr is not None else None
+
+
+PICK_SHARE = "pick_share"
+"""Floor variable: the unit's mean of 1/|subset| for a subset recall (MetricRule.pick_share)."""
+PICK_SHARE_METRICS = frozenset(m for m, rule in METRICS.items() if rule.pick_share)
 
 
 def config_names(config: Mapping[str, Any]) -> dict[str, float]:

@@ -9,7 +9,7 @@ Canonical names (README, metrics glossary): streams.{rel_l2,cosine,sqnr_db,max_a
 attn.{tv,kl,js,out_rel_l2,lse_delta,max_logit_delta}, indexer.{recall,mass_recall,boundary_recall,flips},
 mhc.{pre_rel_err,post_rel_err,comb_rel_err,ds_residual}, moe.{flip_rate,weight_l1,out_rel_l2},
 logits.{kl,top1_agree,top1_flip_strict}, ctx.{earlier_turn_mass_ref,earlier_turn_mass_opt,needle_mass_ref,
-needle_mass_opt,earlier_turn_recall,needle_recall}, compressor.rows_rel_l2, indexer.rows_rel_l2.
+needle_mass_opt,earlier_turn_recall,needle_recall,earlier_turn_pick_share,needle_pick_share}, compressor.rows_rel_l2, indexer.rows_rel_l2.
 """
 
 from __future__ import annotations
@@ -195,7 +195,8 @@ def _picked_in(rows: torch.Tensor, valid: torch.Tensor, other: torch.Tensor, oth
 
 def compare_selected(pos, ref, var, ctx) -> list[MetricValues]:
     """indexer.selected: recall@k = |S_opt ∩ S_ref|/|S_ref| and flips = |S_ref \\ S_opt| per query, plus the
-    recall restricted to reference picks in earlier turns and on needles (context-loss lens)."""
+    recall restricted to reference picks in earlier turns and on needles (context-loss lens), each with its
+    pick share 1/|subset|: what one lost pick costs that query's subset recall (the gate's rounding floor)."""
     rows_r, valid_r = ref["row_ids"].cpu(), ref["valid"].cpu()
     hit = _picked_in(rows_r, valid_r, var["row_ids"].cpu(), var["valid"].cpu())
     n_ref = valid_r.sum(1).double()
@@ -208,6 +209,7 @@ def compare_selected(pos, ref, var, ctx) -> list[MetricValues]:
     keep = n_early > 0
     if bool(keep.any()):
         out.append(MetricValues("ctx.earlier_turn_recall", pos[keep], ((hit & early).sum(1).double() / n_early)[keep]))
+        out.append(MetricValues("ctx.earlier_turn_pick_share", pos[keep], (1 / n_early)[keep]))
     if ctx.needle_spans:
         on_needle = torch.zeros_like(valid_r)
         for s, e in ctx.needle_spans:
@@ -217,6 +219,7 @@ def compare_selected(pos, ref, var, ctx) -> list[MetricValues]:
         keep = n_needle > 0
         if bool(keep.any()):
             out.append(MetricValues("ctx.needle_recall", pos[keep], ((hit & on_needle).sum(1).double() / n_needle)[keep]))
+            out.append(MetricValues("ctx.needle_pick_share", pos[keep], (1 / n_needle)[keep]))
     return out
 
 

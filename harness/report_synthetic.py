@@ -32,7 +32,8 @@ PATCHES = [
 BAD_PATCH = "triton-indexer"
 BAD_FROM_LAYER = 4
 
-# (tap, metric, base error scale, kind: "err" | "recall" | "mass" | "signed" | "sqnr" | "cos", layer kinds or None)
+# (tap, metric, base error scale, kind: "err" | "recall" | "mass" | "signed" | "sqnr" | "cos" | "share",
+#  layer kinds or None)
 SERIES = [
     ("layer.out", "streams.rel_l2", 4e-3, "err", None),
     ("layer.out", "streams.sqnr_db", 4e-3, "sqnr", None),
@@ -65,6 +66,8 @@ SERIES = [
     ("indexer.selected", "indexer.flips", 5.0, "err", ("csa",)),
     ("indexer.selected", "ctx.earlier_turn_recall", 1e-2, "recall", ("csa",)),
     ("indexer.selected", "ctx.needle_recall", 1e-2, "recall", ("csa",)),
+    ("indexer.selected", "ctx.earlier_turn_pick_share", 1 / 96, "share", ("csa",)),  # ~96 earlier-turn picks
+    ("indexer.selected", "ctx.needle_pick_share", 1 / 6, "share", ("csa",)),  # ~6 needle picks per query
     ("indexer.scores", "indexer.boundary_recall", 4e-3, "recall", ("csa",)),
     ("compressor.rows", "compressor.rows_rel_l2", 4e-3, "err", ("csa", "hca")),
     ("indexer.rows", "indexer.rows_rel_l2", 4e-3, "err", ("csa",)),
@@ -194,6 +197,8 @@ def write_synthetic_run(run_dir: str | Path, *, preset: str = "flash", n_prompt:
                 elif kind == "signed":
                     value = err * rng.normal(0, 1, nb)
                     peak = np.abs(value) * 2
+                elif kind == "share":  # 1/|subset|: a property of the reference's picks, the same in every stack
+                    value = peak = np.full(nb, base)
                 elif kind == "recall":
                     value = np.clip(1 - err, 0, 1)
                     peak = np.ones(nb)

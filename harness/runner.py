@@ -160,15 +160,30 @@ class LockstepRunner:
                 streams.setdefault(name, x.to(torch.bfloat16))
         streams = {k: v.to(self.device) for k, v in streams.items()}
         self.findings = [Finding(**f) for f in self.store.read_findings() if f["layer"] < start_layer]
+        last_save = time.perf_counter()
         for layer in range(start_layer, n_layers):
             t0 = time.perf_counter()
             streams = self.run_layer(layer, streams)
             self.store.write_findings([f.to_dict() for f in self.findings])
-            self.store.save_streams(layer, streams)
+            if self._should_save_streams(streams, layer, last_save):
+                self.store.save_streams(layer, streams)
+                last_save = time.perf_counter()
             self.progress({"event": "layer_done", "layer": layer, "layers": n_layers,
                            "seconds": time.perf_counter() - t0})
         self.compare_logits(streams)
         self.progress({"event": "done"})
+
+    STATE_SMALL_BYTES = 256 * 2**20
+    STATE_EVERY_S = 60.0
+
+    def _should_save_streams(self, streams: dict[str, torch.Tensor], layer: int, last_save: float) -> bool:
+        """Resume state after this layer? Always when it is small (the demo's 28 MB); for large ones (Flash at
+        27K tokens: fp32 reference + bf16 stacks ≈ 27K·4·4096·(4+2+2) B = 3.5 GB, seconds to write) at most once
+        a minute, so a killed run recomputes ≤ 60 s of layers. Metrics of every finished layer are on disk
+        either way; a resume from an earlier layer rewrites them with identical numbers."""
+        size = sum(t.numel() * t.element_size() for t in streams.values())
+        return (size <= self.STATE_SMALL_BYTES or layer == self.cfg.num_hidden_layers - 1
+                or time.perf_counter() - last_save >= self.STATE_EVERY_S)
 
     def run_layer(self, layer: int, streams: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         spec, cfg = self.spec, self.cfg

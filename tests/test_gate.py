@@ -466,7 +466,8 @@ def test_allow_loosen_without_update_baseline_and_a_bad_baseline_file_are_usage_
 
 def test_default_policy_loads_and_its_floors_match_the_metric_registry():
     policy = load_policy(DEFAULT_POLICY)
-    names = config_names({"index_topk": 512, "num_experts_per_tok": 6, "routed_scaling_factor": 1.5})
+    names = {**config_names({"index_topk": 512, "num_experts_per_tok": 6, "routed_scaling_factor": 1.5}),
+             "pick_share": 0.25}  # the subset recalls' per-unit floor variable
     for metric, expr in policy.floors.items():
         built_in = METRICS[metric].floor
         assert built_in is not None, metric
@@ -476,6 +477,42 @@ def test_default_policy_loads_and_its_floors_match_the_metric_registry():
     assert by_name["logits-kl"].bound.value.evaluate({}) == 16 and by_name["logits-kl"].rule.order == 2
     assert by_name["streams-rel-l2-patch"].bound.kind == "base"
     assert by_name["hash-routing-exact"].bound.value.evaluate({}) == 0
+
+
+NEEDLE_POLICY = """\
+checks:
+  - name: needle
+    metric: ctx.needle_recall
+    layers: csa
+    bound: {yardstick: 16}
+"""
+
+
+def test_subset_recall_floor_is_one_pick_of_the_subset_per_query(tmp_path):
+    """A needle holding 4 of a query's picks: one pick lost per query is 1/4 of its needle recall — one rounding's
+    worth of a discrete selection, as 1/k is for indexer.recall — so with a zero yardstick a loss of 1/4 passes
+    and 2/4 fails. The floor is the unit's count-weighted mean of ctx.needle_pick_share (= 1/|needle picks|)."""
+    policy = write(tmp_path / "p.yaml", NEEDLE_POLICY)
+    share = rows_for("ctx.needle_pick_share", {v: [0.25] * 4 for v in ("yardstick", "base", "patched")})
+    one_pick = rows_for("ctx.needle_recall", {"yardstick": [1] * 4, "base": [1, 0.75, 1, 0.75], "patched": [1] * 4})
+    assert main(["gate", str(make_run(tmp_path / "one", one_pick + share)), "--policy", str(policy)]) == 0
+    two_picks = rows_for("ctx.needle_recall", {"yardstick": [1] * 4, "base": [1, 0.5, 1, 1], "patched": [1] * 4})
+    result = gate_run(make_run(tmp_path / "two", two_picks + share), policy)
+    failed = {(v.variant, u.phase, u.layer, u.floor, u.limit) for _, v in result.failed_checks for u in v.units
+              if not u.passed}
+    assert failed == {("base", phase, 1, 0.25, 0.25) for phase in ("prefill", "decode")}
+
+
+def test_pick_share_floor_needs_its_metric(tmp_path):
+    policy = write(tmp_path / "p.yaml", NEEDLE_POLICY)
+    old_run = make_run(tmp_path / "old", rows_for("ctx.needle_recall", {v: [1] * 4 for v in ("yardstick", "base",
+                                                                                            "patched")}))
+    with pytest.raises(UsageError, match="ctx.needle_pick_share rows .* predates"):
+        gate_run(old_run, policy)
+    wrong = write(tmp_path / "w.yaml", "checks:\n  - name: r\n    metric: indexer.recall\n    floor: pick_share\n"
+                                       "    bound: {yardstick: 16}\n")
+    with pytest.raises(UsageError, match="pick_share. is defined only for recalls over a subset"):
+        gate_run(old_run, wrong)
 
 
 def test_default_policy_on_a_synthetic_run_passes_then_fails_on_hash_flips(tmp_path):

@@ -81,6 +81,14 @@ def test_killed_run_resumes_to_identical_metrics(tmp_path, tiny_run):
     assert done and max(done) < 5 and store.read_manifest()["status"] == "running"
     assert main(["run", "--resume", str(out), "--no-report"]) == 0
     pd.testing.assert_frame_equal(sorted_metrics(out / "metrics.parquet"), sorted_metrics(tiny_run / "metrics.parquet"))
+    # the cost of both segments is on record: the killed one's up to its last reported layer (the kill lands
+    # between a layer's metrics and its progress event, so one layer earlier at worst)
+    manifest = store.read_manifest()
+    first, second = manifest["segments"]
+    assert first["start_layer"] == 0 and first["last_layer"] >= kill_after - 2 and first["seconds"] > 0
+    assert second["start_layer"] <= max(done) + 1 and second["last_layer"] == 4
+    assert manifest["wall_seconds"] == pytest.approx(first["seconds"] + second["seconds"], abs=0.02)
+    assert "peak_host_rss_gib" in manifest and "peak_host_rss_gib" not in first
 
 
 def test_nan_in_a_stack_is_recorded_with_layer_tap_and_phase_and_the_run_finishes(tmp_path):

@@ -85,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
     if spec.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
+    segments = store.read_manifest().get("segments", [])
+    segments.append({"start_layer": start, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                     "seconds": 0.0, "device": spec.device})
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=out, transient=True) as bar:
         task = bar.add_task("starting", total=(n_layers - start) * stacks)
@@ -97,14 +100,23 @@ def run(args: argparse.Namespace) -> int:
                                              f"· {event['mode']}")
             elif event["event"] == "layer_done":
                 bar.update(task, completed=(event["layer"] + 1 - start) * stacks)
+                # each segment's time is on disk after every layer, so a killed run still knows what it cost
+                segments[-1].update(seconds=round(time.perf_counter() - t0, 2), last_layer=event["layer"])
+                store.update_manifest(segments=segments)
+                if not out.is_terminal:  # logs (CI, remote jobs) get one line per layer instead of a live bar
+                    out.print(f"layer {event['layer'] + 1}/{n_layers} done in {event['seconds']:.1f} s "
+                              f"({time.perf_counter() - t0:.0f} s elapsed)")
 
         LockstepRunner(spec, store, progress).run(start, streams)
     seconds = time.perf_counter() - t0
     peaks = {"peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
     if spec.device.startswith("cuda"):
         peaks["peak_device_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    segments[-1].update(seconds=round(seconds, 2), **peaks)
+    # wall_seconds: every segment of a resumed run (the layers a kill interrupted mid-way are not counted)
     store.update_manifest(status="complete", finished=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                          wall_seconds=round(seconds, 2), **peaks)
+                          segments=segments, wall_seconds=round(sum(s["seconds"] for s in segments), 2),
+                          **_max_peaks(segments))
     metrics = store.read_metrics().to_pandas()
     out.print(summary_table(metrics))
     findings = store.read_findings()
@@ -118,5 +130,13 @@ def run(args: argparse.Namespace) -> int:
             write_report = None
         if write_report is not None:
             out.print(f"report: {write_report(store.dir)}")
-    out.print(f"run directory: {store.dir}  ({seconds:.1f} s, " + ", ".join(f"{k} {v}" for k, v in peaks.items()) + ")")
+    resumed = f" this segment, {len(segments)} segments" if len(segments) > 1 else ""
+    out.print(f"run directory: {store.dir}  ({seconds:.1f} s{resumed}, "
+              + ", ".join(f"{k} {v}" for k, v in peaks.items()) + ")")
     return 0
+
+
+def _max_peaks(segments: list[dict]) -> dict[str, float]:
+    """The run's peak memory: the largest over the segments that recorded one (a killed segment did not)."""
+    keys = {k for seg in segments for k in seg if k.startswith("peak_")}
+    return {k: max(seg[k] for seg in segments if k in seg) for k in sorted(keys)}

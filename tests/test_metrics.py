@@ -1,0 +1,24 @@
+"""Comparators of harness.metrics on hand-built taps whose answers can be counted by hand."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.metrics import CompareContext, compare_selected
+
+
+def test_selection_recalls_and_the_subset_pick_share():
+    """HCA layer (m = 128, rows pool [128r, 128r + 128)); two queries in turn 1 (which starts at token 512), each
+    with 4 reference picks. Rows 0–3 lie before the turn (earlier-turn subset); a needle at tokens [130, 300)
+    touches rows 1 and 2. The variant drops row 2 at query 0 and row 3 at query 1."""
+    ctx = CompareContext("hca", 128, 128, torch.ones(700, dtype=torch.int64),
+                         torch.full((700,), 512, dtype=torch.int64), [(130, 300)])
+    pos = torch.tensor([600, 601])
+    ref = {"row_ids": torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]]), "valid": torch.ones(2, 4, dtype=torch.bool)}
+    var = {"row_ids": torch.tensor([[0, 1, 3, 4], [0, 1, 2, 4]]), "valid": torch.ones(2, 4, dtype=torch.bool)}
+    got = {m.metric: m.value.tolist() for m in compare_selected(pos, ref, var, ctx)}
+    assert got["indexer.recall"] == [0.75, 0.75]
+    assert got["indexer.flips"] == [1, 1]
+    assert got["ctx.earlier_turn_recall"] == [0.75, 0.75] and got["ctx.earlier_turn_pick_share"] == [0.25, 0.25]
+    # needle picks are rows 1 and 2: query 0 lost one of its two (recall 1/2; one pick is worth 1/2), query 1 none
+    assert got["ctx.needle_recall"] == [0.5, 1.0] and got["ctx.needle_pick_share"] == [0.5, 0.5]
