@@ -91,6 +91,31 @@ def test_killed_run_resumes_to_identical_metrics(tmp_path, tiny_run):
     assert "peak_host_rss_gib" in manifest and "peak_host_rss_gib" not in first
 
 
+def test_resume_from_an_older_state_rewrites_later_layers_identically(tmp_path, tiny_run, monkeypatch):
+    """Large runs save their resume state at most once a minute, so a kill can leave metrics of layers past the
+    saved state; resuming recomputes them from the state and must write the same numbers."""
+    monkeypatch.setattr(LockstepRunner, "STATE_SMALL_BYTES", 0)  # every state counts as large …
+    monkeypatch.setattr(LockstepRunner, "STATE_EVERY_S", 1e9)  # … and no minute passes: only the last layer saves
+    written = []
+    real_write = RunStore.write_layer
+
+    def write_then_die(self, layer, rows):
+        real_write(self, layer, rows)
+        written.append(layer)
+        if layer == 3:
+            raise KeyboardInterrupt  # the kill, right after layer 3's metrics reached the disk
+
+    monkeypatch.setattr(RunStore, "write_layer", write_then_die)
+    out = tmp_path / "killed"
+    assert main(["run", "tiny-smoke", "--out", str(out), "--no-report"]) == 130  # interrupted
+    store = RunStore(out)
+    assert store.completed_layers() == [0, 1, 2, 3] and not store.state_path.exists()
+    monkeypatch.setattr(RunStore, "write_layer", real_write)
+    assert main(["run", "--resume", str(out), "--no-report"]) == 0
+    assert [s["start_layer"] for s in store.read_manifest()["segments"]] == [0, 0]
+    pd.testing.assert_frame_equal(sorted_metrics(out / "metrics.parquet"), sorted_metrics(tiny_run / "metrics.parquet"))
+
+
 def test_nan_in_a_stack_is_recorded_with_layer_tap_and_phase_and_the_run_finishes(tmp_path):
     plugin = tmp_path / "nan_plugin.py"
     plugin.write_text(
