@@ -8,14 +8,13 @@ the yardstick (bf16), the base engine and the engine with every patch, plus toke
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
+from bench_common import bench_parser, bench_setup
 from optimized.engine import OptimizedModel
 from optimized.patching import default_registry
-from reference.config import get_preset
 from reference.layer import ReferenceLayer
 from reference.model import ReferenceModel, segment_lengths
 from reference.weights.synthetic import SyntheticWeights
@@ -27,20 +26,14 @@ def sync(device: torch.device) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="flash-mini")
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--decode", type=int, default=4)
+    ap = bench_parser(__doc__, tokens=4096)
     ap.add_argument("--chunk", type=int, default=8192)
-    ap.add_argument("--device", default="cpu")
     ap.add_argument("--layers", type=int, nargs="+", default=[0, 2, 3])
     args = ap.parse_args()
-    torch.set_float32_matmul_precision("highest")
     device = torch.device(args.device)
-    cfg = get_preset(args.model)
+    cfg, ids = bench_setup(args)
+    ids = ids.to(device)
     src = SyntheticWeights(cfg, 0)
-    ids = torch.randint(min(1000, cfg.vocab_size // 2), min(cfg.vocab_size, 100000), (args.tokens + args.decode,),
-                        generator=torch.Generator().manual_seed(0)).to(device)
     segs = segment_lengths(args.tokens, args.decode, args.chunk)
     ref = ReferenceModel(src, device=device)
     yard = ReferenceModel(src, torch.bfloat16, device)

@@ -9,7 +9,6 @@ compute (compare with bench/layer_timing.py, which runs the stacks without probe
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import pstats
 import tempfile
@@ -17,46 +16,38 @@ import time
 
 import torch
 
+from bench_common import bench_parser, bench_setup
 from harness.runner import LockstepRunner, RunSpec, VariantSpec
 from harness.store import RunStore
-from reference.config import get_preset
 from reference.weights.synthetic import SyntheticWeights
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="flash-mini")
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--decode", type=int, default=4)
+    ap = bench_parser(__doc__, tokens=8192)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    torch.set_float32_matmul_precision("highest")
-    cfg = get_preset(args.model)
-    n = args.tokens + args.decode
-    ids = torch.randint(min(1000, cfg.vocab_size // 2), min(cfg.vocab_size, 100000), (n,),
-                        generator=torch.Generator().manual_seed(0)).tolist()
+    cfg, ids = bench_setup(args)
+    ids = ids.tolist()
+    n = len(ids)
     turns = [0] * (n // 2) + [1] * (n - n // 2)
     spec = RunSpec(SyntheticWeights(cfg, 0), ids[: args.tokens], ids[args.tokens:], turns, [(100, 120)],
                    [VariantSpec("base", [])], local=False, device=args.device)
+    spent: dict[str, float] = {}
+    mark = [time.perf_counter(), None]
+
+    def progress(event: dict) -> None:  # charge the time since the last event to the stack that was running
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if mark[1]:
+            spent[mark[1]] = spent.get(mark[1], 0.0) + now - mark[0]
+        mark[0], mark[1] = now, event.get("stack")
+
     with tempfile.TemporaryDirectory() as tmp:
         store = RunStore(tmp + "/run")
         store.create({})
-        runner = LockstepRunner(spec, store)
-        x = runner.reference.embed(runner.ids)
-        streams = {"reference": x, "yardstick": x.bfloat16(), "base": x.bfloat16()}
-        spent: dict[str, float] = {}
-        mark = [time.perf_counter(), None]
-
-        def progress(event: dict) -> None:
-            if args.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            now = time.perf_counter()
-            if mark[1]:
-                spent[mark[1]] = spent.get(mark[1], 0.0) + now - mark[0]
-            mark[0], mark[1] = now, event.get("stack")
-
-        runner.progress = progress
+        runner = LockstepRunner(spec, store, progress)
+        streams = runner.initial_streams()
         profile = cProfile.Profile()
         profile.enable()
         for layer in range(args.layers):

@@ -415,9 +415,7 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
                          f"{', '.join(v for v in run.variants if v != YARDSTICK)}); set base_variant: in the policy")
 
     layers = select_layers(check, run, policy.file)
-    m = run.rows_of(check.metric)
-    rows = m[m["tap"].isin(check.taps) & m["mode"].isin(check.modes) & m["phase"].isin(check.phases)
-             & m["layer"].isin(layers)]
+    rows = _check_rows(run, check.metric, check, layers)
     wanted = set(variants) | {YARDSTICK, policy.base_variant}
     rows = loss_columns(rows[rows["variant"].isin(wanted)], rule.direction)
     agg = aggregate_units(rows, check.aggregate, rule.direction)
@@ -459,14 +457,18 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
     return CheckResult(check, results, factor, floor, slack)
 
 
+def _check_rows(run: RunData, metric: str, check: Check, layers: Sequence[int]) -> pd.DataFrame:
+    """The rows of `metric` at the check's taps, modes, phases and layers."""
+    m = run.rows_of(metric)
+    return m[m["tap"].isin(check.taps) & m["mode"].isin(check.modes) & m["phase"].isin(check.phases)
+             & m["layer"].isin(layers)]
+
+
 def _pick_shares(run: RunData, check: Check, layers: Sequence[int]) -> pd.Series:
     """Per unit, the count-weighted mean of the metric's pick share 1/|subset| over the unit's queries: the
     recall loss of one pick lost at every query, the subset-recall analogue of 1/k for indexer.recall."""
-    m = run.rows_of(check.rule.pick_share)
-    m = m[m["tap"].isin(check.taps) & m["mode"].isin(check.modes) & m["phase"].isin(check.phases)
-          & m["layer"].isin(layers)]
-    weighted = (m["value"] * m["count"]).groupby([m[k] for k in UNIT_KEYS], sort=False).sum()
-    return weighted / m.groupby(UNIT_KEYS, sort=False)["count"].sum()
+    shares = _check_rows(run, check.rule.pick_share, check, layers)
+    return aggregate_units(loss_columns(shares, "upper"), "mean", "upper")  # "upper": the value as it is
 
 
 def _evaluate_unit(check: Check, unit: dict, value: float, kind: str | None, factor: float | None,

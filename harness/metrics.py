@@ -87,16 +87,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(ref > 0, err / ref, torch.where(err > 0, torch.full_like(err, math.inf), torch.zeros_like(err)))
 
 
-def square_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row: Σ(a−b)², Σb², Σa·b with the difference formed in fp32 and the sums accumulated in fp64.
-    (The fp32 difference of two fp32/bf16 tensors is within 2^-24 of exact, far below any drift measured.)"""
+def _flat32(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both sides as fp32 rows [B, N] and their difference formed in fp32 (the fp32 difference of two fp32/bf16
+    tensors is within 2^-24 relative of exact, far below any drift measured; sums of it accumulate in fp64)."""
     af, bf = a.float().flatten(1), b.float().flatten(1)
-    diff = af - bf
-    return diff.pow(2).sum(1, dtype=torch.float64), bf.pow(2).sum(1, dtype=torch.float64), diff
+    return af, bf, af - bf
 
 
 def ratio_metric(name: str, positions: torch.Tensor, a: torch.Tensor, b: torch.Tensor, combine: str) -> MetricValues:
-    err2, ref2, _ = square_sums(a, b)
+    """A ratio metric of Σ(a−b)² and Σb² per row (a: variant, b: reference, any float dtype)."""
+    _, bf, diff = _flat32(a, b)
+    err2, ref2 = diff.pow(2).sum(1, dtype=torch.float64), bf.pow(2).sum(1, dtype=torch.float64)
     return MetricValues(name, positions, RATIO_COMBINE[combine](err2, ref2), err2, ref2, combine)
 
 
@@ -107,8 +108,8 @@ def ratio_metric(name: str, positions: torch.Tensor, a: torch.Tensor, b: torch.T
 
 def compare_streams(pos, ref, var, ctx) -> list[MetricValues]:
     """layer.out: the residual streams [B, n, D]."""
-    err2, ref2, diff = square_sums(var["streams"], ref["streams"])
-    af, bf = var["streams"].float().flatten(1), ref["streams"].float().flatten(1)
+    af, bf, diff = _flat32(var["streams"], ref["streams"])
+    err2, ref2 = diff.pow(2).sum(1, dtype=torch.float64), bf.pow(2).sum(1, dtype=torch.float64)
     var2 = af.pow(2).sum(1, dtype=torch.float64)
     cos = (af * bf).sum(1, dtype=torch.float64) / (var2 * ref2).sqrt().clamp_min(1e-300)
     return [
@@ -122,7 +123,7 @@ def compare_streams(pos, ref, var, ctx) -> list[MetricValues]:
 
 def compare_output(prefix: str) -> Callable:
     def compare(pos, ref, var, ctx) -> list[MetricValues]:
-        return [ratio_metric(f"{prefix}.out_rel_l2", pos, _f64(var["out"]), _f64(ref["out"]), "rel_l2")]
+        return [ratio_metric(f"{prefix}.out_rel_l2", pos, var["out"], ref["out"], "rel_l2")]
 
     return compare
 
@@ -168,7 +169,7 @@ def compare_router(pos, ref, var, ctx) -> list[MetricValues]:
 
 def compare_rows(name: str) -> Callable:
     def compare(pos, ref, var, ctx) -> list[MetricValues]:
-        return [ratio_metric(name, pos, _f64(var["rows"]), _f64(ref["rows"]), "rel_l2")]
+        return [ratio_metric(name, pos, var["rows"], ref["rows"], "rel_l2")]
 
     return compare
 
@@ -262,6 +263,12 @@ def _scatter_probs(tap: dict[str, torch.Tensor], slots: torch.Tensor, n_slots: i
     return out.scatter_add_(2, slots[:, None, :].expand(B, H, -1), probs)[..., :n_slots]
 
 
+def _attended(slots: torch.Tensor, side_codes: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """[B, n_slots]: which compact keys this side attended (invalid keys go to the spill slot, dropped)."""
+    present = torch.zeros(slots.shape[0], n_slots + 1, dtype=torch.bool)
+    return present.scatter_(1, slots, side_codes != _NO_KEY)[:, :n_slots]
+
+
 def key_masks(ctx: CompareContext, pos: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per compact key: lies wholly before the query's turn; touches a needle."""
     valid = codes != _NO_KEY
@@ -304,10 +311,8 @@ def compare_attention(pos, ref, var, ctx) -> list[MetricValues]:
 
     compressed = (codes != _NO_KEY) & (codes % 2 == 1)
     if ctx.layer_kind == "csa" and bool(compressed.any()):
-        in_ref = torch.zeros(codes.shape[0], n_slots + 1, dtype=torch.bool).scatter_(
-            1, slots_r, codes_r != _NO_KEY)[:, :n_slots] & compressed
-        in_var = torch.zeros(codes.shape[0], n_slots + 1, dtype=torch.bool).scatter_(
-            1, slots_v, codes_v != _NO_KEY)[:, :n_slots] & compressed
+        in_ref = _attended(slots_r, codes_r, n_slots) & compressed
+        in_var = _attended(slots_v, codes_v, n_slots) & compressed
         mass = pr.mean(1)  # reference attention mass per key, mean over heads
         on_ref = (mass * in_ref).sum(1)
         keep = on_ref > 0
@@ -322,7 +327,7 @@ def compare_attention(pos, ref, var, ctx) -> list[MetricValues]:
         out += [MetricValues("ctx.earlier_turn_mass_ref", pos[has_early], m_ref[has_early]),
                 MetricValues("ctx.earlier_turn_mass_opt", pos[has_early], m_opt[has_early])]
     if needle is not None:
-        has_needle = torch.tensor([any(e <= int(t) for _, e in ctx.needle_spans) for t in pos.cpu()])  # needle in the past
+        has_needle = pos.cpu() >= min(e for _, e in ctx.needle_spans)  # a needle lies wholly in the past
         if bool(has_needle.any()):
             n_ref = (pr * needle[:, None, :]).sum(-1).mean(-1)
             n_opt = (pv * needle[:, None, :]).sum(-1).mean(-1)

@@ -152,12 +152,9 @@ class LockstepRunner:
     # ------------------------------------------------------------------------------------------
     def run(self, start_layer: int = 0, streams: dict[str, torch.Tensor] | None = None) -> None:
         ensure_no_tf32()
-        spec, n_layers = self.spec, self.cfg.num_hidden_layers
+        n_layers = self.cfg.num_hidden_layers
         if streams is None:
-            x = self.reference.embed(self.ids)
-            streams = {"reference": x}
-            for name, _ in self.spec.stacks():
-                streams.setdefault(name, x.to(torch.bfloat16))
+            streams = self.initial_streams()
         streams = {k: v.to(self.device) for k, v in streams.items()}
         self.findings = [Finding(**f) for f in self.store.read_findings() if f["layer"] < start_layer]
         last_save = time.perf_counter()
@@ -173,6 +170,16 @@ class LockstepRunner:
         self.compare_logits(streams)
         self.progress({"event": "done"})
 
+    def initial_streams(self) -> dict[str, torch.Tensor]:
+        """Every stack's input to layer 0: the embedding, fp32 for the reference and bf16 for the others."""
+        x = self.reference.embed(self.ids)
+        streams = {"reference": x}
+        for name, _ in self.spec.stacks():
+            streams.setdefault(name, x.to(torch.bfloat16))
+        return streams
+
+    # Resume state: a few hundred MB write in a fraction of a second (the demo's is 28 MB), so save every layer;
+    # beyond that, at most once a minute.
     STATE_SMALL_BYTES = 256 * 2**20
     STATE_EVERY_S = 60.0
 

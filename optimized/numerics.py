@@ -32,8 +32,10 @@ class DenseCache:
     """Dequantized fp32 copies of stored weights, made once per layer (the kernels read the stored bits;
     the emulation multiplies the exactly dequantized values, which is the same arithmetic).
 
-    Copies are kept only up to `budget_bytes`: a full-width layer's 768 expert matrices are 25 GB in fp32, so
-    past the budget a tensor is dequantized on every use instead (cheap next to the GEMM that uses it)."""
+    Copies are kept only up to `budget_bytes`: a full-width layer's 768 expert matrices (256 experts × w1, w3,
+    w2 of 2048 × 4096) are 256·3·2048·4096·4 B = 25.8 GB in fp32, so past the budget a tensor is dequantized on
+    every use instead (cheap next to the GEMM that uses it). The 4 GB default holds a Flash layer's attention,
+    indexer and shared-expert weights (< 1 GB in fp32) with room for the experts used most."""
 
     def __init__(self, budget_bytes: int = 4 << 30) -> None:
         self._cache: dict[str, torch.Tensor] = {}
