@@ -52,6 +52,8 @@ def test_forward_on_a_save_pretrained_checkpoint_reproduces_transformers(tmp_pat
     assert logits.shape == (1107, hf.shape[-1]) and logits.dtype == torch.float32
     assert rel(logits, hf) <= 1e-5, f"chunk {chunk}: rel-L2 {rel(logits, hf):.2e}"
     per_position = (logits - hf).norm(dim=-1) / hf.norm(dim=-1)
+    # one position's fp32 re-association error is of the whole tensor's order (2.2e-6 measured); 1e-4 leaves 45×
+    # room for an unlucky position yet catches any position that is wrong (a lost window or state: O(1))
     assert float(per_position.max()) <= 1e-4, "every position, decode included, must agree"
 
 
