@@ -222,14 +222,17 @@ class ReferenceLayer:
                     sink.emit("indexer.scores", pos[pick], scores=scores[pick].masked_fill(hidden, float("-inf")))
                 if sink.wants("indexer.selected"):
                     sink.emit("indexer.selected", pos, row_ids=chosen, valid=chosen_valid)
-                comp_rows = torch.where(chosen_valid, chosen, -1)
                 n_vis = int(visible[-1])
                 if share_rows(n_vis, chosen.shape[-1], cfg.num_attention_heads, self.device):
                     picked = torch.zeros(pos.numel(), n_vis + 1, dtype=torch.bool, device=self.device)
                     picked.scatter_(1, torch.where(chosen_valid, chosen, n_vis), True)
                     comp = KeySet(state.compressor.rows[:n_vis], picked[:, :n_vis])
+                    # the probabilities' columns are rows 0 … n_vis−1 here, not the picks in pick order
+                    ids = torch.arange(n_vis, device=self.device)
+                    comp_rows = torch.where(comp.valid, ids[None, :], -1)
                 else:
                     comp = KeySet(state.compressor.rows[chosen], chosen_valid)
+                    comp_rows = torch.where(chosen_valid, chosen, -1)
             res = sparse_attention_with_sink(q[blk], [KeySet(band, band_valid), comp], w["attn.attn_sink"])
             if sink.wants("attn.probs"):
                 pick = sink.sampled(pos)

@@ -540,6 +540,34 @@ def _run_layer_tapped(parity: ParityOptions, layer: int, *taps: str, n: int = 15
     return sink
 
 
+def _attention_by_key(sink: _Taps) -> list[dict[tuple[str, int], torch.Tensor]]:
+    """Per query of an attn.probs tap: {(window|row, key id): per-head probability}, from the tap's own key lists."""
+    out = []
+    for entry in sink.values["attn.probs"]:
+        for b in range(entry["probs"].shape[0]):
+            keys = [("window", int(p)) for p in entry["window_pos"][b]] + [("row", int(r)) for r in entry["comp_rows"][b]]
+            probs = entry["probs"][b]  # [H, ΣK]
+            out.append({key: probs[:, j] for j, key in enumerate(keys) if key[1] >= 0})
+    return out
+
+
+def test_attention_tap_names_the_keys_its_probabilities_belong_to(monkeypatch):
+    """attn.probs at a CSA layer must pair each probability with the key it weighs, whether the compressed
+    rows are evaluated shared (all rows, picks masked) or gathered per query: the same distribution over
+    the same keys either way. (A shared evaluation once paired the dense columns with the picks' ids.)"""
+    layer = TINY.layer_kinds.index("csa")
+    runs = []
+    for shared in (True, False):
+        monkeypatch.setattr(reference.layer, "share_rows", lambda *args, shared=shared: shared)
+        runs.append(_attention_by_key(_run_layer_tapped(ParityOptions(), layer, "attn.probs")))
+    assert len(runs[0]) == len(runs[1]) == 150
+    for q, (shared, gathered) in enumerate(zip(*runs)):
+        assert shared.keys() == gathered.keys(), f"query {q}: different keys"
+        for key, p in gathered.items():
+            # one softmax over the same logits, denominators summed in a different order: fp32 rounding only
+            assert torch.allclose(shared[key], p, rtol=1e-5, atol=1e-7), f"query {q}, key {key}"
+
+
 def _representable(x: torch.Tensor, block: int, fmt_max: float, fmt: str) -> bool:
     """Is every block of `block` values along the last dim an exact code·2^k with the block's UE8M0 scale
     2^ceil(log2(amax/fmt_max))? Written from spec §7 independently of reference/quant.py."""
