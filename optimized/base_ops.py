@@ -124,12 +124,13 @@ def indexer_logits(ctx: OpContext, q: torch.Tensor, weights: torch.Tensor, posit
 
 def indexer_topk(ctx: OpContext, logits: torch.Tensor, positions: torch.Tensor, k: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk (GPU tie order, not stable) over min(k, rows) columns, then re-masked by causal length."""
+    """Unsorted torch.topk over min(k, rows) columns (neither the order nor the choice among ties is
+    specified, as on the GPU; only the set is used), then re-masked by causal length."""
     k = min(k, logits.shape[-1])
     if k == logits.shape[-1]:  # every row fits: nothing to select
         row_ids = torch.arange(k, device=logits.device).expand(logits.shape[0], k)
     else:
-        row_ids = torch.topk(logits, k, dim=-1).indices
+        row_ids = torch.topk(logits, k, dim=-1, sorted=False).indices
     valid = row_ids < visible_rows(positions, ctx.state.ratio)[:, None]
     return row_ids, valid
 

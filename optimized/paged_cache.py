@@ -10,6 +10,9 @@ IndexKeyCache — the indexer's compressed keys: FP8 e4m3 values with one fp32 s
 per 32 values (the `--enable-deepseek-v4-fp4-indexer` layout).
 
 Both are emulated with torch tensors: a row's stored bits are exactly what the deployed cache would hold.
+LatentCache also keeps each row's dequantized bf16 value beside its bits, decoded once at append: decoding
+is exact, so torch paths that read rows per query block get the same values without decoding the same
+rows again for every block; the kernels read the bits.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class LatentCache:
         self.codes = torch.zeros(n_pages, PAGE_SIZE, nope, dtype=torch.float8_e4m3fn, device=device)
         self.scales = torch.full((n_pages, PAGE_SIZE, n_blocks), 127, dtype=torch.uint8, device=device)
         self.rope_part = torch.zeros(n_pages, PAGE_SIZE, rope, dtype=torch.bfloat16, device=device)
+        self.decoded = torch.zeros(n_pages, PAGE_SIZE, nope + rope, dtype=torch.bfloat16, device=device)
         self.page_table = scrambled_page_order(n_pages).to(device)
         self.length = 0
 
@@ -61,27 +65,15 @@ class LatentCache:
         self.codes.view(torch.uint8)[page, off] = codes.view(torch.uint8)  # byte copy: no fp8 index_put needed
         self.scales[page, off] = scales
         self.rope_part[page, off] = rows[:, self.nope :].to(torch.bfloat16)
+        self.decoded[page, off] = torch.cat([dequantize_latent_nope(codes, scales), self.rope_part[page, off]], -1)
         self.length += n
 
     def load(self, slots: torch.Tensor) -> torch.Tensor:
-        """Dequantized rows (bf16, exact) for slots of any shape; slots < 0 give zero rows.
-
-        Queries of a block share most of their rows (a window slides by one per query), so the distinct
-        range of slots is dequantized once and then gathered, instead of dequantizing every lane."""
+        """Dequantized rows (bf16, exact) for slots of any shape; slots < 0 give zero rows."""
         valid = slots >= 0
-        if not bool(valid.any()):
-            return torch.zeros(*slots.shape, self.nope + self.rope, dtype=torch.bfloat16, device=self.device)
-        lo, hi = int(slots[valid].min()), int(slots.max())
-        if hi - lo + 1 < slots.numel():
-            rows = self._dequantize(torch.arange(lo, hi + 1, device=self.device))[(slots - lo).clamp(min=0)]
-        else:
-            rows = self._dequantize(slots.clamp(min=0))
+        page, off = self.physical(slots.clamp(min=0))
+        rows = self.decoded[page, off]
         return torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-
-    def _dequantize(self, slots: torch.Tensor) -> torch.Tensor:
-        page, off = self.physical(slots)
-        nope = dequantize_latent_nope(self.codes[page, off], self.scales[page, off])
-        return torch.cat([nope, self.rope_part[page, off]], -1)
 
 
 def quantize_latent_nope(nope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ from reference.ops.mhc import HCMix, hc_post, hc_pre, sinkhorn
 from reference.ops.moe import route
 from reference.ops.norms import rms_norm
 from reference.ops.rope import apply_rope, cos_sin, inverse_frequencies, layer_inverse_frequencies
-from reference.ops.topk import stable_topk_indices
+from reference.ops.topk import stable_topk_indices, stable_topk_set
 from reference.quant import hadamard_matrix
 from reference.weights.synthetic import SyntheticWeights
 
@@ -473,6 +473,21 @@ def test_top_k_ties_go_to_the_lower_index_whatever_the_number_of_candidates():
     has_1, has_4 = (ids == 1).any(-1), (ids == 4).any(-1)
     assert not bool((has_4 & ~has_1).any()), "expert 4 won an exact tie against expert 1"
     assert bool((has_1 & ~has_4).any()), "the tie never fell on the top-k boundary: test is void"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_top_k_set_is_the_ranked_top_k_in_index_order(dtype):
+    """stable_topk_set (the indexer's) picks exactly the rows of the stable ranked top-k: plateaus of exact ties
+    wider than the places left, −0.0 next to +0.0, −inf padding beyond the visible rows, and NaN."""
+    g = torch.Generator().manual_seed(3)
+    plateau = torch.randint(-2, 3, (64, 700), generator=g).to(dtype).clamp_min(0)  # mostly exact zeros
+    signed_zeros = torch.where(torch.rand(64, 700, generator=g) < 0.5, -0.0, 0.0).to(dtype)
+    hidden = torch.randn(64, 700, generator=g).to(dtype).masked_fill(torch.arange(700) >= 100, float("-inf"))
+    with_nan = torch.randn(64, 700, generator=g).to(dtype)
+    with_nan[3, 17] = float("nan")
+    for scores in (plateau, signed_zeros, hidden, with_nan, torch.randn(64, 700, generator=g).to(dtype)):
+        ranked = stable_topk_indices(scores, 512)
+        assert torch.equal(stable_topk_set(scores, 512), ranked.sort(-1).values)
 
 
 # ------------------------------------------------------------------------------------------------

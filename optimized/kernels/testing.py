@@ -75,7 +75,7 @@ def _latent_cache(n_rows: int, nope: int, rope: int, device: str, generator: tor
 
 
 def _to(cache: LatentCache, device: str) -> LatentCache:
-    for name in ("codes", "scales", "rope_part", "page_table"):
+    for name in ("codes", "scales", "rope_part", "decoded", "page_table"):
         setattr(cache, name, getattr(cache, name).to(device))
     cache.device = torch.device(device)
     return cache

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from reference.ops.compressor import visible_rows
-from reference.ops.topk import stable_topk_indices
+from reference.ops.topk import stable_topk_set
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -22,8 +22,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -
 def select_rows(scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal top-k: returns row ids [B, k'] (k' = min(topk, R)) and a validity mask [B, k'].
 
-    All visible rows are taken when there are at most `topk` of them; entries past a query's visible
-    count are padding (valid = False).
+    Rows come in ascending index order. All visible rows are taken when there are at most `topk` of them;
+    entries past a query's visible count are padding (valid = False).
     """
     n_rows = scores.shape[-1]
     visible = visible_rows(positions, ratio)  # [B]
@@ -31,5 +31,5 @@ def select_rows(scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk:
     if n_rows <= topk:  # at most k rows exist: every visible one is taken, no ranking needed
         chosen = row_ids.expand(scores.shape[0], n_rows)
     else:
-        chosen = stable_topk_indices(scores.masked_fill(row_ids[None, :] >= visible[:, None], float("-inf")), topk)
-    return chosen, chosen < visible[:, None]  # ranked first, the −inf (not yet visible) rows come last
+        chosen = stable_topk_set(scores.masked_fill(row_ids[None, :] >= visible[:, None], float("-inf")), topk)
+    return chosen, chosen < visible[:, None]  # not-yet-visible rows (−inf) fill a query's places last

@@ -5,10 +5,15 @@ device), so the same position of a prompt prefix and of the whole prompt could s
 rows on the indexer's ReLU zero plateau (DESIGN §10). The choice here is a function of the scores
 alone: exactly the first k entries of a stable descending sort.
 
-For fp32 (and bf16) scores that is computed as a top-k over int64 keys `(order(score) << 32) |
-(2^32 − 1 − index)`: `order` maps fp32 bit patterns to int32 monotonically (−0.0 folded onto +0.0, as
-the comparison does), so keys are distinct, larger scores win and equal scores go to the lower index.
-The result is identical to the stable sort and 2–3× cheaper (no full sort); fp64 scores use the sort.
+Two forms:
+- `stable_topk_indices` — ranked, best first (the router: k = 6 of a few hundred experts). A top-k over
+  int64 keys `(order(score) << 32) | (2^32 − 1 − index)`: `order` maps fp32 bit patterns to int32
+  monotonically (−0.0 folded onto +0.0, as the comparison does), so keys are distinct, larger scores
+  win and equal scores go to the lower index. Identical to the stable sort, 2–3× cheaper.
+- `stable_topk_set` — the same set in ascending index order (the indexer: 512 of thousands of rows,
+  where only the set matters). An unranked top-k finds the k-th largest value v; every score > v is in,
+  and the lowest-index scores == v fill the rest. About twice as fast as the ranked form at
+  [3072 × 2000] → 512.
 """
 
 from __future__ import annotations
@@ -30,3 +35,19 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     index = torch.arange(n, device=scores.device, dtype=torch.int64)
     keys = (_ordered_int32(scores.float().contiguous()) << 32) | (2**32 - 1 - index)
     return torch.topk(keys, k, dim=-1, sorted=True).indices
+
+
+def stable_topk_set(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices `stable_topk_indices` picks for 2-D scores [B, n], in ascending index order: [B, k]."""
+    kth = torch.topk(scores, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # the k-th largest value
+    take = scores >= kth
+    crowded = take.sum(-1) > k  # rows where more entries tie with the k-th value than places are left
+    if bool(crowded.any()):
+        rows = torch.nonzero(crowded).flatten()
+        s, v = scores[rows], kth[rows]
+        tie = s == v
+        above = s > v
+        take[rows] = above | (tie & (tie.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # lowest indices first
+    if int(take.sum()) != take.shape[0] * k:  # NaN scores compare false everywhere: rank them by their bits
+        return stable_topk_indices(scores, k).sort(-1).values
+    return torch.nonzero(take)[:, 1].view(scores.shape[0], k)
