@@ -1,7 +1,10 @@
-"""Streaming aggregation of per-position metric values into position bins (no per-position storage).
+"""Aggregation of per-position metric values into position bins.
 
-For every (tap, metric) a layer keeps five per-bin vectors — count, sum, max, and for ratio metrics
-the summed numerator and denominator — so a bin's value is exact whatever order positions arrive in.
+A layer's values arrive in many small pieces (one per query block, decode step and tap). They are kept
+per (tap, metric) as they come and reduced once, when the layer's rows are written: count, sum, max,
+and for ratio metrics the summed numerator and denominator, per bin — so a bin's value is exact whatever
+order positions arrive in. Holding one layer's values costs O(positions) per metric; reducing them in one
+pass instead of one pass per piece removes ~5 small tensor ops per piece (tens of thousands per run).
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from harness.metrics import RATIO_COMBINE, MetricValues
 
 
 @dataclass
-class _Sums:
-    count: torch.Tensor
-    total: torch.Tensor
-    peak: torch.Tensor
-    num: torch.Tensor
-    den: torch.Tensor
-    combine: str | None = None
+class _Pieces:
+    """One (tap, metric)'s values in arrival order: bin ids, values and (ratio metrics) numerators, denominators."""
+
+    combine: str | None
+    bins: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    num: list[torch.Tensor] = field(default_factory=list)
+    den: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -30,41 +34,39 @@ class LayerAccumulator:
     """All metrics of one (variant, mode, layer)."""
 
     plan: BinPlan
-    sums: dict[tuple[str, str], _Sums] = field(default_factory=dict)
+    pieces: dict[tuple[str, str], _Pieces] = field(default_factory=dict)
 
     def add(self, tap: str, values: MetricValues, bin_positions: torch.Tensor | None = None) -> None:
-        """Accumulate; `bin_positions` overrides the positions used for binning (compressed rows)."""
+        """Keep; `bin_positions` overrides the positions used for binning (compressed rows)."""
         if values.positions.numel() == 0:
             return
-        n = len(self.plan)
-        key = (tap, values.metric)
-        s = self.sums.get(key)
-        if s is None:
-            z = lambda: torch.zeros(n, dtype=torch.float64)  # noqa: E731
-            s = self.sums[key] = _Sums(z(), z(), torch.full((n,), -math.inf, dtype=torch.float64), z(), z(),
-                                       values.combine)
-        bins = self.plan.bin_ids(values.positions if bin_positions is None else bin_positions)
-        v = values.value.to("cpu", torch.float64)
-        s.count.index_add_(0, bins, torch.ones_like(v))
-        s.total.index_add_(0, bins, v)
-        s.peak.scatter_reduce_(0, bins, v, reduce="amax")
+        p = self.pieces.get((tap, values.metric))
+        if p is None:
+            p = self.pieces[(tap, values.metric)] = _Pieces(values.combine)
+        p.bins.append(self.plan.bin_ids(values.positions if bin_positions is None else bin_positions))
+        p.values.append(values.value.to("cpu", torch.float64))
         if values.num is not None:
-            s.num.index_add_(0, bins, values.num.to("cpu", torch.float64))
-            s.den.index_add_(0, bins, values.den.to("cpu", torch.float64))
+            p.num.append(values.num.to("cpu", torch.float64))
+            p.den.append(values.den.to("cpu", torch.float64))
 
     def rows(self, variant: str, mode: str, layer: int) -> list[dict]:
+        n = len(self.plan)
         out = []
-        for (tap, metric), s in self.sums.items():
-            used = torch.nonzero(s.count > 0).flatten().tolist()
-            if s.combine is not None:
-                value = RATIO_COMBINE[s.combine](s.num, s.den)
+        for (tap, metric), p in self.pieces.items():
+            bins, v = torch.cat(p.bins), torch.cat(p.values)
+            zeros = torch.zeros(n, dtype=torch.float64)
+            count = zeros.index_add(0, bins, torch.ones_like(v))
+            peak = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce_(0, bins, v, reduce="amax")
+            if p.combine is not None:
+                value = RATIO_COMBINE[p.combine](zeros.index_add(0, bins, torch.cat(p.num)),
+                                                 zeros.index_add(0, bins, torch.cat(p.den)))
             else:
-                value = s.total / s.count.clamp_min(1)
-            for b in used:
+                value = zeros.index_add(0, bins, v) / count.clamp_min(1)
+            for b in torch.nonzero(count > 0).flatten().tolist():
                 bin_ = self.plan.bins[b]
                 out.append({
                     "variant": variant, "mode": mode, "layer": layer, "phase": bin_.phase, "chunk": bin_.chunk,
                     "step": bin_.step, "turn": bin_.turn, "pos_bin": bin_.start, "pos_end": bin_.end, "tap": tap,
-                    "metric": metric, "value": float(value[b]), "max": float(s.peak[b]), "count": int(s.count[b]),
+                    "metric": metric, "value": float(value[b]), "max": float(peak[b]), "count": int(count[b]),
                 })
         return out

@@ -47,11 +47,35 @@ def _fill(v: torch.Tensor) -> float | int | bool:
     return 0 if v.is_floating_point() else -1
 
 
-def _pad_last(v: torch.Tensor, width: int) -> torch.Tensor:
+def _pad_last(v: torch.Tensor, width: int, fill: float | int | bool | None = None) -> torch.Tensor:
     if v.shape[-1] == width:
         return v
-    pad = torch.full((*v.shape[:-1], width - v.shape[-1]), _fill(v), dtype=v.dtype, device=v.device)
+    fill = _fill(v) if fill is None else fill
+    pad = torch.full((*v.shape[:-1], width - v.shape[-1]), fill, dtype=v.dtype, device=v.device)
     return torch.cat([v, pad], -1)
+
+
+def stack_samples(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack per-position sampled entries whose key lists differ in length, padding each list to the longest:
+    ids −1, masks False, values 0, indexer scores −inf. An attn.probs row is [window keys | compressed keys],
+    so its two parts are padded separately and each probability stays next to the key it belongs to."""
+    if "probs" in entries[0]:
+        w_max = max(e["window_pos"].shape[-1] for e in entries)
+        aligned = []
+        for e in entries:
+            w = e["window_pos"].shape[-1]
+            aligned.append(dict(e, probs=torch.cat([_pad_last(e["probs"][..., :w], w_max), e["probs"][..., w:]], -1)))
+        entries = aligned
+    out = {}
+    for name in entries[0]:
+        parts = [e[name] for e in entries]
+        if parts[0].dim() == 0:
+            out[name] = torch.stack(parts)
+            continue
+        width = max(p.shape[-1] for p in parts)
+        fill = float("-inf") if name == "scores" else None
+        out[name] = torch.stack([_pad_last(p, width, fill) for p in parts])
+    return out
 
 
 class RecordingSink:
@@ -105,23 +129,17 @@ class RecordingSink:
         return {k: v[row_ids] for k, v in self.rows[tap].items()}
 
     def samples_at(self, tap: str, positions: list[int]) -> dict[str, torch.Tensor]:
-        """Stack the recorded sampled entries, padding ragged key lists (comp_rows −1, probs 0)."""
-        entries = [self.samples[tap][p] for p in positions]
-        out = {}
-        for name in entries[0]:
-            parts = [e[name] for e in entries]
-            width = max(p.shape[-1] for p in parts) if parts[0].dim() else 0
-            if parts[0].dim() == 0 or all(p.shape[-1] == width for p in parts):
-                out[name] = torch.stack(parts)
-                continue
-            fill = -1 if not parts[0].is_floating_point() else (float("-inf") if name == "scores" else 0.0)
-            out[name] = torch.stack([torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=fill) for p in parts])
-        return out
+        """The recorded sampled entries at these positions, stacked (ragged key lists padded: stack_samples)."""
+        return stack_samples([self.samples[tap][p] for p in positions])
 
 
 @dataclass
 class ComparingSink:
-    """Compares one stack's taps of one layer with the reference's, accumulating metrics per bin."""
+    """Compares one stack's taps of one layer with the reference's, accumulating metrics per bin.
+
+    Dense taps are compared as they arrive. Sampled taps (attention rows, indexer scores) come a few positions
+    per query block or decode step; they are held and compared in batches of up to BATCH_POSITIONS, never
+    mixing phases, so each comparison runs over many positions at once. `finish()` compares what is left."""
 
     record: RecordingSink
     acc: LayerAccumulator
@@ -132,7 +150,12 @@ class ComparingSink:
     phase_of: torch.Tensor  # [T] 0 prefill / 1 decode
     findings: list[Finding]
     dump: "DumpSink | None" = None
-    _pending_scores: dict[int, Any] = field(default_factory=dict)
+    _held: dict[str, list[tuple[int, dict[str, torch.Tensor]]]] = field(
+        default_factory=lambda: {"attn.probs": [], "indexer.scores": []})
+
+    BATCH_POSITIONS = 32
+    """At Flash width an attention row is compared over ≤ ~2,000 key slots × 64 heads in fp64: 32 positions keep
+    a batch's temporaries near 0.5 GB."""
 
     def wants(self, tap: str) -> bool:
         return (tap in COMPARATORS and (tap in self.record.dense or tap in self.record.rows or tap == "attn.probs")) \
@@ -155,33 +178,44 @@ class ComparingSink:
                 self.acc.add(tap, mv, bin_positions=row_end.cpu())
             return
         if tap == "attn.probs":
-            sampled = [int(p) for p in positions.tolist() if int(p) in self.record.samples["attn.probs"]]
-            if not sampled:
-                return
-            index = {int(p): i for i, p in enumerate(positions.tolist())}
-            pick = torch.tensor([index[p] for p in sampled])
-            var = {k: v[pick.to(v.device)].cpu() for k, v in values.items()}
-            ref = self.record.samples_at("attn.probs", sampled)
-            self._add(tap, COMPARATORS[tap](torch.tensor(sampled), ref, var, self.ctx))
+            self._hold(tap, positions, values, self.record.samples["attn.probs"])
             return
         ref = self.record.at(tap, positions)
-        pos_cpu = positions.cpu()
-        self._add(tap, COMPARATORS[tap](pos_cpu, ref, values, self.ctx))
-        if tap == "indexer.selected":
-            self._boundary_recall(positions, ref, values)
+        self._add(tap, COMPARATORS[tap](positions.cpu(), ref, values, self.ctx))
+        if tap == "indexer.selected":  # boundary recall: the selections at positions with recorded scores
+            self._hold("indexer.scores", positions, {"ref_" + k: v for k, v in ref.items()} | values,
+                       self.record.samples["indexer.scores"])
 
-    def _boundary_recall(self, positions: torch.Tensor, ref_sel: dict, var_sel: dict) -> None:
-        scored = self.record.samples["indexer.scores"]
-        picks = [i for i, p in enumerate(positions.tolist()) if p in scored]
-        if not picks:
+    def _hold(self, tap: str, positions: torch.Tensor, values: dict[str, torch.Tensor], recorded: dict) -> None:
+        """Keep the entries of positions the reference sampled, one per position, comparing in batches."""
+        held = self._held[tap]
+        for i, p in enumerate(positions.tolist()):
+            if p not in recorded:
+                continue
+            if held and (len(held) >= self.BATCH_POSITIONS or bool(self.phase_of[held[0][0]] != self.phase_of[p])):
+                self._compare_held(tap)
+            held.append((p, {k: v[i].detach().cpu() for k, v in values.items()}))
+
+    def finish(self) -> None:
+        """Compare the sampled entries still held: call once the stack has run the layer."""
+        for tap in self._held:
+            self._compare_held(tap)
+
+    def _compare_held(self, tap: str) -> None:
+        held = self._held[tap]
+        if not held:
             return
-        idx = torch.tensor(picks)
-        pos = positions.cpu()[idx]
-        ref_scores = self.record.samples_at("indexer.scores", pos.tolist())
-        mv = compare_indexer_scores(pos, ref_scores, None, self.ctx,
-                                    {k: v[idx.to(v.device)] for k, v in ref_sel.items()},
-                                    {k: v[idx.to(v.device)] for k, v in var_sel.items()})
-        self._add("indexer.scores", mv)
+        positions = [p for p, _ in held]
+        pos = torch.tensor(positions)
+        var = stack_samples([e for _, e in held])
+        held.clear()
+        ref = self.record.samples_at(tap, positions)
+        if tap == "attn.probs":
+            self._add(tap, COMPARATORS[tap](pos, ref, var, self.ctx))
+            return
+        ref_sel = {k[4:]: v for k, v in var.items() if k.startswith("ref_")}
+        var_sel = {k: v for k, v in var.items() if not k.startswith("ref_")}
+        self._add(tap, compare_indexer_scores(pos, ref, None, self.ctx, ref_sel, var_sel))
 
     def _add(self, tap: str, values: list[MetricValues]) -> None:
         for mv in values:

@@ -229,6 +229,7 @@ class LockstepRunner:
                     block = engine_layers.get(name) or self.engines[name].layer(layer, weights)
                     engine_layers[name] = block
                 out = self.engines[name].run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink)
+            sink.finish()
             if mode == "global":
                 new_streams[name] = out
             rows += acc.rows(name, mode, layer)
