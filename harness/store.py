@@ -47,6 +47,7 @@ class RunStore:
         self.findings_path = self.dir / "findings.json"
         self.state_path = self.dir / "state" / "streams.pt"
         self.dumps_dir = self.dir / "dumps"
+        self._parts: dict[Path, pa.Table] = {}  # layer parts read or written by this store, so each is read once
 
     # --- manifest ---------------------------------------------------------------------------
     def exists(self) -> bool:
@@ -84,6 +85,7 @@ class RunStore:
         tmp = self.part_path(layer).with_suffix(".parquet.tmp")
         pq.write_table(table, tmp)
         os.replace(tmp, self.part_path(layer))
+        self._parts[self.part_path(layer)] = table
         self._combine()
 
     def completed_layers(self) -> list[int]:
@@ -91,8 +93,10 @@ class RunStore:
 
     def _combine(self) -> None:
         parts = sorted(self.parts_dir.glob("layer-*.parquet"))
-        table = pa.concat_tables([pq.read_table(p, schema=METRICS_SCHEMA) for p in parts]) if parts \
-            else METRICS_SCHEMA.empty_table()
+        for p in parts:
+            if p not in self._parts:
+                self._parts[p] = pq.read_table(p, schema=METRICS_SCHEMA)
+        table = pa.concat_tables([self._parts[p] for p in parts]) if parts else METRICS_SCHEMA.empty_table()
         tmp = self.metrics_path.with_suffix(".parquet.tmp")
         pq.write_table(table, tmp)
         os.replace(tmp, self.metrics_path)

@@ -135,31 +135,39 @@ def indexer_topk(ctx: OpContext, logits: torch.Tensor, positions: torch.Tensor, 
     return row_ids, valid
 
 
-def _slots_as_shared(ctx: OpContext, cache: str, slots: torch.Tensor) -> tuple[KeySet, torch.Tensor]:
-    """Rows for per-query slots [B, K] loaded once over their distinct range [lo, hi] and shared by the block,
-    with a [B, hi−lo+1] mask of which query uses which row. Returns the key set and the row slots."""
-    valid = slots >= 0
-    if not bool(valid.any()):
+def _valid_range(slots: torch.Tensor) -> tuple[int, int] | None:
+    """Smallest and largest valid (≥ 0) slot; None when no slot is valid. (Two reductions, no boolean-mask copy.)"""
+    hi = int(slots.max()) if slots.numel() else -1
+    if hi < 0:
+        return None
+    return int(torch.where(slots >= 0, slots, hi).min()), hi
+
+
+def _slots_as_shared(ctx: OpContext, cache: str, slots: torch.Tensor, span: tuple[int, int] | None
+                     ) -> tuple[KeySet, torch.Tensor]:
+    """Rows for per-query slots [B, K] loaded once over their distinct range span = (lo, hi) and shared by the
+    block, with a [B, hi−lo+1] mask of which query uses which row. Returns the key set and the row slots."""
+    if span is None:
         empty = torch.zeros(0, ctx.cfg.head_dim, device=slots.device)
         return KeySet(empty, torch.zeros(slots.shape[0], 0, dtype=torch.bool, device=slots.device)), slots[:, :0]
-    lo, hi = int(slots[valid].min()), int(slots.max())
+    lo, hi = span
     row_slots = torch.arange(lo, hi + 1, device=slots.device)
     mask = torch.zeros(slots.shape[0], hi - lo + 2, dtype=torch.bool, device=slots.device)
-    mask.scatter_(1, torch.where(valid, slots - lo, hi - lo + 1), True)
+    mask.scatter_(1, torch.where(slots >= 0, slots - lo, hi - lo + 1), True)
     return KeySet(ctx.call("kv_load", cache=cache, slots=row_slots), mask[:, :-1]), row_slots
 
 
 def candidate_key_sets(ctx: OpContext, window_slots: torch.Tensor, comp_slots: torch.Tensor) -> list[KeySet]:
     """The block's keys: window rows as one shared band; compressed rows shared too when the block uses most of
     a contiguous range (HCA: all complete blocks), else gathered per query (CSA: a top-k of many rows)."""
-    band, _ = _slots_as_shared(ctx, "window", window_slots)
+    band, _ = _slots_as_shared(ctx, "window", window_slots, _valid_range(window_slots))
     if comp_slots.shape[-1] == 0:
         return [band]
-    valid = comp_slots >= 0
-    span = int(comp_slots.max()) - int(comp_slots[valid].min()) + 1 if bool(valid.any()) else 0
-    if share_rows(span, comp_slots.shape[-1], ctx.cfg.num_attention_heads, ctx.device):
-        return [band, _slots_as_shared(ctx, "compressed", comp_slots)[0]]
-    return [band, KeySet(ctx.call("kv_load", cache="compressed", slots=comp_slots), valid)]
+    span = _valid_range(comp_slots)
+    n_rows = span[1] - span[0] + 1 if span else 0
+    if share_rows(n_rows, comp_slots.shape[-1], ctx.cfg.num_attention_heads, ctx.device):
+        return [band, _slots_as_shared(ctx, "compressed", comp_slots, span)[0]]
+    return [band, KeySet(ctx.call("kv_load", cache="compressed", slots=comp_slots), comp_slots >= 0)]
 
 
 def sparse_attention(ctx: OpContext, q: torch.Tensor, window_slots: torch.Tensor, comp_slots: torch.Tensor,
