@@ -178,7 +178,7 @@ def sparse_attention(ctx: OpContext, q: torch.Tensor, window_slots: torch.Tensor
     qb = bf16(q)
 
     def scores(ks: KeySet) -> torch.Tensor:
-        return (qb @ ks.keys.transpose(-1, -2)).masked_fill_(~ks.valid[:, None, :], float("-inf"))
+        return torch.where(ks.valid[:, None, :], qb @ ks.keys.transpose(-1, -2), float("-inf"))
 
     logits = torch.cat([scores(ks) for ks in key_sets], -1).mul_(ctx.cfg.head_dim**-0.5)
     m = torch.maximum(logits.amax(-1), sink[None, :])

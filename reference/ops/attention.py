@@ -68,7 +68,7 @@ def sparse_attention_with_sink(q: torch.Tensor, key_sets: list[KeySet], sink: to
     d = q.shape[-1]
 
     def scores(ks: KeySet) -> torch.Tensor:  # q·kv_j for every key of the set: [B, H, K]
-        return (q @ ks.keys.transpose(-1, -2)).masked_fill_(~ks.valid[:, None, :], float("-inf"))
+        return torch.where(ks.valid[:, None, :], q @ ks.keys.transpose(-1, -2), float("-inf"))
 
     logits = torch.cat([scores(ks) for ks in key_sets], -1).div_(d**0.5)
     max_logit = logits.amax(-1)
