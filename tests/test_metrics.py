@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from harness.metrics import CompareContext, compare_selected
+from harness.probes import stack_samples
 
 
 def test_selection_recalls_and_the_subset_pick_share():
@@ -22,3 +23,19 @@ def test_selection_recalls_and_the_subset_pick_share():
     assert got["ctx.earlier_turn_recall"] == [0.75, 0.75] and got["ctx.earlier_turn_pick_share"] == [0.25, 0.25]
     # needle picks are rows 1 and 2: query 0 lost one of its two (recall 1/2; one pick is worth 1/2), query 1 none
     assert got["ctx.needle_recall"] == [0.5, 1.0] and got["ctx.needle_pick_share"] == [0.5, 0.5]
+
+
+def test_stacked_attention_rows_keep_each_probability_next_to_its_key():
+    """Sampled attn.probs entries of different band widths are stacked for one comparison: the window part and
+    the compressed part of each row are padded separately (probability 0, key −1), so no probability moves
+    onto another key's column."""
+    narrow = {"window_pos": torch.tensor([5, 6]), "comp_rows": torch.tensor([0]),
+              "probs": torch.tensor([[0.1, 0.2, 0.7]]), "sink_prob": torch.tensor([0.0]), "max_logit": torch.tensor([1.0])}
+    wide = {"window_pos": torch.tensor([4, 5, 6]), "comp_rows": torch.tensor([0, 1]),
+            "probs": torch.tensor([[0.1, 0.1, 0.1, 0.3, 0.4]]), "sink_prob": torch.tensor([0.0]),
+            "max_logit": torch.tensor([2.0])}
+    s = stack_samples([narrow, wide])
+    assert s["window_pos"].tolist() == [[5, 6, -1], [4, 5, 6]]
+    assert s["comp_rows"].tolist() == [[0, -1], [0, 1]]
+    assert torch.equal(s["probs"][0], torch.tensor([[0.1, 0.2, 0.0, 0.7, 0.0]]))  # row 0's 0.7 stays on comp row 0
+    assert torch.equal(s["probs"][1], wide["probs"])
