@@ -205,17 +205,15 @@ def compare_selected(pos, ref, var, ctx) -> list[MetricValues]:
     recall = torch.where(n_ref > 0, n_hit / n_ref.clamp_min(1), torch.ones_like(n_ref))
     out = [MetricValues("indexer.recall", pos, recall), MetricValues("indexer.flips", pos, n_ref - n_hit)]
     rows = rows_r.long().clamp_min(0)
-    # a row lies wholly in an earlier turn when its span ends by the turn's start: (r+1)·m ≤ t0 ⟺ r < ⌊t0/m⌋
-    early = valid_r & (rows < torch.div(ctx.turn_start[pos.cpu()], ctx.ratio, rounding_mode="floor")[:, None])
+    start, end = row_span(ctx, torch.arange(int(rows.max()) + 1 if rows.numel() else 0))  # per row id
+    early = valid_r & (end[rows] <= ctx.turn_start[pos.cpu()][:, None])  # the row's span ends by the turn's start
     n_early = early.sum(1).double()
     keep = n_early > 0
     if bool(keep.any()):
         out.append(MetricValues("ctx.earlier_turn_recall", pos[keep], ((hit & early).sum(1).double() / n_early)[keep]))
         out.append(MetricValues("ctx.earlier_turn_pick_share", pos[keep], (1 / n_early)[keep]))
     if ctx.needle_spans:
-        row_ids = torch.arange(int(rows.max()) + 1 if rows.numel() else 0)
-        start, end = row_span(ctx, row_ids)
-        needle_row = torch.zeros_like(row_ids, dtype=torch.bool)  # per row id: its span touches a needle
+        needle_row = torch.zeros_like(start, dtype=torch.bool)  # per row id: its span touches a needle
         for s, e in ctx.needle_spans:
             needle_row |= (start < e) & (end > s)
         on_needle = valid_r & needle_row[rows]

@@ -183,8 +183,7 @@ class ComparingSink:
         ref = self.record.at(tap, positions)
         self._add(tap, COMPARATORS[tap](positions.cpu(), ref, values, self.ctx))
         if tap == "indexer.selected":  # boundary recall: the selections at positions with recorded scores
-            self._hold("indexer.scores", positions, {"ref_" + k: v for k, v in ref.items()} | values,
-                       self.record.samples["indexer.scores"])
+            self._hold("indexer.scores", positions, values, self.record.samples["indexer.scores"])
 
     def _hold(self, tap: str, positions: torch.Tensor, values: dict[str, torch.Tensor], recorded: dict) -> None:
         """Keep the entries of positions the reference sampled, one per position, comparing in batches."""
@@ -213,9 +212,8 @@ class ComparingSink:
         if tap == "attn.probs":
             self._add(tap, COMPARATORS[tap](pos, ref, var, self.ctx))
             return
-        ref_sel = {k[4:]: v for k, v in var.items() if k.startswith("ref_")}
-        var_sel = {k: v for k, v in var.items() if not k.startswith("ref_")}
-        self._add(tap, compare_indexer_scores(pos, ref, None, self.ctx, ref_sel, var_sel))
+        ref_selected = {k: v.cpu() for k, v in self.record.at("indexer.selected", pos).items()}
+        self._add(tap, compare_indexer_scores(pos, ref, None, self.ctx, ref_selected, var))
 
     def _add(self, tap: str, values: list[MetricValues]) -> None:
         for mv in values:
