@@ -64,9 +64,17 @@ class LatentCache:
         page, off = self.physical(torch.arange(self.length, self.length + n, device=self.device))
         self.codes.view(torch.uint8)[page, off] = codes.view(torch.uint8)  # byte copy: no fp8 index_put needed
         self.scales[page, off] = scales
-        self.rope_part[page, off] = rows[:, self.nope :].to(torch.bfloat16)
-        self.decoded[page, off] = torch.cat([dequantize_latent_nope(codes, scales), self.rope_part[page, off]], -1)
+        rope = rows[:, self.nope :].to(torch.bfloat16)
+        self.rope_part[page, off] = rope
+        self.decoded[page, off] = torch.cat([dequantize_latent_nope(codes, scales), rope], -1)
         self.length += n
+
+    def to(self, device: torch.device | str) -> "LatentCache":
+        """Move every stored tensor (bits, decoded copy, page table) to `device`; returns self."""
+        for name in ("codes", "scales", "rope_part", "decoded", "page_table"):
+            setattr(self, name, getattr(self, name).to(device))
+        self.device = torch.device(device)
+        return self
 
     def load(self, slots: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (bf16, exact) for slots of any shape; slots < 0 give zero rows."""

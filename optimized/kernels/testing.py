@@ -71,14 +71,7 @@ def _latent_cache(n_rows: int, nope: int, rope: int, device: str, generator: tor
     rows[:, :nope] *= torch.exp(0.5 * torch.randn(n_rows, (nope + 63) // 64, generator=generator)
                                 ).repeat_interleave(64, 1)[:, :nope]
     cache.append(rows)
-    return _to(cache, device)
-
-
-def _to(cache: LatentCache, device: str) -> LatentCache:
-    for name in ("codes", "scales", "rope_part", "decoded", "page_table"):
-        setattr(cache, name, getattr(cache, name).to(device))
-    cache.device = torch.device(device)
-    return cache
+    return cache.to(device)
 
 
 def make_decode_case(batch: int, heads: int, nope: int, rope: int, n_main: int, n_extra: int, device: str = "cpu",
