@@ -14,7 +14,7 @@ import torch
 
 from bench_common import bench_parser, bench_setup
 from optimized.engine import OptimizedModel
-from optimized.patching import default_registry
+from optimized.registry import default_registry
 from reference.layer import ReferenceLayer
 from reference.model import ReferenceModel, segment_lengths
 from reference.weights.synthetic import SyntheticWeights

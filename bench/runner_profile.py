@@ -17,8 +17,8 @@ import time
 import torch
 
 from bench_common import bench_parser, bench_setup
-from harness.runner import LockstepRunner, RunSpec, VariantSpec
-from harness.store import RunStore
+from harness.run.runner import LockstepRunner, RunSpec, VariantSpec
+from harness.run.store import RunStore
 from reference.weights.synthetic import SyntheticWeights
 
 

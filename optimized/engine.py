@@ -10,7 +10,7 @@ each phase.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -20,6 +20,7 @@ from optimized.numerics import DenseCache, bf16, rms_norm_bf16
 from optimized.ops import OpContext, OpTable
 from optimized.paged_cache import IndexKeyCache, LatentCache
 from optimized.patching import PHASES, PatchChoice
+from optimized.state import EngineState
 from reference.config import ModelConfig
 from reference.layer import query_block_size
 from reference.model import ForwardResult, segment_lengths
@@ -49,26 +50,6 @@ class EngineOptions:
         return {"indexer_fp4": self.indexer_fp4}
 
 
-@dataclass
-class EngineState:
-    """Per-layer serving state: paged caches plus the compressors' pending windows (spec §10.3)."""
-
-    position: int
-    segment: int  # segments processed so far
-    ratio: int
-    inv_freq: torch.Tensor
-    window: LatentCache  # every token's kv row; window attention reads the last W
-    compressed: LatentCache | None
-    index_keys: IndexKeyCache | None
-    compressor: CompressorState | None
-    indexer_compressor: CompressorState | None
-    extras: dict[str, Any] = field(default_factory=dict)  # free room for plugins' own state
-
-    def cache(self, name: str) -> LatentCache | IndexKeyCache:
-        cache = {"window": self.window, "compressed": self.compressed, "index": self.index_keys}.get(name)
-        if cache is None:
-            raise KeyError(f"layer has no '{name}' cache")
-        return cache
 
 
 class OptimizedLayer:

@@ -10,55 +10,20 @@ stated otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
+from optimized.numerics import DenseCache
+from optimized.op_specs import OP_SPECS, OpSpec
+from optimized.patching import PatchChoice, PluginOpError
+from optimized.state import EngineState
 from reference.config import ModelConfig
 from reference.weights.source import TensorBundle
 
-if TYPE_CHECKING:  # pragma: no cover
-    from optimized.engine import EngineState
-    from optimized.numerics import DenseCache
-    from optimized.patching import PatchChoice
+__all__ = ["OP_SPECS", "OpContext", "OpSpec", "OpTable", "Routing"]
 
 
-@dataclass(frozen=True)
-class OpSpec:
-    inputs: tuple[str, ...]
-    returns: str
-    doc: str
-
-
-OP_SPECS: dict[str, OpSpec] = {
-    "linear": OpSpec(("x", "site"), "y",
-                     "x @ W(site)ᵀ. Sites: attn.wq_a, attn.wq_b, attn.wkv, attn.wo_a (x [S, G, (H/G)·d], grouped), "
-                     "attn.wo_b, attn.indexer.wq_b, attn.indexer.weights_proj, attn.compressor.{wkv,wgate}, "
-                     "attn.indexer.compressor.{wkv,wgate}, ffn.gate, ffn.shared_experts.{w1,w3,w2}. Base precision "
-                     "per site: FP8 (1×128 act, 128×128 weights), bf16, or fp32 (LINEAR_PRECISION)."),
-    "hc_prelinear": OpSpec(("streams", "site"), "mixes [S, (2+n)n]",
-                           "mHC pre-linear m = ρ·(fn·x̂) of site 'attn' or 'ffn' (fp32 in the base engine)."),
-    "hc_pre": OpSpec(("streams", "site"), "(a [S, D], HCMix)", "HC_pre: mixes → pre/post/Sinkhorn comb; a = Σ pre·X."),
-    "hc_post": OpSpec(("f", "streams", "mix"), "streams [S, n, D]", "HC_post: post·f + Cᵀ·X, stored bf16."),
-    "compressor": OpSpec(("which", "x", "positions"), "rows [R, d]",
-                         "Feed tokens to the 'main' or 'indexer' compressor (ctx.state carries the windows); "
-                         "returns the rows completed by this call, normed and rotated."),
-    "kv_store": OpSpec(("cache", "rows"), "None", "Append rows to cache 'window', 'compressed' or 'index'."),
-    "kv_load": OpSpec(("cache", "slots"), "rows [..., d]",
-                      "Read rows of cache 'window' or 'compressed' (bf16 values; slot −1 gives zeros)."),
-    "indexer_logits": OpSpec(("q", "weights", "positions"), "logits [B, R]",
-                             "Lightning-indexer scores of queries against every row of the 'index' cache; rows not "
-                             "visible to a query carry the masked value."),
-    "indexer_topk": OpSpec(("logits", "positions", "k"), "(row_ids [B, k'], valid [B, k'])",
-                           "Top-k rows per query; valid marks causal picks."),
-    "sparse_attention": OpSpec(("q", "window_slots", "comp_slots", "sink"), "(out [B, H, d], lse [B, H])",
-                               "Attention of q over its window rows and compressed rows with the per-head sink."),
-    "router": OpSpec(("y", "token_ids"), "Routing", "Router scores, expert ids and weights (hash or learned)."),
-    "experts": OpSpec(("y", "routing"), "out [S, D]", "Weighted sum of the routed experts (fp32 accumulation)."),
-    "chunk_state_carry": OpSpec(("state",), "state",
-                                "Called before every prefill chunk and decode step after the first: the state "
-                                "(window, compressor and indexer-compressor state, caches) carried across."),
-}
 
 
 @dataclass
@@ -83,9 +48,9 @@ class OpContext:
     phase: str  # "prefill" | "decode"
     segment: int  # index of this prefill chunk / decode step within the phase
     positions: torch.Tensor  # absolute positions of the segment's tokens
-    state: "EngineState"
+    state: EngineState
     weights: TensorBundle  # stored formats (QuantizedTensor for FP8/FP4/NVFP4)
-    dense: "DenseCache"
+    dense: DenseCache
     device: torch.device
     engine_options: dict[str, Any]
     table: "OpTable"
@@ -105,12 +70,12 @@ class OpContext:
 class OpTable:
     """The op chains of one variant in one phase: base implementation at the bottom, patches on top."""
 
-    def __init__(self, base_impls: dict[str, Callable[..., Any]], choices: "list[PatchChoice]", phase: str) -> None:
+    def __init__(self, base_impls: dict[str, Callable[..., Any]], choices: list[PatchChoice], phase: str) -> None:
         missing = sorted(set(OP_SPECS) - set(base_impls))
         if missing:
             raise ValueError(f"base engine lacks implementations of ops {missing}")
         self.phase = phase
-        self.chains: dict[str, list[tuple[Callable[..., Any], "PatchChoice | None"]]] = {
+        self.chains: dict[str, list[tuple[Callable[..., Any], PatchChoice | None]]] = {
             name: [(fn, None)] for name, fn in base_impls.items()}
         for choice in choices:
             if phase not in choice.patch.active_phases(choice.options):
@@ -122,8 +87,6 @@ class OpTable:
         return self._invoke(name, len(self.chains[name]) - 1, ctx, inputs)
 
     def _invoke(self, name: str, level: int, ctx: OpContext, inputs: dict[str, Any]) -> Any:
-        from optimized.patching import PluginOpError
-
         fn, choice = self.chains[name][level]
         if choice is None:
             return fn(replace(ctx, options={}, patch_id=None, base=None), **inputs)

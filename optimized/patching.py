@@ -14,7 +14,8 @@ an implementation `fn(ctx, **inputs)`. Inside, `ctx.base(**inputs)` runs whateve
         return row_ids, valid & (row_ids * 4 >= positions[:, None] - 1024)
 
 A plugin module (a .py file or an importable module given to `--patch-module`) exposes its patches
-as module-level `Patch` objects. Op names and their inputs are listed in `optimized.ops.OP_SPECS`.
+as module-level `Patch` objects. Op names and their inputs are listed in `optimized.ops.OP_SPECS`; `optimized.registry.default_registry`
+builds the registry of built-in and plugin patches.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from optimized.ops import OP_SPECS
+from optimized.op_specs import OP_SPECS
 
 PHASES = ("prefill", "decode")
 
@@ -194,14 +195,3 @@ def load_plugin(registry: PatchRegistry, spec: str) -> list[Patch]:
         registry.add(patch)
     return found
 
-
-def default_registry(plugins: list[str] | None = None) -> PatchRegistry:
-    """The built-in patches (optimized-stack O1–O5) plus the given plugin modules."""
-    from optimized.patches import BUILT_IN_PATCHES
-
-    registry = PatchRegistry()
-    for patch in BUILT_IN_PATCHES:
-        registry.add(patch)
-    for spec in plugins or []:
-        load_plugin(registry, spec)
-    return registry

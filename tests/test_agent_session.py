@@ -2,8 +2,8 @@
 
 import pytest
 
-from harness.agent_session import generate_agent_session
-from harness.tokenizer import (
+from harness.scenario.agent_session import generate_agent_session
+from harness.scenario.tokenizer import (
     ASSISTANT,
     EOS,
     SPECIAL_TOKEN_IDS,

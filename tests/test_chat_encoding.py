@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.chat_encoding import Message, ToolCall, encode_chat, render_chat
-from harness.tokenizer import (
+from harness.scenario.chat_encoding import Message, ToolCall, encode_chat, render_chat
+from harness.scenario.tokenizer import (
     ASSISTANT,
     BOS,
     EOS,
@@ -171,7 +171,7 @@ def test_reasoning_on_a_user_message_is_rejected():
 
 def test_fallback_ids_are_the_same_in_another_process():
     text = "def parse_header(self):\n        return 4471  # ZX-QQ <｜User｜>"
-    script = f"from harness.tokenizer import FallbackTokenizer; print(FallbackTokenizer().encode({text!r}))"
+    script = f"from harness.scenario.tokenizer import FallbackTokenizer; print(FallbackTokenizer().encode({text!r}))"
     environment = {**os.environ, "PYTHONHASHSEED": "12345"}
     other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment, check=True)
     assert other.stdout.strip() == str(FallbackTokenizer().encode(text))

@@ -2,7 +2,7 @@
 
 One layer-major pass over the demo's prompt with the stock engine and the two decode-only patches:
 - the base engine drifts (non-zero at every layer and phase) but stays within its derived bound, 16× the
-  bf16 yardstick (u_e4m3/u_bf16, harness/policies/default.yaml rule 1), layer means in global mode;
+  bf16 yardstick (u_e4m3/u_bf16, harness/gate/policies/default.yaml rule 1), layer means in global mode;
 - a patch declared decode-only leaves every prefill number identical to the base engine's and changes
   decode numbers: its drift appears only in its declared phase.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from harness.run_setup import Overrides, build_run_spec
-from harness.runner import LockstepRunner, VariantSpec
+from harness.run.setup import Overrides, build_run_spec
+from harness.run.runner import LockstepRunner, VariantSpec
 from harness.scenario import find_scenario, load_scenario
-from harness.store import RunStore
-from optimized.patching import default_registry
+from harness.run.store import RunStore
+from optimized.registry import default_registry
 
 pytestmark = pytest.mark.slow
 DECODE_ONLY = ("mma-sparse-decode", "triton-indexer")

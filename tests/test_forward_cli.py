@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.cli import main
+from harness.cli.main import main
 from hf_oracle import build_hf_model, hf_run, save_hf_checkpoint, tiny_hf_config
 from reference.config import TINY
 from reference.weights.synth import write_synthetic_checkpoint

@@ -1,5 +1,5 @@
 """The gate (DESIGN §5) on small synthetic run directories: each test builds a run with RunStore and a few
-hand-written metric rows, runs `dsv4-drift gate` (harness.cli.main) and checks the exit code and outputs.
+hand-written metric rows, runs `dsv4-drift gate` (harness.cli.main.main) and checks the exit code and outputs.
 
 `make_run` and `rows_for` are reused by tests/test_pytest_plugin.py.
 """
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli import main
+from harness.cli.main import main
 from harness.errors import UsageError
-from harness.gate import gate_run
-from harness.gate_eval import load_run, select_layers
-from harness.gate_policy import DEFAULT_POLICY, METRICS, config_names, load_policy, parse_policy
-from harness.store import RunStore
+from harness.gate.gate_run import gate_run
+from harness.gate.evaluate import load_run, select_layers
+from harness.gate.policy import DEFAULT_POLICY, METRICS, config_names, load_policy, parse_policy
+from harness.run.store import RunStore
 
 CONFIG = {
     "name": "synthetic", "num_hidden_layers": 4, "layer_kinds": ["swa", "csa", "hca", "csa"],
@@ -525,9 +525,9 @@ def test_default_policy_on_a_synthetic_run_passes_then_fails_on_hash_flips(tmp_p
 
 
 def test_every_metric_harness_metrics_documents_is_known_to_the_gate():
-    import harness.metrics
+    import harness.run.metrics
 
-    doc = harness.metrics.__doc__
+    doc = harness.run.metrics.__doc__
     names = set()
     for prefix, members in re.findall(r"(\w+)\.\{([^}]*)\}", doc):
         names |= {f"{prefix}.{m.strip()}" for m in members.split(",")}

@@ -12,8 +12,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from harness.cli import main
-from harness.pytest_plugin import DriftHarness
+from harness.cli.main import main
+from harness.cli.pytest_plugin import DriftHarness
 
 SCENARIO = {
     "name": "gate-real-run",

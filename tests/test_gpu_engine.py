@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from optimized.engine import OptimizedModel
-from optimized.patching import default_registry
+from optimized.registry import default_registry
 from reference.config import FLASH, TINY
 from reference.model import ReferenceModel
 from reference.quant import QuantizedTensor

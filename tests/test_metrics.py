@@ -1,11 +1,11 @@
-"""Comparators of harness.metrics on hand-built taps whose answers can be counted by hand."""
+"""Comparators of harness.run.metrics on hand-built taps whose answers can be counted by hand."""
 
 from __future__ import annotations
 
 import torch
 
-from harness.metrics import CompareContext, compare_selected
-from harness.probes import stack_samples
+from harness.run.metrics import CompareContext, compare_selected
+from harness.run.probes import stack_samples
 
 
 def test_selection_recalls_and_the_subset_pick_share():

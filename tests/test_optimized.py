@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from optimized.engine import OptimizedModel
-from optimized.patching import default_registry
+from optimized.registry import default_registry
 from reference.config import FLASH_MINI, TINY
 from reference.layer import ReferenceLayer
 from reference.model import ReferenceModel, segment_lengths

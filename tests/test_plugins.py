@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from optimized.engine import OptimizedModel
-from optimized.patching import PatchError, PluginOpError, default_registry, load_plugin, PatchRegistry
+from optimized.patching import PatchError, PluginOpError, load_plugin, PatchRegistry
+from optimized.registry import default_registry
 from reference.config import TINY
 from reference.weights.synthetic import SyntheticWeights
 

@@ -1,6 +1,6 @@
-"""The pytest plugin (harness.pytest_plugin): a team's own test suite gating drift with the `dsv4_drift` fixture.
+"""The pytest plugin (harness.cli.pytest_plugin): a team's own test suite gating drift with the `dsv4_drift` fixture.
 
-The inner test sessions load the plugin with `-p harness.pytest_plugin` and entry-point autoloading off, so
+The inner test sessions load the plugin with `-p harness.cli.pytest_plugin` and entry-point autoloading off, so
 these tests behave the same whether or not the package's pytest11 entry point is installed.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.pytest_plugin import DriftHarness
+from harness.cli.pytest_plugin import DriftHarness
 from test_gate import STREAM_POLICY, good_streams, make_run, rows_for, write
 
 pytest_plugins = ["pytester"]
@@ -31,7 +31,7 @@ def runs(tmp_path: Path) -> dict[str, Path]:
 
 def run_inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str) -> pytest.RunResult:
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
-    return pytester.runpytest_inprocess("-p", "harness.pytest_plugin", "-p", "no:cacheprovider",
+    return pytester.runpytest_inprocess("-p", "harness.cli.pytest_plugin", "-p", "no:cacheprovider",
                                         "-W", "ignore::pytest.PytestAssertRewriteWarning", *args)
 
 
@@ -73,7 +73,7 @@ def test_command_line_options_set_the_session_default_policy(pytester, monkeypat
 
 def test_run_passes_the_scenario_and_overrides_to_dsv4_drift_run(tmp_path, monkeypatch, runs):
     """`run` goes through the `dsv4-drift run` command (replaced here by a stub that writes a synthetic run)."""
-    import harness.commands.run
+    import harness.cli.commands.run
 
     seen: list[argparse.Namespace] = []
 
@@ -82,7 +82,7 @@ def test_run_passes_the_scenario_and_overrides_to_dsv4_drift_run(tmp_path, monke
         make_run(args.out, rows_for("streams.rel_l2", good_streams()))
         return 0
 
-    monkeypatch.setattr(harness.commands.run, "run", fake_run)
+    monkeypatch.setattr(harness.cli.commands.run, "run", fake_run)
     drift = DriftHarness(policy=runs["policy"])
     run_dir = drift.run("tiny-smoke", out=tmp_path / "r", device="cpu", patches="all", patch_modules=["p.py"])
     assert run_dir == tmp_path / "r"

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.cli import main
-from harness.report import write_report
-from harness.report_data import CODE_ALPHABET, NONFINITE, build_payload, pack_row
-from harness.report_html import extract_payload
-from harness.report_synthetic import write_synthetic_run
+from harness.cli.main import main
+from harness.report.write import write_report
+from harness.report.data import CODE_ALPHABET, NONFINITE, build_payload, pack_row
+from harness.report.html import extract_payload
+from harness.report.synthetic import write_synthetic_run
 
 HOSTILE = "<script>document.title='pwned'</script></script><img src=x onerror=alert(1)>&amp;"
 
@@ -178,7 +178,7 @@ def test_non_finite_values_travel_as_markers(tmp_path: Path) -> None:
                               n_single_patch_variants=1, gate=False, attribution=False)
     import pyarrow.parquet as pq
 
-    from harness.store import RunStore
+    from harness.run.store import RunStore
 
     store = RunStore(run)
     table = pq.read_table(store.part_path(0)).to_pandas()

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.report import write_report
-from harness.report_synthetic import write_synthetic_run
+from harness.report.write import write_report
+from harness.report.synthetic import write_synthetic_run
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 BROWSER = os.environ.get("CHROMIUM") or next((b for b in map(shutil.which, BROWSERS) if b), None)

@@ -15,9 +15,9 @@ import pandas as pd
 import pytest
 import torch
 
-from harness.cli import main
-from harness.runner import LockstepRunner
-from harness.store import METRICS_SCHEMA, RunStore
+from harness.cli.main import main
+from harness.run.runner import LockstepRunner
+from harness.run.store import METRICS_SCHEMA, RunStore
 
 CANONICAL_METRICS = {
     "streams.rel_l2", "streams.cosine", "streams.sqnr_db", "attn.tv", "attn.kl", "attn.js", "attn.out_rel_l2",
@@ -65,7 +65,7 @@ def test_killed_run_resumes_to_identical_metrics(tmp_path, tiny_run):
     """Issue: a run killed at a random layer and resumed gives the same metrics.parquet as an uninterrupted run."""
     out = tmp_path / "killed"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "run", "tiny-smoke", "--out", str(out), "--no-report"],
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli.main", "run", "tiny-smoke", "--out", str(out), "--no-report"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     kill_after = random.Random(1234).randint(1, 4)  # a layer in the middle of the 5-layer model
     deadline = time.time() + 300
@@ -143,7 +143,7 @@ def test_run_cli_input_errors_exit_2(tmp_path, capsys):
 
 
 def test_progress_reports_every_layer(tmp_path):
-    from harness.run_setup import Overrides, build_run_spec
+    from harness.run.setup import Overrides, build_run_spec
     from harness.scenario import find_scenario, load_scenario
 
     spec, _ = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(local=False))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.chat_encoding import PREAMBLE_TURN
-from harness.cli import main
+from harness.scenario.chat_encoding import PREAMBLE_TURN
+from harness.cli.main import main
 from harness.errors import UsageError
 from harness.scenario import (
     SCENARIOS_DIR,
@@ -19,9 +19,9 @@ from harness.scenario import (
     resolve_prompt,
     shipped_scenarios,
 )
-from harness.scenario_prompt import fold_token_id
-from harness.tokenizer import ASSISTANT, SPECIAL_TOKEN_IDS, THINK_START
-from optimized.patching import default_registry
+from harness.scenario.prompt import fold_token_id
+from harness.scenario.tokenizer import ASSISTANT, SPECIAL_TOKEN_IDS, THINK_START
+from optimized.registry import default_registry
 
 BUILT_IN_PATCHES = ["mma-sparse-decode", "triton-indexer", "bf16-indexer-gemm", "bf16-mhc-prelinear", "hash-topk",
                     "nvfp4-experts"]

@@ -1,0 +1,94 @@
+"""`dsv4-drift attribute`: which patch, which phase, which layer first (DESIGN §6)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from harness.attribution.attribute import run_attribution
+from harness.errors import UsageError
+from harness.run.setup import Overrides, build_run_spec, default_out_dir, manifest_for
+from harness.run.runner import RunSpec
+from harness.scenario import find_scenario, load_scenario
+from harness.run.store import RunStore
+from harness.cli.console import console
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "attribute", help="blame matrix and verdict: base, each patch alone, all but one, all — one pass",
+        description="Runs the reference once and, beside it, the base stack, each patch alone, all but one and "
+                    "all; writes attribution.json (patch × layer blame per metric and phase, first divergence per "
+                    "patch, ranked verdict), gate.json and report.html into the run directory.")
+    p.add_argument("scenario", help="scenario file or shipped name")
+    p.add_argument("--patches", help="the patches to attribute (default: every patch any scenario variant uses)")
+    p.add_argument("--patch-module", action="append", default=[], metavar="FILE_OR_MODULE",
+                   help="plugin module with Patch objects (repeatable)")
+    p.add_argument("--policy", help="gate policy file (default: the scenario's gate.policy)")
+    p.add_argument("--interactions", choices=["auto", "always", "never"], default="auto",
+                   help="run every pair of patches in a second pass: when needed (auto), always, or never")
+    p.add_argument("--device", help="cpu or cuda (default: cpu)")
+    p.add_argument("--out", type=Path, help="run directory (default: reports/<scenario>-<UTC time>)")
+    p.add_argument("--no-report", action="store_true")
+    p.set_defaults(func=run)
+
+
+def patches_of(spec: RunSpec) -> list:
+    """Every patch the scenario's variants use, once each, in first-use order."""
+    seen: dict[str, object] = {}
+    for v in spec.variants:
+        for c in v.choices:
+            seen.setdefault(c.id, c)
+    return list(seen.values())
+
+
+def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, ...], policy: str | None,
+              device: str | None, out: Path | None, interactions: str = "auto", progress=None):
+    """Programmatic entry (selftest and tests use it): returns (Attribution, run directory)."""
+    from harness.run.runner import VariantSpec
+
+    path = find_scenario(scenario_ref)
+    scenario = load_scenario(path)
+    overrides = Overrides(device, patches, patch_modules)
+    spec, plan = build_run_spec(scenario, overrides)
+    choices = patches_of(spec)
+    if not choices:
+        raise UsageError("nothing to attribute: no patches selected (give --patches or a scenario with patched variants)")
+    spec.variants = [VariantSpec("patches", choices)]
+    store = RunStore(out or default_out_dir(scenario))
+    if store.exists():
+        raise UsageError(f"{store.dir} already holds a run; choose another --out")
+    manifest = manifest_for(scenario, path.read_text(), overrides, spec, plan)
+    result = run_attribution(spec, store, manifest, policy, progress, interactions)
+    return result, store.dir
+
+
+def run(args: argparse.Namespace) -> int:
+    out = console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=out, transient=True) as bar:
+        task = bar.add_task("attribution", total=None)
+
+        def progress(event: dict) -> None:
+            if event["event"] == "stack":
+                bar.update(task, description=f"layer {event['layer'] + 1} · {event['stack']} · {event['mode']}")
+                bar.advance(task)
+
+        result, run_dir = attribute(args.scenario, args.patches, tuple(args.patch_module), args.policy, args.device,
+                                    args.out, args.interactions, progress)
+    table = Table(title="attribution: first divergence beyond the gate")
+    for col in ("patch", "phase", "first layer", "metric", "value", "bound"):
+        table.add_column(col)
+    for d in result.ranking():
+        table.add_row(d.patch, d.phase, str(d.first_layer), d.metric, f"{d.value:.4g}", f"{d.bound:.4g}")
+    out.print(table)
+    out.print(f"[bold]verdict[/]: {result.verdict()['summary']}")
+    if not args.no_report:
+        from harness.report.write import write_report
+
+        out.print(f"report: {write_report(run_dir)}")
+    out.print(f"run directory: {run_dir}")
+    return 0

@@ -1,0 +1,77 @@
+"""`dsv4-drift selftest`: proof the harness has teeth (DESIGN §6).
+
+Injects faults of known classes through the plugin API (harness.attribution.faults) into a small scenario and
+checks, for each: the gate fails, attribution names the injected patch and its phase — with a benign
+change (same precision, different summation order) riding along as a decoy that must pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from rich.table import Table
+
+from harness.cli.commands.attribute import attribute
+from harness.attribution.faults import FAULTS, benign_change
+from harness.cli.console import console
+
+SELFTEST_SCENARIO = "selftest"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("selftest", help="inject known faults; check the gate fails and attribution names them")
+    p.add_argument("--scenario", default=SELFTEST_SCENARIO, help=f"scenario to inject into (default {SELFTEST_SCENARIO})")
+    p.add_argument("--only", action="append", default=[], help="run only these fault classes (repeatable)")
+    p.add_argument("--out", type=Path, help="keep the run directories here (default: a temporary directory)")
+    p.set_defaults(func=run)
+
+
+def check_fault(name: str, scenario: str, out_dir: Path) -> dict:
+    """One fault: attribution over {fault, benign}; the verdict must name the fault and its phase, the benign
+    patch must not diverge, and the gate must fail."""
+    patch, phase = FAULTS[name]
+    module = "harness.attribution.faults"
+    result, run_dir = attribute(scenario, f"{patch.id},{benign_change.id}", (module,), None, None,
+                                out_dir / patch.id, interactions="never")
+    verdict = result.verdict()
+    benign_divergences = result.divergences.get(benign_change.id, [])
+    problems = []
+    if verdict.get("patch") != patch.id:
+        problems.append(f"verdict names {verdict.get('patch')!r}, expected {patch.id!r}")
+    elif verdict.get("phase") != phase:
+        problems.append(f"verdict phase {verdict.get('phase')!r}, expected {phase!r}")
+    if benign_divergences:
+        d = benign_divergences[0]
+        problems.append(f"benign change diverged: {d.metric} at layer {d.first_layer} {d.phase}")
+    if not result.divergences.get(patch.id):
+        problems.append("the gate did not fail for the fault")
+    return {"fault": name, "patch": patch.id, "expected_phase": phase, "verdict": verdict["summary"],
+            "ok": not problems, "problems": problems, "run_dir": str(run_dir)}
+
+
+def run(args: argparse.Namespace) -> int:
+    out = console()
+    names = args.only or list(FAULTS)
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown:
+        from harness.errors import UsageError
+
+        raise UsageError(f"unknown fault class(es) {unknown}; known: {list(FAULTS)}")
+    with tempfile.TemporaryDirectory(prefix="dsv4-selftest-") as tmp:
+        base = args.out or Path(tmp)
+        rows = []
+        for name in names:
+            out.print(f"selftest: injecting {name} …")
+            rows.append(check_fault(name, args.scenario, base))
+    table = Table(title=f"selftest on {args.scenario}")
+    for col in ("fault class", "patch", "expected phase", "verdict", "result"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["fault"], r["patch"], r["expected_phase"], r["verdict"],
+                      "[green]ok[/]" if r["ok"] else "[red]FAIL[/]: " + "; ".join(r["problems"]))
+    out.print(table)
+    failed = [r for r in rows if not r["ok"]]
+    out.print("[green]selftest passed[/]" if not failed else f"[red]selftest failed: {len(failed)} fault class(es)[/]")
+    return 0 if not failed else 1

@@ -1,0 +1,682 @@
+"""The report's data: a run directory reduced to the compact JSON payload the HTML page draws from.
+
+The run's metrics.parquet holds one row per (variant, mode, layer, bin, tap, metric) — millions of rows for
+a 43-layer, 27K-token run with eight variants. The page needs two reductions of it:
+
+- per layer: each series (tap, metric) aggregated over a phase's bins, for every variant and mode
+  (`mean` over positions, and `worst` = the largest per-position value, or the lowest bin for metrics where
+  higher is better);
+- per layer × position bin, global mode, for the HEATMAP_METRICS only (the heatmap and the per-position
+  charts).
+
+Numbers are rounded to SIGNIFICANT_DIGITS; missing cells are null and non-finite values are the strings
+in NONFINITE (strict JSON has no NaN/Infinity).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from harness.run.store import RunStore
+
+YARDSTICK = "yardstick"  # harness.run.runner.YARDSTICK (not imported: the runner pulls in torch models)
+SIGNIFICANT_DIGITS = 3
+NONFINITE = {"nan": "__nan__", "inf": "__inf__", "-inf": "__-inf__"}
+CROSSING_FACTOR = 2.0
+"""Without a gate, a metric 'crosses' at the first layer where its error exceeds 2× the yardstick's."""
+CROSSING_FLOOR = 1e-9
+"""…plus this absolute floor, so a yardstick error of exactly zero is not crossed by rounding dust."""
+
+
+@dataclass(frozen=True)
+class MetricInfo:
+    family: str  # section of DESIGN §4: streams, attention, indexer, mhc, moe, logits, context
+    label: str
+    better: str  # "lower" | "higher" (bounded by 1: recall, agreement, cosine) | "sqnr" | "neutral"
+    scale: str  # "log" | "linear": how charts draw it
+
+
+METRICS: dict[str, MetricInfo] = {
+    "streams.rel_l2": MetricInfo("streams", "stream rel L2", "lower", "log"),
+    "streams.cosine": MetricInfo("streams", "stream cosine", "higher", "linear"),
+    "streams.sqnr_db": MetricInfo("streams", "stream SQNR dB", "sqnr", "linear"),
+    "streams.max_abs": MetricInfo("streams", "stream max |err|", "lower", "log"),
+    "streams.bias": MetricInfo("streams", "stream bias (mean signed err)", "neutral", "linear"),
+    "streams.amplification": MetricInfo("streams", "amplification global(L)/global(L−1)", "neutral", "linear"),
+    "attn.tv": MetricInfo("attention", "attention TV", "lower", "log"),
+    "attn.kl": MetricInfo("attention", "attention KL(ref‖opt)", "lower", "log"),
+    "attn.js": MetricInfo("attention", "attention JS", "lower", "log"),
+    "attn.out_rel_l2": MetricInfo("attention", "attention output rel L2", "lower", "log"),
+    "attn.lse_delta": MetricInfo("attention", "LSE |Δ|", "lower", "log"),
+    "attn.max_logit_delta": MetricInfo("attention", "max-logit |Δ|", "lower", "log"),
+    "indexer.recall": MetricInfo("indexer", "indexer recall@k", "higher", "linear"),
+    "indexer.mass_recall": MetricInfo("indexer", "indexer mass recall", "higher", "linear"),
+    "indexer.boundary_recall": MetricInfo("indexer", "indexer boundary-aware recall", "higher", "linear"),
+    "indexer.flips": MetricInfo("indexer", "indexer flips per query", "lower", "linear"),
+    "indexer.rows_rel_l2": MetricInfo("indexer", "indexer-compressor rows rel L2", "lower", "log"),
+    "compressor.rows_rel_l2": MetricInfo("indexer", "compressor rows rel L2", "lower", "log"),
+    "mhc.pre_rel_err": MetricInfo("mhc", "mHC pre rel err", "lower", "log"),
+    "mhc.post_rel_err": MetricInfo("mhc", "mHC post rel err", "lower", "log"),
+    "mhc.comb_rel_err": MetricInfo("mhc", "mHC comb rel err", "lower", "log"),
+    "mhc.ds_residual": MetricInfo("mhc", "mHC doubly-stochastic residual", "lower", "log"),
+    "moe.flip_rate": MetricInfo("moe", "MoE expert flip rate", "lower", "linear"),
+    "moe.weight_l1": MetricInfo("moe", "MoE routing-weight L1", "lower", "log"),
+    "moe.out_rel_l2": MetricInfo("moe", "MoE output rel L2", "lower", "log"),
+    "logits.kl": MetricInfo("logits", "logits KL", "lower", "log"),
+    "logits.top1_agree": MetricInfo("logits", "top-1 agreement", "higher", "linear"),
+    "logits.top1_flip_strict": MetricInfo("logits", "top-1 flips beyond a bf16 ulp", "lower", "linear"),
+    "ctx.earlier_turn_mass_ref": MetricInfo("context", "earlier-turn attention mass (reference)", "neutral", "linear"),
+    "ctx.earlier_turn_mass_opt": MetricInfo("context", "earlier-turn attention mass (variant)", "neutral", "linear"),
+    "ctx.needle_mass_ref": MetricInfo("context", "needle attention mass (reference)", "neutral", "linear"),
+    "ctx.needle_mass_opt": MetricInfo("context", "needle attention mass (variant)", "neutral", "linear"),
+    "ctx.earlier_turn_recall": MetricInfo("context", "earlier-turn indexer recall", "higher", "linear"),
+    "ctx.needle_recall": MetricInfo("context", "needle indexer recall", "higher", "linear"),
+}
+
+HEATMAP_METRICS = (
+    "streams.rel_l2", "attn.tv", "attn.out_rel_l2", "indexer.recall", "indexer.mass_recall",
+    "indexer.boundary_recall", "mhc.comb_rel_err", "moe.flip_rate", "moe.out_rel_l2",
+    "ctx.earlier_turn_recall", "ctx.needle_recall",
+)
+"""Metrics kept per (layer, position bin) in global mode: one or two per family, so the page stays small."""
+
+CROSSING_METRICS = (
+    "streams.rel_l2", "attn.tv", "attn.out_rel_l2", "indexer.recall", "indexer.mass_recall",
+    "indexer.boundary_recall", "mhc.comb_rel_err", "moe.flip_rate", "moe.out_rel_l2", "ctx.earlier_turn_recall",
+    "ctx.needle_recall", "logits.kl", "logits.top1_agree",
+)
+"""Metrics whose first crossing of 2× yardstick is listed when the run has no gate.json."""
+
+GROUP_KEYS = ["variant", "mode", "layer", "phase", "tap", "metric"]
+
+
+def metric_info(metric: str) -> MetricInfo:
+    """Known metrics from METRICS; anything else (a user's plugin metric) is drawn as a lower-is-better log series."""
+    if metric in METRICS:
+        return METRICS[metric]
+    return MetricInfo(metric.split(".")[0], metric, "lower", "log")
+
+
+def badness(metric: str, value: float) -> float | None:
+    """The metric as an error (0 = perfect, larger = worse), so it can be compared with the yardstick's:
+    1 − v for recall-like metrics, the amplitude noise ratio 10^(−dB/20) for SQNR, None for neutral ones."""
+    better = metric_info(metric).better
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if better == "lower":
+        return abs(value) if metric.endswith((".bias", "_delta")) else value
+    if better == "higher":
+        return 1.0 - value
+    if better == "sqnr":
+        return 10.0 ** (-value / 20.0)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# number encoding
+# ----------------------------------------------------------------------------------------------
+
+
+def num(x: Any) -> Any:
+    """One number for the payload: rounded, None for missing, a NONFINITE string for NaN/±inf."""
+    if x is None:
+        return None
+    x = float(x)
+    if math.isnan(x):
+        return NONFINITE["nan"]
+    if math.isinf(x):
+        return NONFINITE["inf"] if x > 0 else NONFINITE["-inf"]
+    if x == 0:
+        return 0
+    r = float(f"{x:.{SIGNIFICANT_DIGITS}g}")
+    return int(r) if r.is_integer() and abs(r) < 1e15 else r
+
+
+def nums(values: np.ndarray, present: np.ndarray | None = None) -> list[Any]:
+    """An array for the payload; `present` False marks missing cells (null)."""
+    out = [num(v) for v in values.tolist()]
+    if present is not None:
+        out = [v if p else None for v, p in zip(out, present.tolist())]
+    return out
+
+
+CODE_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+CODE_LEVELS = 4092
+CODE_MISSING, CODE_NAN, CODE_POS_INF, CODE_NEG_INF = 4095, 4094, 4093, 4092
+_PAIRS = np.array([a + b for a in CODE_ALPHABET for b in CODE_ALPHABET])
+
+
+def pack_row(values: np.ndarray, present: np.ndarray) -> list[Any] | None:
+    """A heatmap row as [lo, hi, log, codes]: every value is one of CODE_LEVELS steps between the row's
+    finite min and max (log-spaced when all are positive), written as two base64url characters; codes
+    4092–4095 are −inf, +inf, NaN and missing. 2 characters per cell instead of ~7 for a JSON number;
+    the error is below 1/4091 of the row's (log) range, far under a colour step. None if the row is empty."""
+    if not present.any():
+        return None
+    finite = present & np.isfinite(values)
+    codes = np.full(values.shape, CODE_MISSING, dtype=np.int64)
+    codes[present & np.isnan(values)] = CODE_NAN
+    codes[present & (values == np.inf)] = CODE_POS_INF
+    codes[present & (values == -np.inf)] = CODE_NEG_INF
+    lo = hi = 0.0
+    use_log = False
+    if finite.any():
+        f = values[finite]
+        lo, hi = float(f.min()), float(f.max())
+        use_log = lo > 0 and hi / lo > 4
+        if use_log:
+            t = (np.log(f) - np.log(lo)) / (np.log(hi) - np.log(lo))
+        else:
+            t = (f - lo) / (hi - lo) if hi > lo else np.zeros_like(f)
+        codes[finite] = np.rint(np.clip(t, 0, 1) * (CODE_LEVELS - 1)).astype(np.int64)
+    return [num_exact(lo), num_exact(hi), int(use_log), "".join(_PAIRS[codes].tolist())]
+
+
+def num_exact(x: float) -> float | int:
+    """A row bound, to 7 significant digits (the codes are relative to it)."""
+    r = float(f"{x:.7g}")
+    return int(r) if r.is_integer() and abs(r) < 1e15 else r
+
+
+def trim_nulls(values: list[Any]) -> list[Any] | None:
+    """An all-missing series is dropped (None) rather than shipped as a list of nulls."""
+    return None if all(v is None for v in values) else values
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+# ----------------------------------------------------------------------------------------------
+
+
+def read_metrics_frame(store: RunStore) -> pd.DataFrame:
+    """metrics.parquet with the string columns as categoricals (a large run has millions of rows)."""
+    if not store.metrics_path.is_file():
+        return pd.DataFrame(columns=["variant", "mode", "layer", "phase", "chunk", "step", "turn", "pos_bin",
+                                     "pos_end", "tap", "metric", "value", "max", "count"])
+    frame = store.read_metrics().to_pandas(strings_to_categorical=True)
+    for c in ("variant", "mode", "phase", "tap", "metric"):
+        if not isinstance(frame[c].dtype, pd.CategoricalDtype):
+            frame[c] = frame[c].astype("category")
+    return frame
+
+
+def read_optional_json(path: Path) -> tuple[Any, str | None]:
+    """(data, problem): a missing file is (None, None); an unreadable one is (None, the reason)."""
+    if not path.is_file():
+        return None, None
+    try:
+        return json.loads(path.read_text()), None
+    except (OSError, ValueError) as e:
+        return None, f"{path.name} could not be read: {e}"
+
+
+def series_keys(frame: pd.DataFrame) -> dict[tuple[str, str], str]:
+    """(tap, metric) -> the series key: the metric name, or 'metric@tap' where one metric comes from several
+    taps (mHC metrics from attn.hc and ffn.hc)."""
+    pairs = frame[["tap", "metric"]].drop_duplicates()
+    pairs = [(str(t), str(m)) for t, m in pairs.itertuples(index=False)]
+    taps_of: dict[str, int] = {}
+    for _, m in pairs:
+        taps_of[m] = taps_of.get(m, 0) + 1
+    return {(t, m): (m if taps_of[m] == 1 else f"{m}@{t}") for t, m in pairs}
+
+
+def metric_of_key(key: str) -> str:
+    return key.split("@", 1)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# aggregation
+# ----------------------------------------------------------------------------------------------
+
+
+def _category_flags(column: pd.Series, test) -> np.ndarray:
+    """test(name) for every row of a categorical column, evaluated once per category."""
+    flags = np.array([bool(test(str(c))) for c in column.cat.categories] + [False])
+    return flags[column.cat.codes.to_numpy()]  # code −1 (missing) reads the trailing False
+
+
+def per_layer(frame: pd.DataFrame, keys: dict[tuple[str, str], str]) -> pd.DataFrame:
+    """One row per (variant, mode, layer, phase, tap, metric): count-weighted mean over the phase's bins,
+    and the worst value (largest per-position max; lowest bin value for higher-is-better metrics); both NaN
+    when any bin is NaN.
+
+    rel_l2 bins combine as a weighted root-mean-square and SQNR through its noise power: exact when the
+    positions' reference norms are equal, and a close, order-independent approximation otherwise (the
+    exact sums are not stored per bin)."""
+    if frame.empty:
+        return pd.DataFrame(columns=GROUP_KEYS + ["key", "mean", "worst", "count"])
+    f = frame[GROUP_KEYS + ["value", "max", "count"]].copy()
+    w = f["count"].astype(np.float64)
+    v = f["value"].astype(np.float64)
+    is_rel = _category_flags(f["metric"], lambda m: m.endswith("rel_l2"))
+    is_sqnr = _category_flags(f["metric"], lambda m: m.endswith("sqnr_db"))
+    with np.errstate(over="ignore", invalid="ignore"):
+        transformed = np.where(is_rel, v * v, np.where(is_sqnr, 10.0 ** (-v / 10.0), v))
+    f["wsum"] = transformed * w
+    f["w"] = w
+    f["lowest"] = v
+    f["nan"] = (np.isnan(v) | np.isnan(f["max"].astype(np.float64))).astype(np.int64)
+    f["count"] = f["count"].astype(np.int64)
+    g = f.groupby(GROUP_KEYS, observed=True, sort=False).agg(
+        wsum=("wsum", "sum"), w=("w", "sum"), peak=("max", "max"), lowest=("lowest", "min"),
+        count=("count", "sum"), nan=("nan", "sum"))
+    g = g.reset_index()
+    metric = g["metric"].astype(str)
+    is_rel = metric.str.endswith("rel_l2").to_numpy()
+    is_sqnr = metric.str.endswith("sqnr_db").to_numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m = (g["wsum"] / g["w"]).to_numpy()
+        mean = np.where(is_rel, np.sqrt(m), np.where(is_sqnr, -10.0 * np.log10(m), m))
+    g["mean"] = mean
+    higher = metric.map(lambda name: metric_info(name).better in ("higher", "sqnr")).to_numpy(bool)
+    g["worst"] = np.where(higher, g["lowest"], g["peak"])
+    poisoned = g["nan"].to_numpy() > 0  # pandas sums skip NaN; a NaN anywhere in the layer must show
+    g.loc[poisoned, ["mean", "worst"]] = np.nan
+    g["key"] = [keys[(str(t), str(mt))] for t, mt in zip(g["tap"], g["metric"])]
+    return g[GROUP_KEYS + ["key", "mean", "worst", "count"]]
+
+
+def layer_table(agg: pd.DataFrame, n_layers: int) -> dict[str, Any]:
+    """{mode: {variant: {key: {phase: {"mean": [L], "worst": [L]}}}}} over layers 0 … n_layers−1."""
+    out: dict[str, Any] = {}
+    body = agg[agg["layer"] < n_layers]
+    for (mode, variant, key, phase), part in body.groupby(["mode", "variant", "key", "phase"], observed=True,
+                                                          sort=False):
+        mean = np.full(n_layers, np.nan)
+        worst = np.full(n_layers, np.nan)
+        present = np.zeros(n_layers, bool)
+        idx = part["layer"].to_numpy(int)
+        mean[idx] = part["mean"].to_numpy(float)
+        worst[idx] = part["worst"].to_numpy(float)
+        present[idx] = True
+        slot = out.setdefault(str(mode), {}).setdefault(str(variant), {}).setdefault(key, {})
+        slot[str(phase)] = {"mean": nums(mean, present), "worst": nums(worst, present)}
+    # amplification = global(L) / global(L−1) of the stream rel L2 (DESIGN §3)
+    for variant, series in out.get("global", {}).items():
+        streams = series.get("streams.rel_l2")
+        if not streams:
+            continue
+        amp = {}
+        for phase, vals in streams.items():
+            mean = [v if isinstance(v, (int, float)) else None for v in vals["mean"]]
+            ratio = [None] + [num(b / a) if a and b is not None else None for a, b in zip(mean[:-1], mean[1:])]
+            amp[phase] = {"mean": ratio, "worst": ratio}
+        series["streams.amplification"] = amp
+    return out
+
+
+def logits_summary(agg: pd.DataFrame, n_layers: int) -> dict[str, Any]:
+    """{variant: {phase: {metric: {"mean", "worst"}}}} from the final-logits rows (layer == n_layers)."""
+    out: dict[str, Any] = {}
+    for r in agg[(agg["layer"] == n_layers) & (agg["mode"] == "global")].itertuples(index=False):
+        out.setdefault(str(r.variant), {}).setdefault(str(r.phase), {})[r.key] = {
+            "mean": num(r.mean), "worst": num(r.worst), "count": int(r.count)}
+    return out
+
+
+def bins_of(frame: pd.DataFrame) -> pd.DataFrame:
+    cols = ["phase", "chunk", "step", "turn", "pos_bin", "pos_end"]
+    if frame.empty:
+        return pd.DataFrame(columns=cols)
+    b = frame[cols].drop_duplicates(subset=["pos_bin"]).copy()
+    b["phase"] = b["phase"].astype(str)
+    return b.sort_values("pos_bin").reset_index(drop=True)
+
+
+def heatmaps(frame: pd.DataFrame, bins: pd.DataFrame, keys: dict[tuple[str, str], str], n_layers: int
+             ) -> dict[str, Any]:
+    """{key: {variant: [per layer: [per bin] | null]}} in global mode for HEATMAP_METRICS."""
+    wanted = {k: v for k, v in keys.items() if metric_of_key(v) in HEATMAP_METRICS
+              and (v == metric_of_key(v) or v.endswith("@attn.hc"))}
+    if not wanted or bins.empty:
+        return {}
+    bin_starts = bins["pos_bin"].to_numpy(np.int64)  # sorted
+    g = frame[(frame["mode"] == "global") & (frame["layer"] < n_layers)]
+    g = g[g["metric"].isin([m for _, m in wanted])]
+    out: dict[str, Any] = {}
+    for (tap, metric, variant), part in g.groupby(["tap", "metric", "variant"], observed=True, sort=False):
+        key = wanted.get((str(tap), str(metric)))
+        if key is None or part.empty:
+            continue
+        grid = np.full((n_layers, len(bins)), np.nan)
+        present = np.zeros((n_layers, len(bins)), bool)
+        rows = part["layer"].to_numpy(int)
+        cols = np.searchsorted(bin_starts, part["pos_bin"].to_numpy(np.int64))
+        grid[rows, cols] = part["value"].to_numpy(float)
+        present[rows, cols] = True
+        out.setdefault(key, {})[str(variant)] = [pack_row(grid[layer], present[layer]) for layer in range(n_layers)]
+    return out
+
+
+def first_crossings(table: dict[str, Any], n_layers: int, logits: dict[str, Any]) -> list[dict[str, Any]]:
+    """Without a gate: per variant, metric and phase, the first layer whose mean error exceeds
+    CROSSING_FACTOR × the yardstick's at that layer (+ CROSSING_FLOOR)."""
+    g = table.get("global", {})
+    yard = g.get(YARDSTICK)
+    out: list[dict[str, Any]] = []
+    if yard is None:
+        return out
+    for variant, series in g.items():
+        if variant == YARDSTICK:
+            continue
+        for key in CROSSING_METRICS:
+            if key.startswith("logits."):
+                for phase, vals in logits.get(variant, {}).items():
+                    y = logits.get(YARDSTICK, {}).get(phase, {}).get(key)
+                    v = vals.get(key)
+                    if v is None or y is None:
+                        continue
+                    row = _crossing_row(variant, key, phase, [v["mean"]], [y["mean"]], n_layers)
+                    if row:
+                        out.append(row)
+                continue
+            for phase, vals in series.get(key, {}).items():
+                ys = yard.get(key, {}).get(phase)
+                if ys is None:
+                    continue
+                row = _crossing_row(variant, key, phase, vals["mean"], ys["mean"], 0)
+                if row:
+                    out.append(row)
+    return out
+
+
+def _crossing_row(variant: str, metric: str, phase: str, values: list, yard: list, layer_offset: int
+                  ) -> dict[str, Any] | None:
+    worst_ratio, worst_layer, first = None, None, None
+    measured = 0
+    for layer, (v, y) in enumerate(zip(values, yard)):
+        bv, by = _as_float(v), _as_float(y)
+        if bv is None or by is None:
+            continue
+        bv, by = badness(metric, bv), badness(metric, by)
+        if bv is None or by is None:
+            continue
+        measured += 1
+        bound = CROSSING_FACTOR * by + CROSSING_FLOOR
+        ratio = bv / (by + CROSSING_FLOOR / CROSSING_FACTOR) if not math.isnan(bv) else math.inf
+        if worst_ratio is None or ratio > worst_ratio:
+            worst_ratio, worst_layer = ratio, layer + layer_offset
+        if first is None and (math.isnan(bv) or bv > bound):
+            first = {"layer": layer + layer_offset, "value": v, "yardstick": y}
+    if not measured:
+        return None
+    return {"variant": variant, "metric": metric, "phase": phase,
+            "first_layer": first["layer"] if first else None,
+            "value": first["value"] if first else None, "yardstick": first["yardstick"] if first else None,
+            "worst_ratio": num(worst_ratio), "worst_layer": worst_layer}
+
+
+def _as_float(v: Any) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return {NONFINITE["nan"]: math.nan, NONFINITE["inf"]: math.inf, NONFINITE["-inf"]: -math.inf}.get(v)
+    return float(v)
+
+
+# ----------------------------------------------------------------------------------------------
+# gate.json and attribution.json, normalised for the page
+# ----------------------------------------------------------------------------------------------
+
+
+def _float(x: Any) -> float | None:
+    """A number from another tool's JSON: floats, ints, or the strings "nan"/"inf"/"-inf" (gate.json)."""
+    if isinstance(x, bool) or x is None:
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, str):
+        try:
+            return float(x)
+        except ValueError:
+            return _as_float(x)
+    return None
+
+
+def _compact(d: dict[str, Any]) -> dict[str, Any]:
+    """Drop missing fields (gate rows are many; the page reads absent as missing)."""
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _rounded(x: Any) -> Any:
+    f = _float(x)
+    return num(f) if f is not None else x
+
+
+def _key_for(keys: dict[tuple[str, str], str], metric: Any, tap: Any) -> str | None:
+    if (str(tap), str(metric)) in keys:
+        return keys[(str(tap), str(metric))]
+    return str(metric) if metric is not None else None
+
+
+def _unit_ratio(unit: dict[str, Any]) -> float | None:
+    """value / the binding limit (the policy bound, or the baseline's where tighter); > 1 fails."""
+    value = _float(unit.get("value"))
+    limits = [x for x in (_float(unit.get("limit")), _float(unit.get("baseline_limit"))) if x is not None]
+    if value is None or not limits:
+        return math.inf if unit.get("status") == "fail" else None
+    limit = min(limits)
+    if math.isnan(value):
+        return math.inf
+    ratio = value / limit if limit > 0 else (math.inf if value > 0 else 0.0)
+    if unit.get("status") == "fail" and not ratio > 1:
+        ratio = math.nextafter(1.0, 2.0)
+    return ratio
+
+
+def gate_view(raw: Any, keys: dict[tuple[str, str], str], n_layers: int) -> dict[str, Any] | None:
+    """gate.json as the page reads it, from either shape:
+
+    - the gate's own format ("dsv4-drift-gate/1": checks × variants × phases, with per-layer units), or
+    - a flat one: {"passed", "policy", "checks": [{name, metric, variant, phase, status, first_failing_layer,
+      worst_value, bound}], "findings"}.
+
+    rows: one per check × variant × phase (check_info: each check's description, bound text, aggregate);
+    cells: {series key: {variant: {mode: {phase: {"ratio": [per layer], "check": [index into check_names]}}}}},
+    the most binding check's value/limit at each layer."""
+    if not isinstance(raw, dict):
+        return None
+    verdict = raw.get("verdict")
+    passed = raw.get("passed") if isinstance(raw.get("passed"), bool) else (
+        True if verdict == "pass" else False if verdict == "fail" else None)
+    policy = raw.get("policy")
+    if isinstance(policy, dict):
+        policy_text = policy.get("file") or policy.get("name") or ""
+        policy_description = policy.get("description")
+    else:
+        policy_text, policy_description = (str(policy) if policy is not None else None), None
+    rows: list[dict[str, Any]] = []
+    check_names: list[str] = []
+    check_info: dict[str, dict[str, Any]] = {}
+    best: dict[tuple, tuple[float, int]] = {}
+    checks = raw.get("checks") if isinstance(raw.get("checks"), list) else []
+    for check in checks:
+        if not isinstance(check, dict):
+            continue
+        name = str(check.get("name") or check.get("metric") or "check")
+        variants = check.get("variants")
+        if not isinstance(variants, list):  # the flat shape: one row per check
+            rows.append({"check": name, "description": check.get("description"), "metric": check.get("metric"),
+                         "variant": check.get("variant"), "phase": check.get("phase"), "status": check.get("status"),
+                         "first_failing_layer": check.get("first_failing_layer"),
+                         "worst_value": check.get("worst_value"), "bound": check.get("bound"),
+                         "bound_text": check.get("bound_text")})
+            continue
+        check_index = len(check_names)
+        check_names.append(name)
+        check_info[name] = _compact({"description": check.get("description"), "bound_text": check.get("bound_text"),
+                                     "aggregate": check.get("aggregate"), "taps": check.get("taps"),
+                                     "modes": check.get("modes"), "severity": check.get("severity")})
+        for vr in variants:
+            if not isinstance(vr, dict):
+                continue
+            phases = vr.get("phases") if isinstance(vr.get("phases"), dict) else {}
+            for phase, pr in (phases.items() or [(None, {})]):
+                pr = pr if isinstance(pr, dict) else {}
+                first = pr.get("first_failure") if isinstance(pr.get("first_failure"), dict) else {}
+                worst = pr.get("worst") if isinstance(pr.get("worst"), dict) else {}
+                rows.append(_compact({"check": name, "metric": check.get("metric"), "variant": vr.get("variant"),
+                                      "phase": phase, "status": pr.get("status", vr.get("status")),
+                                      "reason": vr.get("reason") or None,
+                                      "first_failing_layer": pr.get("first_failing_layer"),
+                                      "first_value": _rounded(first.get("value")),
+                                      "first_limit": _rounded(first.get("limit")),
+                                      "first_tap": first.get("tap"), "first_mode": first.get("mode"),
+                                      "worst_value": _rounded(worst.get("value")),
+                                      "worst_limit": _rounded(worst.get("limit")),
+                                      "worst_layer": worst.get("layer")}))
+            if not phases:
+                rows.append({"check": name, "metric": check.get("metric"), "variant": vr.get("variant"), "phase": None,
+                             "status": vr.get("status"), "reason": vr.get("reason") or None,
+                             "bound_text": check.get("bound_text")})
+            for unit in vr.get("units") or []:
+                if not isinstance(unit, dict) or not isinstance(unit.get("layer"), int):
+                    continue
+                layer = unit["layer"]
+                if not 0 <= layer < n_layers:
+                    continue
+                key = _key_for(keys, check.get("metric"), unit.get("tap"))
+                ratio = _unit_ratio(unit)
+                if key is None or ratio is None:
+                    continue
+                cell = (key, str(unit.get("variant", vr.get("variant"))), str(unit.get("mode", "global")),
+                        str(unit.get("phase")), layer)
+                if cell not in best or ratio > best[cell][0]:
+                    best[cell] = (ratio, check_index)
+    cells: dict[str, Any] = {}
+    for (key, variant, mode, phase, layer), (ratio, index) in best.items():
+        slot = cells.setdefault(key, {}).setdefault(variant, {}).setdefault(mode, {}).setdefault(phase, {
+            "ratio": [None] * n_layers, "check": [None] * n_layers})
+        slot["ratio"][layer] = num(ratio)
+        slot["check"][layer] = index
+    findings = raw.get("nonfinite") if isinstance(raw.get("nonfinite"), list) else raw.get("findings")
+    failures = raw.get("failures") if isinstance(raw.get("failures"), list) else None
+    return {"format": raw.get("format"), "passed": passed, "verdict": verdict, "exit_code": raw.get("exit_code"),
+            "created": raw.get("created"), "policy": policy_text, "policy_description": policy_description,
+            "baseline": raw.get("baseline"),
+            "counts": raw.get("counts") if isinstance(raw.get("counts"), dict) else None,
+            "failures": [str(f) for f in failures] if failures is not None else None,
+            "findings": findings if isinstance(findings, list) else [], "notes": raw.get("notes"),
+            "rows": rows, "check_names": check_names, "check_info": check_info, "cells": cells}
+
+
+def attribution_view(raw: Any, n_layers: int) -> dict[str, Any] | None:
+    """attribution.json as the page reads it, from either shape of the matrix —
+    {metric: {"mode", "layers", "phases": {phase: {patch: [blame per listed layer]}}}} (`dsv4-drift attribute`)
+    or {metric: {phase: {patch: [blame per layer]}}} — with blame spread over layers 0 … n_layers (the last:
+    logits) and first divergences as a list per patch."""
+    if not isinstance(raw, dict):
+        return None
+    patches = [p if isinstance(p, str) else str((p or {}).get("id", p)) if isinstance(p, dict) else str(p)
+               for p in raw.get("patches") or []]
+    matrix: dict[str, Any] = {}
+    for metric, entry in (raw.get("matrix") or {}).items():
+        if not isinstance(entry, dict):
+            continue
+        phases = entry.get("phases") if isinstance(entry.get("phases"), dict) else entry
+        layers = entry.get("layers") if isinstance(entry.get("layers"), list) else None
+        out_phases = {}
+        for phase, rows in phases.items():
+            if not isinstance(rows, dict):
+                continue
+            spread: dict[str, list[Any]] = {}
+            for patch, values in rows.items():
+                if not isinstance(values, list):
+                    continue
+                where = layers if layers is not None and len(layers) == len(values) else list(range(len(values)))
+                full = [None] * max(n_layers, (max(where) + 1) if where else 0)
+                for layer, value in zip(where, values):
+                    if isinstance(layer, int) and 0 <= layer < len(full):
+                        full[layer] = num(_float(value)) if value is not None else None
+                spread[str(patch)] = full
+                if not str(patch).startswith("_") and str(patch) not in patches:
+                    patches.append(str(patch))
+            out_phases[str(phase)] = spread
+        matrix[str(metric)] = {"mode": entry.get("mode"), "phases": out_phases}
+    first: dict[str, list[Any]] = {}
+    for patch, entry in (raw.get("first_divergence") or {}).items():
+        items = entry if isinstance(entry, list) else [entry] if isinstance(entry, dict) else []
+        first[str(patch)] = [{**d, "first_layer": d.get("first_layer", d.get("layer"))} for d in items
+                             if isinstance(d, dict)]
+    return {"patches": patches, "matrix": matrix, "first_divergence": first,
+            "ranking": raw.get("ranking") if isinstance(raw.get("ranking"), list) else [],
+            "verdict": raw.get("verdict"), "interactions": raw.get("interactions") or [],
+            "gate_passed": raw.get("gate_passed"), "variants": raw.get("variants")}
+
+
+# ----------------------------------------------------------------------------------------------
+# the payload
+# ----------------------------------------------------------------------------------------------
+
+
+def layer_list(config: dict[str, Any], n_layers: int) -> list[dict[str, Any]]:
+    kinds = list(config.get("layer_kinds") or [])
+    hashes = list(config.get("hash_layers") or [])
+    rate = {"swa": 0, "csa": config.get("compress_rate_csa"), "hca": config.get("compress_rate_hca")}
+    return [{"layer": i, "kind": str(kinds[i]) if i < len(kinds) else "?",
+             "hash": bool(hashes[i]) if i < len(hashes) else False,
+             "ratio": rate.get(kinds[i]) if i < len(kinds) else None} for i in range(n_layers)]
+
+
+def build_payload(run_dir: str | Path) -> dict[str, Any]:
+    """Everything the page shows, as plain JSON-able data."""
+    store = RunStore(run_dir)
+    manifest = store.read_manifest()
+    frame = read_metrics_frame(store)
+    config = (manifest.get("model") or {}).get("config") or {}
+    n_layers = int(config.get("num_hidden_layers") or manifest.get("layers_total") or
+                   (int(frame["layer"].max()) if not frame.empty else 0))
+    keys = series_keys(frame)
+    agg = per_layer(frame, keys)
+    bins = bins_of(frame)
+    table = layer_table(agg, n_layers)
+    logits = logits_summary(agg, n_layers)
+    problems: list[str] = []
+    gate, problem = read_optional_json(store.dir / "gate.json")
+    problems += [problem] if problem else []
+    attribution, problem = read_optional_json(store.dir / "attribution.json")
+    problems += [problem] if problem else []
+    try:
+        findings = store.read_findings()
+    except (OSError, ValueError) as e:
+        findings, problems = [], problems + [f"findings.json could not be read: {e}"]
+    variants = [str(v) for v in frame["variant"].cat.remove_unused_categories().cat.categories] \
+        if not frame.empty else []
+    present_modes = {str(m) for m in frame["mode"].cat.remove_unused_categories().cat.categories} \
+        if not frame.empty else set()
+    declared = [v.get("name") for v in (manifest.get("stacks") or {}).get("variants", []) if isinstance(v, dict)]
+    order = ([YARDSTICK] if YARDSTICK in variants else []) + [v for v in declared if v in variants] + \
+        sorted(v for v in variants if v != YARDSTICK and v not in declared)
+    used_keys = sorted(set(keys.values()) | ({"streams.amplification"} if "streams.rel_l2" in keys.values() else set()))
+    return {
+        "format": "dsv4-drift-report/1",
+        "run_dir": str(store.dir),
+        "manifest": manifest,
+        "layers": layer_list(config, n_layers),
+        "variants": order,
+        "modes": [m for m in ("global", "local", "forced") if m in present_modes],
+        "metrics": {k: {**metric_info(metric_of_key(k)).__dict__, "metric": metric_of_key(k),
+                        "tap": k.split("@", 1)[1] if "@" in k else None} for k in used_keys},
+        "table": table,
+        "logits": logits,
+        "bins": {c: (bins[c].astype(str).tolist() if c == "phase" else [int(x) for x in bins[c].tolist()])
+                 for c in bins.columns},
+        "heat": heatmaps(frame, bins, keys, n_layers),
+        "crossings": first_crossings(table, n_layers, logits),
+        "crossing_rule": {"factor": CROSSING_FACTOR, "floor": CROSSING_FLOOR},
+        "findings": findings,
+        "gate": gate_view(gate, keys, n_layers),
+        "attribution": attribution_view(attribution, n_layers),
+        "layers_with_data": sorted(int(x) for x in frame["layer"].unique() if int(x) < n_layers)
+        if not frame.empty else [],
+        "problems": problems,
+        "rows": int(len(frame)),
+    }

@@ -1,0 +1,259 @@
+"""Probe sinks: the reference's taps recorded by position, every other stack's taps compared on arrival.
+
+Layer-major lockstep (DESIGN §3): the reference runs layer L first with a `RecordingSink`; each variant
+then runs layer L with a `ComparingSink` that looks up the reference's values at the same absolute
+positions, turns both into metric values (harness.run.metrics) and folds them into bins. Dense taps are kept
+for every position (O(T·D) per tap, never T×T); attention rows and indexer scores only at sampled
+positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harness.run.aggregate import LayerAccumulator
+from harness.run.metrics import COMPARATORS, CompareContext, MetricValues, compare_indexer_scores
+
+DENSE_TAPS = ("attn.out", "moe.out", "attn.hc", "ffn.hc", "attn.lse", "moe.router", "indexer.selected", "layer.out")
+ROW_TAPS = ("compressor.rows", "indexer.rows")
+SAMPLED_TAPS = ("attn.probs", "indexer.scores")
+FINITE_CHECKED_TAPS = ("attn.hc", "attn.lse", "attn.out", "ffn.hc", "moe.router", "moe.out", "layer.out")
+"""Taps checked for NaN/Inf, in data-flow order (none of them carries −inf as a mask value)."""
+
+
+@dataclass
+class Finding:
+    """The first non-finite value a stack produced."""
+
+    variant: str
+    mode: str
+    layer: int
+    tap: str
+    field: str
+    phase: str
+    position: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _fill(v: torch.Tensor) -> float | int | bool:
+    """Padding for ragged taps: −1 for ids, False for masks, 0 for values."""
+    if v.dtype == torch.bool:
+        return False
+    return 0 if v.is_floating_point() else -1
+
+
+def _pad_last(v: torch.Tensor, width: int, fill: float | int | bool | None = None) -> torch.Tensor:
+    if v.shape[-1] == width:
+        return v
+    fill = _fill(v) if fill is None else fill
+    pad = torch.full((*v.shape[:-1], width - v.shape[-1]), fill, dtype=v.dtype, device=v.device)
+    return torch.cat([v, pad], -1)
+
+
+def stack_samples(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack per-position sampled entries whose key lists differ in length, padding each list to the longest:
+    ids −1, masks False, values 0, indexer scores −inf. An attn.probs row is [window keys | compressed keys],
+    so its two parts are padded separately and each probability stays next to the key it belongs to."""
+    if "probs" in entries[0]:
+        w_max = max(e["window_pos"].shape[-1] for e in entries)
+        aligned = []
+        for e in entries:
+            w = e["window_pos"].shape[-1]
+            aligned.append(dict(e, probs=torch.cat([_pad_last(e["probs"][..., :w], w_max), e["probs"][..., w:]], -1)))
+        entries = aligned
+    out = {}
+    for name in entries[0]:
+        parts = [e[name] for e in entries]
+        if parts[0].dim() == 0:
+            out[name] = torch.stack(parts)
+            continue
+        width = max(p.shape[-1] for p in parts)
+        fill = float("-inf") if name == "scores" else None
+        out[name] = torch.stack([_pad_last(p, width, fill) for p in parts])
+    return out
+
+
+class RecordingSink:
+    """Keeps the reference's taps of one layer, indexed by absolute position (or compressed row id)."""
+
+    def __init__(self, n_positions: int, sampled: torch.Tensor, dump: "DumpSink | None" = None) -> None:
+        self.n = n_positions
+        self.sampled_mask = sampled  # [T] bool
+        self.dense: dict[str, dict[str, torch.Tensor]] = {}
+        self.rows: dict[str, dict[str, torch.Tensor]] = {}
+        self.samples: dict[str, dict[int, dict[str, torch.Tensor]]] = {t: {} for t in SAMPLED_TAPS}
+        self.dump = dump
+
+    def wants(self, tap: str) -> bool:
+        return tap in DENSE_TAPS or tap in ROW_TAPS or tap in SAMPLED_TAPS or (self.dump is not None and self.dump.wants(tap))
+
+    def sampled(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.sampled_mask[positions.cpu()].to(positions.device)
+
+    def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
+        if self.dump is not None and self.dump.wants(tap):
+            self.dump.emit(tap, positions, **values)
+        if tap in DENSE_TAPS:
+            store = self.dense.setdefault(tap, {})
+            for name, v in values.items():
+                if name not in store:
+                    store[name] = torch.full((self.n,) + tuple(v.shape[1:]), _fill(v), dtype=v.dtype, device=v.device)
+                if v.dim() == 2 and v.shape[1] != store[name].shape[1]:  # ragged picks (k grows with the rows)
+                    width = max(v.shape[1], store[name].shape[1])
+                    store[name] = _pad_last(store[name], width)
+                    v = _pad_last(v, width)
+                store[name][positions] = v
+        elif tap in ROW_TAPS:
+            store = self.rows.setdefault(tap, {})
+            ids = values["row_ids"]
+            for name, v in values.items():
+                if name == "row_ids":
+                    continue
+                if name not in store:
+                    store[name] = torch.zeros((self.n,) + tuple(v.shape[1:]), dtype=v.dtype, device=v.device)
+                store[name][ids] = v
+        elif tap in SAMPLED_TAPS:
+            keep = torch.nonzero(self.sampled_mask[positions.cpu()]).flatten()
+            for i in keep.tolist():
+                self.samples[tap][int(positions[i])] = {k: v[i].detach().cpu() for k, v in values.items()}
+
+    def at(self, tap: str, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {k: v[positions] for k, v in self.dense[tap].items()}
+
+    def rows_at(self, tap: str, row_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {k: v[row_ids] for k, v in self.rows[tap].items()}
+
+    def samples_at(self, tap: str, positions: list[int]) -> dict[str, torch.Tensor]:
+        """The recorded sampled entries at these positions, stacked (ragged key lists padded: stack_samples)."""
+        return stack_samples([self.samples[tap][p] for p in positions])
+
+
+@dataclass
+class ComparingSink:
+    """Compares one stack's taps of one layer with the reference's, accumulating metrics per bin.
+
+    Dense taps are compared as they arrive. Sampled taps (attention rows, indexer scores) come a few positions
+    per query block or decode step; they are held and compared in batches of up to BATCH_POSITIONS, never
+    mixing phases, so each comparison runs over many positions at once. `finish()` compares what is left."""
+
+    record: RecordingSink
+    acc: LayerAccumulator
+    ctx: CompareContext
+    variant: str
+    mode: str
+    layer: int
+    phase_of: torch.Tensor  # [T] 0 prefill / 1 decode
+    findings: list[Finding]
+    dump: "DumpSink | None" = None
+    _held: dict[str, list[tuple[int, dict[str, torch.Tensor]]]] = field(
+        default_factory=lambda: {"attn.probs": [], "indexer.scores": []})
+
+    BATCH_POSITIONS = 32
+    """At Flash width an attention row is compared over ≤ ~2,000 key slots × 64 heads in fp64: 32 positions keep
+    a batch's temporaries near 0.5 GB."""
+
+    def wants(self, tap: str) -> bool:
+        return (tap in COMPARATORS and (tap in self.record.dense or tap in self.record.rows or tap == "attn.probs")) \
+            or (self.dump is not None and self.dump.wants(tap))
+
+    def sampled(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.record.sampled(positions)
+
+    def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
+        if self.dump is not None and self.dump.wants(tap):
+            self.dump.emit(tap, positions, **values)
+        self._check_finite(tap, positions, values)
+        if tap not in COMPARATORS:
+            return
+        if tap in ROW_TAPS:
+            ids = values["row_ids"]
+            ref = self.record.rows_at(tap, ids)
+            row_end = positions + self.ctx.ratio - 1  # a row belongs to the bin of the token that completed it
+            for mv in COMPARATORS[tap](positions.cpu(), ref, values, self.ctx):
+                self.acc.add(tap, mv, bin_positions=row_end.cpu())
+            return
+        if tap == "attn.probs":
+            self._hold(tap, positions, values, self.record.samples["attn.probs"])
+            return
+        ref = self.record.at(tap, positions)
+        self._add(tap, COMPARATORS[tap](positions.cpu(), ref, values, self.ctx))
+        if tap == "indexer.selected":  # boundary recall: the selections at positions with recorded scores
+            self._hold("indexer.scores", positions, values, self.record.samples["indexer.scores"])
+
+    def _hold(self, tap: str, positions: torch.Tensor, values: dict[str, torch.Tensor], recorded: dict) -> None:
+        """Keep the entries of positions the reference sampled, one per position, comparing in batches."""
+        held = self._held[tap]
+        for i, p in enumerate(positions.tolist()):
+            if p not in recorded:
+                continue
+            if held and (len(held) >= self.BATCH_POSITIONS or bool(self.phase_of[held[0][0]] != self.phase_of[p])):
+                self._compare_held(tap)
+            held.append((p, {k: v[i].detach().cpu() for k, v in values.items()}))
+
+    def finish(self) -> None:
+        """Compare the sampled entries still held: call once the stack has run the layer."""
+        for tap in self._held:
+            self._compare_held(tap)
+
+    def _compare_held(self, tap: str) -> None:
+        held = self._held[tap]
+        if not held:
+            return
+        positions = [p for p, _ in held]
+        pos = torch.tensor(positions)
+        var = stack_samples([e for _, e in held])
+        held.clear()
+        ref = self.record.samples_at(tap, positions)
+        if tap == "attn.probs":
+            self._add(tap, COMPARATORS[tap](pos, ref, var, self.ctx))
+            return
+        ref_selected = {k: v.cpu() for k, v in self.record.at("indexer.selected", pos).items()}
+        self._add(tap, compare_indexer_scores(pos, ref, None, self.ctx, ref_selected, var))
+
+    def _add(self, tap: str, values: list[MetricValues]) -> None:
+        for mv in values:
+            self.acc.add(tap, mv)
+
+    def _check_finite(self, tap: str, positions: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        """Record the first tap (in emission order: the data flow) where this stack produced NaN/Inf. Taps off
+        the main path are skipped: a non-finite value there reaches attn.out or moe.out in the same layer."""
+        if tap not in FINITE_CHECKED_TAPS:
+            return
+        if any(f.variant == self.variant and f.mode == self.mode for f in self.findings):
+            return
+        for name, v in values.items():
+            if not v.is_floating_point():
+                continue
+            if bool(torch.isfinite(v.sum(dtype=torch.float64))):  # one reduction; NaN/Inf anywhere poisons it
+                continue
+            bad = ~torch.isfinite(v)
+            if bool(bad.any()):
+                first = int(torch.nonzero(bad.flatten(1).any(1) if bad.dim() > 1 else bad).flatten()[0])
+                pos = int(positions[first]) if positions.numel() > first else -1
+                phase = "decode" if pos >= 0 and bool(self.phase_of[pos]) else "prefill"
+                self.findings.append(Finding(self.variant, self.mode, self.layer, tap, name, phase, pos))
+                return
+
+
+class DumpSink:
+    """Raw tensors of chosen taps at chosen positions, for deep dives (scenario probes.dump)."""
+
+    def __init__(self, taps: list[str], positions: list[int]) -> None:
+        self.taps, self.positions = set(taps), set(positions)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.prefix = ""
+
+    def wants(self, tap: str) -> bool:
+        return tap in self.taps
+
+    def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
+        for i, p in enumerate(positions.tolist()):
+            if p in self.positions:
+                for name, v in values.items():
+                    if v.dim() and v.shape[0] == positions.shape[0]:
+                        self.tensors[f"{self.prefix}{tap}.{name}@{p}"] = v[i].detach().float().cpu().contiguous()

@@ -1,0 +1,263 @@
+"""The layer-major lockstep run (DESIGN §3, Execution): reference, yardstick and variants, layer by layer.
+
+For layer L: its weights are produced once; the reference processes every token (prefill, then the
+teacher-forced decode tokens) recording its taps; the yardstick and every optimized variant then run
+layer L over their prefill chunks and decode steps — *global* on their own previous output (accumulated
+drift) and *local* on the reference's layer-L input (the error this layer adds by itself), and with
+decision forcing on request — each through a comparing sink; the bins are written; then layer L+1.
+Metrics land on disk after every layer, and so do the streams needed to resume.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from harness.run.aggregate import LayerAccumulator
+from harness.run.bins import BinPlan
+from harness.run.metrics import CompareContext, compare_logits
+from harness.run.probes import ComparingSink, DumpSink, Finding, RecordingSink
+from harness.run.store import RunStore
+from optimized.engine import EngineOptions, OptimizedLayer, OptimizedModel
+from optimized.ops import OpContext, Routing
+from optimized.patching import Patch, PatchChoice
+from reference.layer import ParityOptions, ReferenceLayer
+from reference.model import ReferenceModel, ensure_no_tf32, segment_lengths
+from reference.weights.source import WeightSource
+
+YARDSTICK = "yardstick"
+
+
+@dataclass
+class VariantSpec:
+    name: str
+    choices: list[PatchChoice]
+
+
+@dataclass
+class RunSpec:
+    """Everything the runner needs, already resolved from a scenario."""
+
+    source: WeightSource
+    prompt_ids: list[int]
+    decode_ids: list[int]
+    turn_of_position: list[int]  # per prompt+decode position
+    needle_spans: list[tuple[int, int]]
+    variants: list[VariantSpec]
+    chunk_size: int = 8192
+    reference_chunk_size: int | None = None  # None: the whole prompt in one query-blocked pass
+    reference_dtype: torch.dtype = torch.float32
+    parity: ParityOptions = ParityOptions()
+    yardstick: bool = True
+    engine: EngineOptions = EngineOptions()
+    local: bool = True
+    force_decisions: bool = False
+    bin_size: int = 512
+    attn_sample_every: int = 64
+    logits_sample_every: int = 256
+    dump_taps: list[str] = field(default_factory=list)
+    dump_positions: list[int] = field(default_factory=list)
+    device: str = "cpu"
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def n_total(self) -> int:
+        return len(self.prompt_ids) + len(self.decode_ids)
+
+    def stacks(self) -> list[tuple[str, str]]:
+        """(stack, mode) pairs run after the reference at every layer."""
+        names = ([YARDSTICK] if self.yardstick else []) + [v.name for v in self.variants]
+        modes = ["global"] + (["local"] if self.local else [])
+        out = [(n, m) for n in names for m in modes]
+        if self.force_decisions:
+            out += [(v.name, "forced") for v in self.variants]
+        return out
+
+
+ProgressFn = Callable[[dict[str, Any]], None]
+
+
+def sampled_positions(spec: RunSpec, every: int) -> torch.Tensor:
+    """Positions whose expensive taps are compared: every `every`-th prompt position, the prompt's last
+    position, every decode position and every dump position."""
+    mask = torch.zeros(spec.n_total, dtype=torch.bool)
+    if every > 0:
+        mask[every - 1 : spec.n_prompt : every] = True
+    mask[spec.n_prompt - 1] = True
+    mask[spec.n_prompt :] = True
+    for p in spec.dump_positions:
+        mask[p] = True
+    return mask
+
+
+def turn_starts(turn_of_position: list[int]) -> torch.Tensor:
+    """First position of the turn each position belongs to."""
+    starts, current, begin = [], None, 0
+    for i, t in enumerate(turn_of_position):
+        if t != current:
+            current, begin = t, i
+        starts.append(begin)
+    return torch.tensor(starts, dtype=torch.int64)
+
+
+def forcing_patch(record: RecordingSink) -> Patch:
+    """Decision forcing (DESIGN §3): the variant computes everything itself but uses the reference's indexer
+    picks and expert ids, so its remaining drift is arithmetic, not selection."""
+    patch = Patch("force-reference-decisions", ("prefill", "decode"),
+                  "use the reference's indexer top-k rows and expert ids", source="harness")
+
+    @patch.op("indexer_topk")
+    def topk(ctx: OpContext, logits: torch.Tensor, positions: torch.Tensor, k: int):
+        ref = record.at("indexer.selected", positions)
+        return ref["row_ids"].to(logits.device).long(), ref["valid"].to(logits.device)
+
+    @patch.op("router")
+    def router(ctx: OpContext, y: torch.Tensor, token_ids: torch.Tensor) -> Routing:
+        own = ctx.base(y=y, token_ids=token_ids)
+        ids = record.at("moe.router", ctx.positions)["expert_ids"].to(y.device).long()
+        w = own.scores.gather(-1, ids)
+        w = w / w.sum(-1, keepdim=True)
+        if own.output_scale == 1.0:
+            w = w * ctx.cfg.routed_scaling_factor
+        return Routing(own.scores, ids, w, own.output_scale, own.shared_weight)
+
+    return patch
+
+
+class LockstepRunner:
+    def __init__(self, spec: RunSpec, store: RunStore, progress: ProgressFn | None = None) -> None:
+        self.spec, self.store = spec, store
+        self.progress = progress or (lambda event: None)
+        self.cfg = spec.source.config
+        self.device = torch.device(spec.device)
+        self.ids = torch.tensor(spec.prompt_ids + spec.decode_ids, dtype=torch.int64, device=self.device)
+        self.variant_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size)
+        self.reference_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.reference_chunk_size)
+        self.plan = BinPlan(spec.n_prompt, len(spec.decode_ids), spec.chunk_size, spec.turn_of_position, spec.bin_size)
+        self.sampled = sampled_positions(spec, spec.attn_sample_every)
+        self.phase_of = torch.zeros(spec.n_total, dtype=torch.bool)
+        self.phase_of[spec.n_prompt :] = True
+        self.turn_start = turn_starts(spec.turn_of_position)
+        self.reference = ReferenceModel(spec.source, spec.reference_dtype, self.device, spec.parity)
+        self.yardstick = ReferenceModel(spec.source, torch.bfloat16, self.device)
+        self.engines = {v.name: OptimizedModel(spec.source, v.choices, self.device, spec.engine) for v in spec.variants}
+        self.findings: list[Finding] = []
+
+    # ------------------------------------------------------------------------------------------
+    def run(self, start_layer: int = 0, streams: dict[str, torch.Tensor] | None = None) -> None:
+        ensure_no_tf32()
+        n_layers = self.cfg.num_hidden_layers
+        if streams is None:
+            streams = self.initial_streams()
+        streams = {k: v.to(self.device) for k, v in streams.items()}
+        self.findings = [Finding(**f) for f in self.store.read_findings() if f["layer"] < start_layer]
+        last_save = time.perf_counter()
+        for layer in range(start_layer, n_layers):
+            t0 = time.perf_counter()
+            streams = self.run_layer(layer, streams)
+            self.store.write_findings([f.to_dict() for f in self.findings])
+            if self._should_save_streams(streams, layer, last_save):
+                self.store.save_streams(layer, streams)
+                last_save = time.perf_counter()
+            self.progress({"event": "layer_done", "layer": layer, "layers": n_layers,
+                           "seconds": time.perf_counter() - t0})
+        self.compare_logits(streams)
+        self.progress({"event": "done"})
+
+    def initial_streams(self) -> dict[str, torch.Tensor]:
+        """Every stack's input to layer 0: the embedding, fp32 for the reference and bf16 for the others."""
+        x = self.reference.embed(self.ids)
+        streams = {"reference": x}
+        for name, _ in self.spec.stacks():
+            streams.setdefault(name, x.to(torch.bfloat16))
+        return streams
+
+    # Resume state: a few hundred MB write in a fraction of a second (the demo's is 28 MB), so save every layer;
+    # beyond that, at most once a minute.
+    STATE_SMALL_BYTES = 256 * 2**20
+    STATE_EVERY_S = 60.0
+
+    def _should_save_streams(self, streams: dict[str, torch.Tensor], layer: int, last_save: float) -> bool:
+        """Resume state after this layer? Always when it is small (the demo's 28 MB); for large ones (Flash at
+        27K tokens: fp32 reference + bf16 stacks ≈ 27K·4·4096·(4+2+2) B = 3.5 GB, seconds to write) at most once
+        a minute, so a killed run recomputes ≤ 60 s of layers. Metrics of every finished layer are on disk
+        either way; a resume from an earlier layer rewrites them with identical numbers."""
+        size = sum(t.numel() * t.element_size() for t in streams.values())
+        return (size <= self.STATE_SMALL_BYTES or layer == self.cfg.num_hidden_layers - 1
+                or time.perf_counter() - last_save >= self.STATE_EVERY_S)
+
+    def run_layer(self, layer: int, streams: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        spec, cfg = self.spec, self.cfg
+        weights = spec.source.layer(layer, self.device)
+        dump = DumpSink(spec.dump_taps, spec.dump_positions) if spec.dump_taps else None
+        record = RecordingSink(spec.n_total, self.sampled, dump)
+        if dump:
+            dump.prefix = "reference/"
+        self.progress({"event": "stack", "layer": layer, "stack": "reference", "mode": "global"})
+        ref_in = streams["reference"]
+        ref_out = self.reference.run_layer(ReferenceLayer(cfg, layer, weights, spec.reference_dtype, spec.parity,
+                                                          self.device),
+                                           ref_in, self.ids, self.reference_segments, record)
+        ctx = CompareContext(cfg.layer_kind(layer), cfg.compress_ratio(layer), cfg.sliding_window,
+                             torch.tensor(spec.turn_of_position), self.turn_start, spec.needle_spans)
+        rows: list[dict] = []
+        new_streams = {"reference": ref_out}
+        yard_layer = ReferenceLayer(cfg, layer, weights, torch.bfloat16, ParityOptions(), self.device) \
+            if spec.yardstick else None
+        engine_layers: dict[str, OptimizedLayer] = {}
+        for name, mode in spec.stacks():
+            self.progress({"event": "stack", "layer": layer, "stack": name, "mode": mode})
+            acc = LayerAccumulator(self.plan)
+            if dump:
+                dump.prefix = f"{name}.{mode}/"
+            sink = ComparingSink(record, acc, ctx, name, mode, layer, self.phase_of, self.findings, dump)
+            x_in = streams[name] if mode == "global" else ref_in.to(torch.bfloat16)
+            if name == YARDSTICK:
+                out = self.yardstick.run_layer(yard_layer, x_in, self.ids, self.variant_segments, sink)
+            else:
+                if mode == "forced":
+                    engine = OptimizedModel(spec.source, self._choices(name) + [PatchChoice(forcing_patch(record), {})],
+                                            self.device, spec.engine)
+                    block = engine.layer(layer, weights)
+                else:
+                    block = engine_layers.get(name) or self.engines[name].layer(layer, weights)
+                    engine_layers[name] = block
+                out = self.engines[name].run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink)
+            sink.finish()
+            if mode == "global":
+                new_streams[name] = out
+            rows += acc.rows(name, mode, layer)
+        self.store.write_layer(layer, rows)
+        if dump and dump.tensors:
+            self.store.write_dump(f"layer-{layer:03d}", dump.tensors)
+        return new_streams
+
+    def _choices(self, name: str) -> list[PatchChoice]:
+        return next(v.choices for v in self.spec.variants if v.name == name)
+
+    def compare_logits(self, streams: dict[str, torch.Tensor]) -> None:
+        """Final logits at sampled positions (every logits_sample_every-th prompt position, the last prompt
+        position and all decode positions); rows at layer = num_hidden_layers, tap 'logits'."""
+        spec = self.spec
+        pos = torch.nonzero(sampled_positions(spec, spec.logits_sample_every)).flatten()
+        ref_logits = self.reference.logits(streams["reference"][pos.to(self.device)])
+        rows: list[dict] = []
+        for name in ([YARDSTICK] if spec.yardstick else []) + [v.name for v in spec.variants]:
+            model = self.yardstick if name == YARDSTICK else self.engines[name]
+            logits = model.logits(streams[name][pos.to(self.device)]).float()
+            acc = LayerAccumulator(self.plan)
+            for mv in compare_logits(pos, ref_logits, logits):
+                acc.add("logits", mv)
+            if not bool(torch.isfinite(logits).all()) and not any(f.variant == name for f in self.findings):
+                bad = int(pos[torch.nonzero(~torch.isfinite(logits).all(-1)).flatten()[0]])
+                self.findings.append(Finding(name, "global", self.cfg.num_hidden_layers, "logits", "logits",
+                                             "decode" if bad >= spec.n_prompt else "prefill", bad))
+            rows += acc.rows(name, "global", self.cfg.num_hidden_layers)
+        self.store.write_layer(self.cfg.num_hidden_layers, rows)
+        self.store.write_findings([f.to_dict() for f in self.findings])

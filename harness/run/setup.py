@@ -1,0 +1,126 @@
+"""From a scenario (plus command-line overrides) to the runner's `RunSpec` and the run's manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.run.environment import environment_record
+from harness.errors import UsageError
+from harness.run.greedy import greedy_decode_ids
+from harness.run.runner import RunSpec, VariantSpec
+from harness.scenario import Scenario
+from harness.scenario.prompt import PromptPlan, resolve_prompt
+from optimized.patching import PatchError
+from optimized.registry import default_registry
+from reference.model import ReferenceModel
+
+
+@dataclass
+class Overrides:
+    """Command-line changes to a scenario."""
+
+    device: str | None = None
+    patches: str | None = None  # replaces the variants with `base` and one variant with these patches
+    patch_modules: tuple[str, ...] = ()
+    local: bool | None = None  # replaces the scenario's measure.local
+
+
+def prompt_digest(ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+def build_run_spec(scenario: Scenario, overrides: Overrides, decode_ids: list[int] | None = None
+                   ) -> tuple[RunSpec, PromptPlan]:
+    """Resolve the prompt, open the weights, choose the patches. `decode_ids` (from a manifest) skips greedy."""
+    device = overrides.device or "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    plan = resolve_prompt(scenario)
+    source = scenario.model.open_weights()
+    modules = list(scenario.stacks.patch_modules) + list(overrides.patch_modules)
+    try:
+        registry = default_registry(modules)
+        if overrides.patches is not None:
+            variants = [VariantSpec("base", [])]
+            chosen = registry.choose(overrides.patches)
+            if chosen:
+                variants.append(VariantSpec("+".join(c.id for c in chosen) if len(chosen) < 4 else "patched", chosen))
+        else:
+            variants = [VariantSpec(v.name, v.choices(registry)) for v in scenario.stacks.variants]
+    except PatchError as e:
+        raise UsageError(str(e)) from None
+    parity = scenario.stacks.reference.parity_options()
+    dtype = getattr(torch, scenario.stacks.reference.dtype)
+    if decode_ids is None:
+        decode_ids = plan.decode_ids
+    if decode_ids is None:  # greedy
+        decode_ids = greedy_decode_ids(ReferenceModel(source, dtype, device, parity), plan.prompt_ids,
+                                       plan.decode_steps, plan.reference_chunk_size)
+    n_total = plan.n_prompt + len(decode_ids)
+    last_turn = plan.turn_of_position[-1] if plan.turn_of_position else 0
+    turns = list(plan.turn_of_position) + [last_turn] * len(decode_ids)
+    for p in scenario.probes.dump.positions:
+        if p >= n_total:
+            raise scenario.error("probes.dump.positions", f"position {p} is past the last token ({n_total - 1})")
+    spec = RunSpec(
+        source=source, prompt_ids=list(plan.prompt_ids), decode_ids=list(decode_ids), turn_of_position=turns,
+        needle_spans=[(n.start, n.end) for n in plan.needles.values()], variants=variants,
+        chunk_size=scenario.prefill.chunk_size, reference_chunk_size=scenario.prefill.reference_chunk_size,
+        reference_dtype=dtype, parity=parity, yardstick=scenario.stacks.yardstick,
+        engine=scenario.stacks.engine.options(),
+        local=scenario.measure.local if overrides.local is None else overrides.local,
+        force_decisions=scenario.measure.force_decisions, bin_size=scenario.probes.bin_size,
+        attn_sample_every=scenario.probes.attn_sample_every, logits_sample_every=scenario.probes.logits_sample_every,
+        dump_taps=scenario.probes.dump.tap_names(), dump_positions=list(scenario.probes.dump.positions),
+        device=device)
+    return spec, plan
+
+
+def manifest_for(scenario: Scenario, scenario_text: str, overrides: Overrides, spec: RunSpec,
+                 plan: PromptPlan) -> dict[str, Any]:
+    """Everything needed to read, trust and resume the run (issue: manifest.json)."""
+    cfg = spec.source.config
+    return {
+        "format": "dsv4-drift-run/1",
+        "status": "running",
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "finished": None,
+        "scenario": {"name": scenario.name, "file": scenario.file, "text": scenario_text,
+                     "description": scenario.description},
+        "overrides": {"device": overrides.device, "patches": overrides.patches,
+                      "patch_modules": list(overrides.patch_modules), "local": overrides.local},
+        "model": {"config": cfg.to_dict(), "weights": spec.source.describe()},
+        "prompt": {"n_prompt": spec.n_prompt, "n_decode": len(spec.decode_ids), "digest": prompt_digest(spec.prompt_ids),
+                   "decode_ids": spec.decode_ids, "decode_source": plan.decode_source,
+                   "turns": [{"turn": t.turn, "start": t.start, "end": t.end} for t in plan.turn_spans],
+                   "needles": {k: {"start": v.start, "end": v.end, "turn": v.turn} for k, v in plan.needles.items()},
+                   "tokenizer": plan.tokenizer_label, "chunk_size": spec.chunk_size,
+                   "reference_chunk_size": spec.reference_chunk_size},
+        "stacks": {
+            "reference": {"dtype": str(spec.reference_dtype).replace("torch.", ""), "parity": list(
+                scenario.stacks.reference.parity)},
+            "yardstick": spec.yardstick,
+            "engine": spec.engine.to_dict(),
+            "variants": [{"name": v.name, "patches": [
+                {"id": c.id, "options": c.options, "phases": list(c.patch.active_phases(c.options)),
+                 "source": c.patch.source, "description": c.patch.description} for c in v.choices]}
+                for v in spec.variants],
+        },
+        "measure": {"local": spec.local, "force_decisions": spec.force_decisions, "bin_size": spec.bin_size,
+                    "attn_sample_every": spec.attn_sample_every, "logits_sample_every": spec.logits_sample_every},
+        "gate": {"policy": str(scenario.gate.policy)},
+        "environment": environment_record(spec.device),
+        "layers_total": cfg.num_hidden_layers,
+    }
+
+
+def default_out_dir(scenario: Scenario) -> Path:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return Path("reports") / f"{scenario.name}-{stamp}"
