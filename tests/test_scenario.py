@@ -501,9 +501,10 @@ WRONG_SCENARIOS = {
         model: {preset: tiny}
         prompt:
           messages:
-            - {role: user, content: "hi", needles: {key: "not in the text"}}
-        decode: {tokens: greedy}
-    """, ["s.yaml:5: prompt.messages[0]: needle 'key' ('not in the text') is not in its rendered text"]),
+            - {role: user, content: hi}
+            - {role: system, content: "Be brief."}
+            - {role: assistant, content: hello}
+    """, ["s.yaml:6: prompt.messages[1]: a system message may only come first"]),
 }
 
 
