@@ -3,11 +3,12 @@
 A scenario names the model, the prompt, the stacks and patches, the probes and the gate policy. The models below
 describe the file: each field's description is its documentation and lands in the JSON Schema
 (`dsv4-drift scenarios schema`, shipped as scenarios/scenario.schema.json) that editors read through the
-`# yaml-language-server: $schema=…` line. `harness.scenario.load.load_scenario(path)` reads a file and reports every
-problem as `file:line: field.path: problem`, all at once, in a `ScenarioError` (exit code 2 in the CLI). YAML is
-read as plain data only (`harness.scenario.yaml_source`): a tag like `!!python/object` is an error, never code.
-Relative paths resolve against the scenario file's directory. `resolve_prompt(scenario)` turns the prompt section
-into token ids, turn spans and needle spans (`harness.scenario.prompt`).
+`# yaml-language-server: $schema=…` line. `harness.scenario.load.load_scenario(path)` reads a file and reports its
+problems as `file:line: field.path: problem` in a `ScenarioError` (exit code 2 in the CLI): every field's at once,
+and a section's cross-field rules once its fields are valid. YAML is read as plain data only
+(`harness.scenario.yaml_source`): a tag like `!!python/object` is an error, never code. Relative paths resolve
+against the scenario file's directory. `resolve_prompt(scenario)` turns the prompt section into token ids, turn
+spans and needle spans (`harness.scenario.prompt`).
 
 Patch ids and options are checked against the patch registry — the built-ins plus the scenario's plugin modules —
 at load time, so a typo fails before any model is built, naming the variant.
@@ -28,8 +29,8 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (AfterValidator, Discriminator, Field, PlainValidator, PrivateAttr, Tag, ValidationInfo,
-                      WithJsonSchema, field_validator, model_validator)
+from pydantic import (AfterValidator, ConfigDict, Discriminator, Field, PlainValidator, PrivateAttr, Tag,
+                      ValidationInfo, WithJsonSchema, field_validator, model_validator)
 
 from harness.scenario.chat_encoding import ROLES, Message, ToolCall, render_chat
 from harness.scenario.validation import (Bool, FileModel, Model, NonNegInt, PositiveInt, Str, describe, matching,
@@ -115,7 +116,7 @@ TapPattern = Annotated[matching(TAP_PATTERN, "tap name or pattern"), AfterValida
 class ModelSpec(Model):
     """Exactly one of preset (synthetic weights) or checkpoint (a directory)."""
 
-    model_config = {"json_schema_extra": {"oneOf": [{"required": ["preset"]}, {"required": ["checkpoint"]}]}}
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["preset"]}, {"required": ["checkpoint"]}]})
     preset: Annotated[Str, AfterValidator(_preset)] | None = Field(
         None, description="synthetic weights for a preset of reference.config.PRESETS",
         json_schema_extra=lambda schema: schema.update(enum=_presets()))
@@ -196,7 +197,7 @@ _SOURCE_ONLY_KEYS = {"messages": ("thinking", "keep_earlier_reasoning"),
 class PromptSpec(Model):
     """Exactly one source: `messages`, `token_file` or `generator` (named by `source`)."""
 
-    model_config = {"json_schema_extra": {"oneOf": [{"required": [source]} for source in PROMPT_SOURCES]}}
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": [source]} for source in PROMPT_SOURCES]})
     messages: tuple[MessageSpec, ...] = Field(
         (), min_length=1, description="an explicit chat; a final assistant message is the decode continuation "
                                       "(decode.tokens: continuation), not prompt")

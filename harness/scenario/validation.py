@@ -178,16 +178,19 @@ def _issue(model: type[BaseModel], root: Located, file: str, err: Mapping[str, A
     ctx = err.get("ctx") or {}
     loc = tuple(err["loc"]) + tuple(ctx.get("at", ()))
     path, node, found = _walk(root, loc)
-    if err["type"] == "extra_forbidden" or "[key]" in loc or not found or isinstance(node.value, (dict, list)):
-        line = node.key_line
-    else:
-        line = node.line
-    later = [_walk(root, loc + tuple(other)) for other in ctx.get("line_at", ())]
-    line = max([line_of_node.line for _, line_of_node, written in later if written] or [line])
+    line = node.key_line if err["type"] == "extra_forbidden" or "[key]" in loc else _line(node, found)
+    written = [(node, found) for _, node, found in (_walk(root, loc + tuple(at)) for at in ctx.get("line_at", ()))]
+    line = max([_line(node, True) for node, found in written if found] or [line])
     text = _message(model, loc, err)
     if ctx.get("first") is not None:
-        text += f" (first on line {_walk(root, tuple(err['loc']) + tuple(ctx['first']))[1].key_line})"
+        text += f" (first on line {_line(_walk(root, tuple(err['loc']) + tuple(ctx['first']))[1], True)})"
     return Issue(file, line, path, text)
+
+
+def _line(node: Located, whole: bool) -> int:
+    """A scalar's problem is on its value's line; a mapping's or a list's, or a field missing from one, on the line
+    of its key."""
+    return node.line if whole and not isinstance(node.value, (dict, list)) else node.key_line
 
 
 def _walk(root: Located, loc: Loc) -> tuple[str, Located, bool]:
