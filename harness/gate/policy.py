@@ -148,8 +148,11 @@ class Check(Model):
         None, description="[all] a layer, a range \"2-10\", selectors swa, csa, hca (layer kinds), hash, learned "
                           "(routing), logits (the final logits row, layer = num_hidden_layers; `all` includes it), or "
                           "a list of those")
-    phases: _one_or_many(Literal[(*PHASES, "both")], {"both": PHASES}) | None = Field(None, description="[both]")
-    modes: _one_or_many(Literal[(*MODES, "all")], {"all": MODES}) | None = Field(None, description="[global]")
+    phases: _one_or_many(Literal[(*PHASES, "both")], {"both": PHASES}) | None = Field(
+        None, description="[both] prefill | decode | both, or a list")
+    modes: _one_or_many(Literal[(*MODES, "all")], {"all": MODES}) | None = Field(
+        None, description="[global] global (accumulated drift) | local (the layer's own) | forced (decisions forced "
+                          "to the reference's) | all, or a list")
     variants: _one_or_many(Annotated[Str, Field(min_length=1)]) | None = Field(
         None, description="[every variant but the yardstick (and but base_variant for base: bounds)] names or shell "
                           "globs")

@@ -11,15 +11,8 @@ against the scenario file's directory. `resolve_prompt(scenario)` turns the prom
 spans and needle spans (`harness.scenario.prompt`).
 
 Patch ids and options are checked against the patch registry — the built-ins plus the scenario's plugin modules —
-at load time, so a typo fails before any model is built, naming the variant.
-
-    name: demo                       # required, with model and prompt; every other section has defaults
-    model: {preset: flash-mini}
-    prompt:
-      generator: {target_tokens: 9000, turns: 4, needles: 3}
-    decode: {steps: 8}
-    stacks:
-      variants: [{name: base}, {name: all, patches: all}]
+at load time, so a typo fails before any model is built, naming the variant. Only name, model and prompt are
+required; README, Scenario format, shows a whole scenario.
 """
 
 from __future__ import annotations
@@ -131,10 +124,6 @@ class ModelSpec(Model):
         if self.checkpoint is not None and "seed" in self.model_fields_set:
             raise problem("seed applies to synthetic weights (preset) only", at=("seed",))
         return self
-
-    @property
-    def label(self) -> str:
-        return f"{self.preset} (seed {self.seed})" if self.preset else str(self.checkpoint)
 
     def config(self):
         """The model's `reference.config.ModelConfig` (a checkpoint's config.json is read, no weights)."""
