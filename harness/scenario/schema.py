@@ -26,6 +26,9 @@ from pydantic import (AfterValidator, ConfigDict, Discriminator, Field, PlainVal
                       ValidationInfo, WithJsonSchema, field_validator, model_validator)
 
 from harness.scenario.chat_encoding import ROLES, Message, ToolCall, render_chat
+from reference.weights.profiles import DEFAULT_PROFILE, PROFILES
+
+SYNTHETIC_PROFILES = tuple(PROFILES)
 from harness.scenario.validation import (Bool, FileModel, Model, NonNegInt, PositiveInt, Str, describe, matching,
                                          not_one_of, problem, suggest)
 
@@ -114,6 +117,10 @@ class ModelSpec(Model):
         None, description="synthetic weights for a preset of reference.config.PRESETS",
         json_schema_extra=lambda schema: schema.update(enum=_presets()))
     seed: NonNegInt = Field(0, description="synthetic weight seed (presets only)")
+    profile: Literal[SYNTHETIC_PROFILES] = Field(
+        DEFAULT_PROFILE, description="synthetic weight statistics (presets only): calibrated (public evidence, planted "
+                                     "retrieval circuits; the default) or uncalibrated (the generator before "
+                                     "2026-12-01, for reproducing earlier runs)")
     checkpoint: _path("directory") | None = Field(None, description="a checkpoint directory (config.json, "
                                                                     "safetensors)")
 
@@ -121,8 +128,9 @@ class ModelSpec(Model):
     def _one_source(self) -> ModelSpec:
         if (self.preset is None) == (self.checkpoint is None):
             raise problem("give exactly one of preset (synthetic weights) or checkpoint (a directory)")
-        if self.checkpoint is not None and "seed" in self.model_fields_set:
-            raise problem("seed applies to synthetic weights (preset) only", at=("seed",))
+        for key in ("seed", "profile"):
+            if self.checkpoint is not None and key in self.model_fields_set:
+                raise problem(f"{key} applies to synthetic weights (preset) only", at=(key,))
         return self
 
     def config(self):
@@ -135,7 +143,7 @@ class ModelSpec(Model):
         """The weight source (`harness.scenario.weights.open_weights`): synthetic for a preset, else the checkpoint."""
         from harness.scenario.weights import open_weights
 
-        return open_weights(self.preset, self.seed, self.checkpoint)
+        return open_weights(self.preset, self.seed, self.checkpoint, self.profile)
 
 
 class GeneratorSpec(Model):
