@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from matplotlib.patches import Rectangle
 
 from harness.errors import UsageError
 from harness.gate.gate_run import gate_run
+from harness.gate.outputs import FIGURES_DIR, markdown
 from harness.report.data import pack_row, unpack_row
 from harness.report.figures import (DPI, KIND_COLOURS, WIDTH_IN, FigureData, NothingToDraw, attribution,
                                     context_loss, drift_vs_layer, heatmap, write_figures)
@@ -302,3 +304,20 @@ def test_written_figures_are_non_blank_pngs_and_byte_stable_svgs(run_dir: Path, 
     again, _ = write_figures(run_dir, tmp_path / "b")
     for first, second in zip(written, again):
         assert first.read_bytes() == second.read_bytes(), f"{first.name} differs between two writes of one run"
+
+
+def test_gate_markdown_links_the_figures_found_in_the_run_directory(run_dir: Path, tmp_path: Path) -> None:
+    run = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    assert "#### Figures" not in markdown(gate_run(run)), "no figures folder, no section"
+    folder = run / FIGURES_DIR
+    folder.mkdir()
+    for name in ("heatmap.png", "heatmap.svg", "drift-vs-layer.png", "my [zoom].png", "notes.txt"):
+        (folder / name).write_bytes(b"")  # the gate lists files by name; it never opens or draws them
+    text = markdown(gate_run(run))
+    section = text[text.index("#### Figures"):].split("\n\n")
+    assert section[1] == f"In `{run}` (links relative to it):"
+    assert section[2].splitlines() == [
+        "- [drift-vs-layer](figures/drift-vs-layer.png)",
+        "- [heatmap](figures/heatmap.png) ([SVG](figures/heatmap.svg))",
+        "- [my \\[zoom\\]](figures/my%20%5Bzoom%5D.png)",
+    ]
