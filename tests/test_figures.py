@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -18,11 +19,12 @@ from matplotlib.colors import LogNorm, TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from harness.cli.main import main
 from harness.errors import UsageError
 from harness.gate.gate_run import gate_run
 from harness.gate.outputs import FIGURES_DIR, markdown
 from harness.report.data import pack_row, unpack_row
-from harness.report.figures import (DPI, KIND_COLOURS, WIDTH_IN, FigureData, NothingToDraw, attribution,
+from harness.report.figures import (DPI, KIND_COLOURS, VIEWS, WIDTH_IN, FigureData, NothingToDraw, attribution,
                                     context_loss, drift_vs_layer, heatmap, write_figures)
 from harness.report.synthetic import BAD_FROM_LAYER, BAD_PATCH, PATCHES, write_synthetic_run
 from harness.run.store import RunStore
@@ -321,3 +323,37 @@ def test_gate_markdown_links_the_figures_found_in_the_run_directory(run_dir: Pat
         "- [heatmap](figures/heatmap.png) ([SVG](figures/heatmap.svg))",
         "- [my \\[zoom\\]](figures/my%20%5Bzoom%5D.png)",
     ]
+
+
+def test_cli_report_writes_the_figures_and_the_gate_summary_lists_them(run_dir: Path, tmp_path: Path,
+                                                                       capsys) -> None:
+    run = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    assert main(["report", str(run), "--figures"]) == 0
+    out = capsys.readouterr().out
+    for view in VIEWS:
+        for fmt in ("png", "svg"):
+            path = run / "figures" / f"{view}.{fmt}"
+            assert path.is_file() and f"  {path}\n" in out, f"{path} written and listed"
+    assert (run / "report.html").is_file(), "the page is still written"
+    summary = tmp_path / "summary.md"
+    assert main(["gate", str(run), "--quiet", "--summary", str(summary)]) == 1, "triton-indexer fails in decode"
+    assert "- [attribution](figures/attribution.png) ([SVG](figures/attribution.svg))" in summary.read_text()
+
+    custom = tmp_path / "slides"
+    assert main(["report", str(run), "--figures", str(custom), "--figure-variants", "all, base",
+                 "--heatmap-metric", "indexer.recall"]) == 0
+    assert sorted(p.name for p in custom.iterdir()) == sorted(f"{v}.{f}" for v in VIEWS for f in ("png", "svg"))
+    assert f"figures: {custom}" in capsys.readouterr().out
+
+
+def test_cli_report_figures_usage_errors(run_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    out = tmp_path / "figures"
+    assert main(["report", str(run_dir), "--heatmap-metric", "attn.tv"]) == 2
+    assert "only with --figures" in capsys.readouterr().err
+    assert main(["report", str(run_dir), "--figures", str(out), "--heatmap-metric", "attn.nope"]) == 2
+    assert "'attn.nope' is not kept per position" in capsys.readouterr().err
+    assert not out.exists(), "nothing is written when a figure cannot be drawn as asked"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the [figures] extra were not installed
+    assert main(["report", str(run_dir), "--figures", str(out)]) == 2
+    assert 'pip install -e ".[figures]"' in capsys.readouterr().err
+    assert not out.exists()
