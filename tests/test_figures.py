@@ -29,9 +29,9 @@ from harness.report.figures import (DPI, KIND_COLOURS, VIEWS, WIDTH_IN, FigureDa
 from harness.report.synthetic import BAD_FROM_LAYER, BAD_PATCH, PATCHES, write_synthetic_run
 from harness.run.store import RunStore
 
-FAMILY_ROWS = [("Hidden streams", "stream rel L2"), ("Attention", "attention TV"), ("Indexer top-k", "indexer recall@k"),
-               ("mHC (hyper-connections)", "mHC comb rel err (attn.hc)"), ("MoE routing", "MoE expert flip rate"),
-               ("Final logits", "logits KL")]
+FAMILY_ROWS = [("Hidden streams", "stream rel L2"), ("Attention", "attention TV"),
+               ("Indexer top-k", "indexer recall@k"), ("mHC (hyper-connections)", "mHC comb rel err (attn.hc)"),
+               ("MoE routing", "MoE expert flip rate"), ("Final logits", "logits KL")]
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +274,8 @@ def test_attribution_matrix_is_patch_by_layer_per_phase(data: FigureData) -> Non
     assert not [p for p in panels[0].patches if not p.get_fill()], "nothing diverges in prefill"
     assert "attn.tv" in data.payload["attribution"]["matrix"]
     assert "attention TV" in attribution(data, "attn.tv").get_suptitle()
+    with pytest.raises(UsageError, match="'moe.flip_rate' is not in attribution.json"):
+        attribution(data, "moe.flip_rate")
 
 
 def test_missing_attribution_is_skipped_with_a_note_and_stale_files_go(tmp_path: Path) -> None:

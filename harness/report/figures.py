@@ -604,6 +604,8 @@ def attribution(data: FigureData, metric: str | None = None) -> Figure:
     entry = view["matrix"][key]
     phases = [p for p in ("prefill", "decode") if p in entry["phases"]] + \
         sorted(p for p in entry["phases"] if p not in ("prefill", "decode"))
+    if not phases:
+        raise NothingToDraw(f"attribution.json has no blame for {key}")
     patches = [p for p in view["patches"] if any(p in entry["phases"][ph] for ph in phases)]
     width = max([data.n_layers] + [len(v) for ph in phases for v in entry["phases"][ph].values()])
 
@@ -626,8 +628,8 @@ def attribution(data: FigureData, metric: str | None = None) -> Figure:
                           extent=(-0.5, width - 0.5, len(patches) - 0.5, -0.5))
         names = list(patches)
         if phase in yard:
-            ax.imshow(np.ma.masked_invalid(np.abs(yard[phase][None, :])), cmap="Greys", norm=Normalize(0, reach), aspect="auto",
-                      extent=(-0.5, width - 0.5, len(patches) + 0.5, len(patches) - 0.5))
+            ax.imshow(np.ma.masked_invalid(np.abs(yard[phase][None, :])), cmap="Greys", norm=Normalize(0, reach),
+                      aspect="auto", extent=(-0.5, width - 0.5, len(patches) + 0.5, len(patches) - 0.5))
             names.append("yardstick loss")
         ax.set_ylim(len(names) - 0.5, -0.5)
         for patch_row, patch in enumerate(patches):
