@@ -278,7 +278,7 @@ def test_attribution_matrix_is_patch_by_layer_per_phase(data: FigureData) -> Non
         attribution(data, "moe.flip_rate")
 
 
-def test_missing_attribution_is_skipped_with_a_note_and_stale_files_go(tmp_path: Path) -> None:
+def test_missing_attribution_is_skipped_with_a_note_and_stale_files_go(tmp_path: Path, capsys) -> None:
     run = small_run(tmp_path / "run", attribution=False)
     with pytest.raises(NothingToDraw, match="no attribution.json"):
         attribution(FigureData.load(run))
@@ -290,6 +290,8 @@ def test_missing_attribution_is_skipped_with_a_note_and_stale_files_go(tmp_path:
                                          for f in ("png", "svg")]
     assert list(skipped) == ["attribution"] and "dsv4-drift attribute" in skipped["attribution"]
     assert not (out / "attribution.png").exists(), "a stale figure would be listed as this run's"
+    assert main(["report", str(run), "--figures"]) == 0
+    assert "  attribution: skipped: no attribution.json" in capsys.readouterr().out
 
 
 def test_written_figures_are_non_blank_pngs_and_byte_stable_svgs(run_dir: Path, tmp_path: Path) -> None:

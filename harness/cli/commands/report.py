@@ -67,4 +67,4 @@ def write_figure_files(args: argparse.Namespace) -> None:
     for path in written:
         print(f"  {path}")
     for view, why in skipped.items():
-        print(f"  {view}: skipped ({why})")
+        print(f"  {view}: skipped: {why}")
