@@ -263,7 +263,9 @@ def test_attribution_matrix_is_patch_by_layer_per_phase(data: FigureData) -> Non
     assert f"patch {BAD_PATCH}, decode phase, first at layer {BAD_FROM_LAYER}" in fig.get_suptitle()
     patches = [p for p, _, _ in PATCHES]
     decode = panels[1]
-    assert [t.get_text() for t in decode.get_yticklabels()] == patches + ["yardstick loss"]
+    yardstick = data.payload["attribution"]["matrix"]["indexer.mass_recall"]["phases"]["decode"]["_yardstick"]
+    assert [t.get_text() for t in decode.get_yticklabels()] == patches + [f"yardstick loss (0–{max(yardstick):.2g})"]
+    np.testing.assert_allclose(decode.get_images()[1].get_array()[0], yardstick)
     blame = decode.get_images()[0]
     assert blame.get_array().shape == (6, 43)
     expected = data.payload["attribution"]["matrix"]["indexer.mass_recall"]["phases"]["decode"][BAD_PATCH]

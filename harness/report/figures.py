@@ -590,7 +590,7 @@ def _answer_panel(ax: Axes, data: FigureData, answers: dict[str, float]) -> None
 def attribution(data: FigureData, metric: str | None = None) -> Figure:
     """attribution.json's blame matrix for one metric (default: the verdict's), one panel per phase: the drift
     each patch adds at each layer on one colour scale centred at zero, the yardstick's own loss as a grey row
-    for scale, and each patch's first layer of divergence beyond the gate outlined."""
+    (its range in the row's label), and each patch's first layer of divergence beyond the gate outlined."""
     view = data.payload["attribution"]
     if not view:
         raise NothingToDraw("no attribution.json in the run directory (`dsv4-drift attribute` writes one)")
@@ -627,10 +627,12 @@ def attribution(data: FigureData, metric: str | None = None) -> Figure:
         image = ax.imshow(np.ma.masked_invalid(grids[phase]), cmap=cmap, norm=norm, aspect="auto",
                           extent=(-0.5, width - 0.5, len(patches) - 0.5, -0.5))
         names = list(patches)
-        if phase in yard:
-            ax.imshow(np.ma.masked_invalid(np.abs(yard[phase][None, :])), cmap="Greys", norm=Normalize(0, reach),
+        if phase in yard:  # on its own grey scale: the noise floor is often far above any one patch's blame
+            loss = np.abs(yard[phase])
+            top = float(np.nanmax(loss)) if np.isfinite(loss).any() else 0.0
+            ax.imshow(np.ma.masked_invalid(loss[None, :]), cmap="Greys", norm=Normalize(0, top or 1.0),
                       aspect="auto", extent=(-0.5, width - 0.5, len(patches) + 0.5, len(patches) - 0.5))
-            names.append("yardstick loss")
+            names.append(f"yardstick loss (0–{top:.2g})")
         ax.set_ylim(len(names) - 0.5, -0.5)
         for patch_row, patch in enumerate(patches):
             first = next((d for d in view["first_divergence"].get(patch) or [] if d.get("phase") == phase), {})
