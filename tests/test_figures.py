@@ -230,29 +230,48 @@ def test_context_loss_lens_draws_reference_against_variants(data: FigureData, ru
                                list(page_means(data, "base", "ctx.earlier_turn_mass_ref", "prefill").values()))
 
 
-def test_needle_answer_rate_is_the_first_panel_when_measured(tmp_path: Path) -> None:
+def test_needle_answer_comes_first_when_measured(tmp_path: Path) -> None:
+    """The needle answer as the run records it: per needle query, on the final logits row (tap `logits`) and
+    through each layer's logit lens (tap `needle.lens`), with the reference's side (`_ref`) on every row."""
     run = small_run(tmp_path / "run", attribution=False)
     store = RunStore(run)
-    decode_steps = {(r["step"], r["turn"], r["pos_bin"], r["pos_end"]) for r in pq.read_table(store.part_path(0))
-                    .to_pylist() if r["phase"] == "decode"}
-    assert len(decode_steps) == 2
-    answered = {"yardstick": 2, "base": 2, "mma-sparse-decode": 1, "all": 0}  # of the two decode steps
-    rows = pq.read_table(store.part_path(5)).to_pylist()  # the final logits' rows (tiny has 5 layers)
-    for variant, n in answered.items():
-        for step, turn, start, end in decode_steps:
-            for metric, value in (("ctx.needle_answer", float(step < n)), ("ctx.needle_margin", 0.5)):
-                rows.append({"variant": variant, "mode": "global", "layer": 5, "phase": "decode", "chunk": -1,
-                             "step": step, "turn": turn, "pos_bin": start, "pos_end": end, "tap": "logits",
-                             "metric": metric, "value": value, "max": value, "count": 1})
-    store.write_layer(5, rows)
+    queries = sorted({(r["step"], r["turn"], r["pos_bin"], r["pos_end"]) for r in
+                      pq.read_table(store.part_path(0)).to_pylist() if r["phase"] == "decode"})
+    assert len(queries) == 2
+    final = {"yardstick": 1.0, "base": 1.0, "mma-sparse-decode": 0.5, "all": 0.0}  # the reference answers both
+
+    def rows(layer: int, tap: str, reference: float, answered: dict[str, float]) -> list[dict]:
+        """Every stack's rows for the two queries: it answers the first `rate × 2` of them."""
+        out = []
+        for variant, rate in answered.items():
+            for i, (step, turn, start, end) in enumerate(queries):
+                answer = float(i < 2 * rate)
+                for metric, value in (("ctx.needle_answer", answer), ("ctx.needle_answer_ref", reference),
+                                      ("ctx.needle_margin", 0.5), ("ctx.needle_margin_ref", 2.0),
+                                      ("ctx.needle_lost", reference * (1 - answer))):
+                    out.append({"variant": variant, "mode": "global", "layer": layer, "phase": "decode",
+                                "chunk": -1, "step": step, "turn": turn, "pos_bin": start, "pos_end": end,
+                                "tap": tap, "metric": metric, "value": value, "max": value, "count": 1})
+        return out
+
+    for layer in range(5):  # tiny: layers 0-4; through the lens the answer appears from layer 3 on
+        lensed = {v: rate * (layer >= 3) for v, rate in final.items()}
+        added = rows(layer, "needle.lens", float(layer >= 3), lensed)
+        store.write_layer(layer, pq.read_table(store.part_path(layer)).to_pylist() + added)
+    store.write_layer(5, pq.read_table(store.part_path(5)).to_pylist() + rows(5, "logits", 1.0, final))
 
     fig = context_loss(FigureData.load(run))
-    answer = fig.axes[0]
-    assert answer.get_title() == "Needle answer (final logits, decode)"
-    assert [t.get_text() for t in answer.get_yticklabels()] == list(answered)
-    assert [b.get_width() for b in answer.patches] == [n / 2 for n in answered.values()]
-    assert "margin 0.5" in " ".join(t.get_text() for t in answer.texts)
-    assert fig.axes[1].get_title() == "Attention mass on earlier turns"
+    answer, lens = fig.axes[:2]
+    assert answer.get_title() == "Needle answer (final logits)"
+    assert [t.get_text() for t in answer.get_yticklabels()] == ["reference"] + list(final)
+    assert [b.get_width() for b in answer.patches] == [1.0] + list(final.values())
+    texts = [t.get_text() for t in answer.texts]
+    assert texts[0] == "1.00 · margin 2" and texts[-1] == "0.00 · margin 0.5 · lost 1.00"
+    assert lens.get_title() == "Needle answer through each layer's logit lens"
+    assert line(lens, "reference").get_ydata().tolist() == [0, 0, 0, 1, 1]
+    assert line(lens, "mma-sparse-decode").get_ydata().tolist() == [0, 0, 0, 0.5, 0.5]
+    assert line(lens, "all").get_ydata().tolist() == [0] * 5, "the patched stack never answers"
+    assert fig.axes[2].get_title() == "Attention mass on earlier turns"
 
 
 def test_attribution_matrix_is_patch_by_layer_per_phase(data: FigureData) -> None:

@@ -67,6 +67,7 @@ VARIANT_COLOURS = ("#0072B2", "#D55E00", "#009E73", "#E69F00", "#CC79A7", "#56B4
 variant also has its own marker, so lines stay apart in greyscale and past six variants."""
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
 REFERENCE_COLOUR = "#000000"
+REFERENCE_STYLE = {"color": REFERENCE_COLOUR, "linewidth": 2.4}
 YARDSTICK_COLOUR = "#808080"
 KIND_COLOURS = {"swa": "#99DDFF", "csa": "#44BB99", "hca": "#EEDD88"}  # Paul Tol's light (colour-blind-safe) scheme
 HASH_COLOUR = "#AA3377"
@@ -104,7 +105,12 @@ CONTEXT_PANELS = (
 """The lens per layer: masses come as a reference/variant pair (`_ref`, `_opt`), recalls per variant."""
 NEEDLE_ANSWER = "ctx.needle_answer"
 NEEDLE_MARGIN = "ctx.needle_margin"
-"""Per decode position at the logits: 1 when the variant's top-1 is the needle's continuation (and its margin)."""
+NEEDLE_LOST = "ctx.needle_lost"
+LENS_TAP = "needle.lens"
+"""The needle answer as an outcome, per needle query (a decode step whose continuation only a needle gives):
+1 when a stack's top-1 is the needle's continuation (`_ref`: the reference's), the logit margin, and `lost` where
+the reference answers beyond FP8 noise and the stack does not. The run records it on the final logits row (tap
+`logits`) and through each layer's logit lens (tap `needle.lens`)."""
 
 
 class NothingToDraw(Exception):
@@ -161,10 +167,22 @@ class FigureData:
         values = ((table.get(variant) or {}).get(key) or {}).get(phase)
         return _decoded(values["mean"]) if values else None
 
-    def final(self, variant: str, phase: str, key: str) -> float | None:
-        """A final-logits metric (layer == n_layers) of a variant: the mean over the phase's positions."""
-        entry = ((self.payload["logits"].get(variant) or {}).get(phase) or {}).get(key)
+    def final(self, variant: str, phase: str, metric: str) -> float | None:
+        """A final-logits metric (layer == n_layers) of a variant: the mean over the phase's positions. A metric
+        the run also records per layer (the needle answer) is keyed `metric@logits` there."""
+        entries = (self.payload["logits"].get(variant) or {}).get(phase) or {}
+        entry = entries.get(f"{metric}@logits") or entries.get(metric)
         return _float(entry["mean"]) if entry else None
+
+    def first_final(self, phase: str, metric: str) -> float | None:
+        """A final-logits metric every variant's rows carry alike (the reference's `_ref` side): the first found."""
+        return next((x for v in self.variants if (x := self.final(v, phase, metric)) is not None), None)
+
+    def lens_series(self, variant: str, metric: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """A needle-answer metric per layer through the logit lens (decode), keyed `metric@needle.lens` when the
+        run also records it on the logits row."""
+        lensed = f"{metric}@{LENS_TAP}"
+        return self.layer_series(variant, lensed if lensed in self.payload["metrics"] else metric, "decode")
 
     def label(self, key: str) -> str:
         """The page's label of a series: the metric's label, and the tap where one metric has several."""
@@ -309,8 +327,7 @@ def _legend(fig: Figure, handles: list[Any]) -> None:
 def _series_legend(fig: Figure, data: FigureData, bounds: bool, nonfinite: bool, reference: bool = False) -> None:
     """The legend of the per-layer line figures: reference, yardstick and variants as drawn, then the gate's
     bound, the layer kinds and the NaN/Inf mark where they appear."""
-    handles: list[Any] = [Line2D([], [], color=REFERENCE_COLOUR, linewidth=2.4, label="reference (fp32)")] \
-        if reference else []
+    handles: list[Any] = [Line2D([], [], label="reference (fp32)", **REFERENCE_STYLE)] if reference else []
     handles += [Line2D([], [], label=_variant_label(v), **variant_style(data, v)) for v in data.variants]
     if bounds:
         handles.append(Line2D([], [], color="#555555", linestyle=BOUND_DASH, linewidth=1.4,
@@ -515,32 +532,36 @@ def _boundary_marks(ax: Axes, bins: dict[str, list[Any]]) -> list[Any]:
 
 @_styled
 def context_loss(data: FigureData, phase: str | None = None) -> Figure:
-    """The context-loss lens for one phase (default: decode, as on the page): the needle answer rate per variant
-    when the run measured it, then per layer the attention mass on earlier turns and needles (reference black,
-    variants in colour) and the indexer's recall of earlier-turn and needle rows with each variant's bound."""
+    """The context-loss lens for one phase (default: decode, as on the page). First, when the run measured the
+    needle answer: the reference's and each stack's answer rate at the final logits, and per layer through the
+    logit lens. Then per layer the attention mass on earlier turns and needles (reference black, variants in
+    colour) and the indexer's recall of earlier-turn and needle rows with each variant's bound."""
     metrics = data.payload["metrics"]
     phase = phase or ("decode" if "decode" in data.phases else (data.phases or ["prefill"])[0])
-    answers = {v: data.final(v, "decode", NEEDLE_ANSWER) for v in data.variants}
-    answers = {v: a for v, a in answers.items() if a is not None}
+    final = {v: x for v in data.variants if (x := data.final(v, "decode", NEEDLE_ANSWER)) is not None}
+    lens = {v: s for v in data.variants if (s := data.lens_series(v, NEEDLE_ANSWER)) is not None}
     panels = [(key, title) for key, title in CONTEXT_PANELS if key in metrics or f"{key}_ref" in metrics]
-    if not panels and not answers:
+    if not panels and not final and not lens:
         raise NothingToDraw("no context-loss metrics: the prompt has a single turn and no needles, or no query "
                             "attends to an earlier turn")
-    n_rows = (len(panels) + 1) // 2 + (1 if answers else 0)
+    answer_rows = 1 if final or lens else 0
+    n_rows = (len(panels) + 1) // 2 + answer_rows
     fig = Figure(figsize=(WIDTH_IN, 1.2 + 2.8 * n_rows), layout="constrained")
     grid = fig.add_gridspec(n_rows, 2)
-    if answers:
-        _answer_panel(fig.add_subplot(grid[0, :]), data, answers)
+    if final:
+        _answer_panel(fig.add_subplot(grid[0, 0] if lens else grid[0, :]), data, final)
+    if lens:
+        _lens_panel(fig.add_subplot(grid[0, 1] if final else grid[0, :]), data, lens)
     needles = ", ".join((data.payload["manifest"].get("prompt") or {}).get("needles") or {})
     nonfinite = False
     for i, (key, title) in enumerate(panels):
-        ax = fig.add_subplot(grid[i // 2 + (1 if answers else 0), i % 2])
+        ax = fig.add_subplot(grid[i // 2 + answer_rows, i % 2])
         ax.set_title(title + (f" ({needles})" if "needle" in key and needles else ""))
         ax.set_ylabel("mean attention mass per query" if key.endswith("_mass") else data.label(key))
         ax.set_xlabel("layer")
         nonfinite |= _context_panel(ax, data, key, phase)
     _series_legend(fig, data, any(key in data.bounds for key, _ in panels), nonfinite,
-                   reference=any(key.endswith("_mass") for key, _ in panels))
+                   reference=bool(answer_rows) or any(key.endswith("_mass") for key, _ in panels))
     fig.suptitle(f"Context-loss lens · {data.scenario} · {phase} queries in later turns · global mode")
     return fig
 
@@ -555,7 +576,7 @@ def _context_panel(ax: Axes, data: FigureData, key: str, phase: str) -> bool:
     if reference is None:
         _not_measured(ax)
     else:
-        _plot_layers(ax, *reference, "reference", {"color": REFERENCE_COLOUR, "linewidth": 2.4})
+        _plot_layers(ax, *reference, "reference", REFERENCE_STYLE)
     for variant in data.variants:
         series = data.layer_series(variant, f"{key}_opt", phase)
         if series is not None:
@@ -564,21 +585,42 @@ def _context_panel(ax: Axes, data: FigureData, key: str, phase: str) -> bool:
     return nonfinite
 
 
-def _answer_panel(ax: Axes, data: FigureData, answers: dict[str, float]) -> None:
-    """The outcome: how often each variant's next token is the needle's continuation over the decode steps."""
-    for i, (variant, rate) in enumerate(answers.items()):
-        style = variant_style(data, variant)
-        ax.barh(i, rate, height=0.6, color=style["color"], alpha=0.6, edgecolor=style["color"],
+def _answer_panel(ax: Axes, data: FigureData, final: dict[str, float]) -> None:
+    """The outcome: how often the reference and each stack answer the needle queries with their final logits,
+    with the mean margin and, for the stacks, the share of answers lost where the reference was sure."""
+    rows = [("reference", data.first_final("decode", f"{NEEDLE_ANSWER}_ref"), f"{NEEDLE_MARGIN}_ref", None)]
+    rows = [r for r in rows if r[1] is not None] + [(v, rate, NEEDLE_MARGIN, v) for v, rate in final.items()]
+    for i, (name, rate, margin_metric, variant) in enumerate(rows):
+        colour = REFERENCE_COLOUR if variant is None else variant_style(data, variant)["color"]
+        ax.barh(i, rate, height=0.6, color=colour, alpha=0.6, edgecolor=colour,
                 hatch="//" if variant == YARDSTICK else None)
-        margin = data.final(variant, "decode", NEEDLE_MARGIN)
-        text = f"{rate:.2f}" + (f"  (margin {margin:.3g})" if margin is not None else "")
+        margin = data.first_final("decode", margin_metric) if variant is None else \
+            data.final(variant, "decode", margin_metric)
+        lost = data.final(variant, "decode", NEEDLE_LOST) if variant is not None else None
+        text = f"{rate:.2f}" + (f" · margin {margin:.3g}" if margin is not None else "") + \
+            (f" · lost {lost:.2f}" if lost is not None else "")
         ax.annotate(text, (rate, i), xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
-    ax.set_yticks(range(len(answers)), list(answers))
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows])
     ax.invert_yaxis()
-    ax.set_xlim(0, 1.15)
-    ax.set_xlabel("needle answer rate: share of decode steps whose top-1 token is the needle's continuation")
-    ax.set_title("Needle answer (final logits, decode)")
+    ax.set_xlim(0, 1.45)
+    ax.set_xticks(np.linspace(0, 1, 6))
+    ax.set_xlabel("needle answer rate over the needle queries (decode)")
+    ax.set_title("Needle answer (final logits)")
     ax.grid(False, axis="y")
+
+
+def _lens_panel(ax: Axes, data: FigureData, lens: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    """Where the answer is lost: the answer rate through each layer's logit lens, reference against stacks."""
+    reference = next((s for v in data.variants if (s := data.lens_series(v, f"{NEEDLE_ANSWER}_ref"))), None)
+    if reference is not None:
+        _plot_layers(ax, *reference, "reference", REFERENCE_STYLE)
+    for variant, series in lens.items():
+        _plot_layers(ax, *series, _variant_label(variant), variant_style(data, variant))
+    ax.set_ylim(-0.04, 1.04)
+    ax.set_ylabel("needle answer rate")
+    ax.set_xlabel("layer")
+    ax.set_title("Needle answer through each layer's logit lens")
+    _layer_axis(ax, data)
 
 
 # ----------------------------------------------------------------------------------------------
