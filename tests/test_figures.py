@@ -24,8 +24,8 @@ from harness.errors import UsageError
 from harness.gate.gate_run import gate_run
 from harness.gate.outputs import FIGURES_DIR, markdown
 from harness.report.data import pack_row, unpack_row
-from harness.report.figures import (DPI, KIND_COLOURS, VIEWS, WIDTH_IN, FigureData, NothingToDraw, attribution,
-                                    context_loss, drift_vs_layer, heatmap, write_figures)
+from harness.report.figures import (DPI, KIND_COLOURS, VIEWS, WIDTH_IN, FigureData, NothingToDraw, _boundary_marks,
+                                    attribution, context_loss, drift_vs_layer, heatmap, write_figures)
 from harness.report.synthetic import BAD_FROM_LAYER, BAD_PATCH, PATCHES, write_synthetic_run
 from harness.run.store import RunStore
 
@@ -195,6 +195,17 @@ def test_heatmap_is_layer_by_bin_with_chunk_turn_and_decode_marks(data: FigureDa
     kinds = [layer["kind"] for layer in data.payload["layers"]]
     assert [tuple(p.get_facecolor()[:3]) for p in strip[:4]] == [
         tuple(int(KIND_COLOURS[k][i:i + 2], 16) / 255 for i in (1, 3, 5)) for k in kinds[:4]]
+
+
+def test_boundary_labels_give_way_to_the_decode_label() -> None:
+    """30 columns: chunk 1 starts at column 10, decode at 11 — too close for two labels on one row."""
+    bins = {"pos_bin": list(range(30)), "phase": ["prefill"] * 11 + ["decode"] * 19,
+            "chunk": [0] * 10 + [1] + [-1] * 19, "turn": [0] * 5 + [1] * 25}
+    ax = Figure().subplots()
+    handles = _boundary_marks(ax, bins)
+    assert [t.get_text() for t in ax.texts] == ["decode", "chunk 0", "turn 0", "turn 1"]
+    assert [h.get_label() for h in handles] == ["prefill chunk boundary", "prefill → decode", "turn boundary"]
+    assert sorted(ln.get_xdata()[0] for ln in ax.get_lines()) == [4.5, 9.5, 10.5]
 
 
 def test_heatmap_of_a_recall_draws_its_loss_and_refuses_unknown_metrics(data: FigureData) -> None:

@@ -499,29 +499,29 @@ def heatmap(data: FigureData, metric: str | None = None) -> Figure:
 
 
 def _boundary_marks(ax: Axes, bins: dict[str, list[Any]]) -> list[Any]:
-    """Vertical lines where a prefill chunk, a turn or the prefill phase ends, labelled above the plot (a label
-    that would run into the previous one is left out: the line still shows). Returns the legend handles."""
-    label_gap = int(np.ceil(len(bins["pos_bin"]) / 15))  # columns per label: ~0.6 inch of the ~9-inch-wide plot
-    last_label = {"chunk": -label_gap, "turn": -label_gap}
-    used: set[str] = set()
-    top = ax.get_xaxis_transform()
+    """Vertical lines where a prefill chunk, a turn or the prefill phase ends, labelled above the plot: chunk and
+    decode labels on one row, turn labels on another. A label that would run into one already placed is left
+    out (the line still shows); the decode label is placed first. Returns the legend handles."""
+    marks: list[tuple[int, str, str]] = []  # (column, kind, label)
     for c in range(len(bins["pos_bin"])):
-        new_phase = c > 0 and bins["phase"][c] != bins["phase"][c - 1]
-        new_chunk = c == 0 or (bins["phase"][c] == "prefill" and bins["chunk"][c] != bins["chunk"][c - 1])
-        new_turn = c == 0 or bins["turn"][c] != bins["turn"][c - 1]
-        marks = [("decode", new_phase, "decode"), ("chunk", new_chunk and not new_phase, f"chunk {bins['chunk'][c]}"),
-                 ("turn", new_turn, "preamble" if bins["turn"][c] < 0 else f"turn {bins['turn'][c]}")]
-        for kind, happens, text in marks:
-            if not happens:
-                continue
-            if c > 0:
-                ax.axvline(c - 0.5, **BOUNDARIES[kind])
-                used.add(kind)
-            row = "turn" if kind == "turn" else "chunk"
-            if c - last_label[row] >= label_gap:
-                ax.text(c - 0.4, 1.012 if row == "chunk" else 1.05, text, transform=top, fontsize=7.5,
-                        color=BOUNDARIES[kind]["color"], va="bottom")
-                last_label[row] = c
+        if c > 0 and bins["phase"][c] != bins["phase"][c - 1]:
+            marks.append((c, "decode", "decode"))
+        elif c == 0 or (bins["phase"][c] == "prefill" and bins["chunk"][c] != bins["chunk"][c - 1]):
+            marks.append((c, "chunk", f"chunk {bins['chunk'][c]}"))
+        if c == 0 or bins["turn"][c] != bins["turn"][c - 1]:
+            marks.append((c, "turn", "preamble" if bins["turn"][c] < 0 else f"turn {bins['turn'][c]}"))
+    for c, kind, _ in marks:
+        if c > 0:
+            ax.axvline(c - 0.5, **BOUNDARIES[kind])
+    label_gap = len(bins["pos_bin"]) / 15  # columns per label: ~0.6 inch of the ~9-inch-wide plot
+    placed: dict[float, list[int]] = {1.012: [], 1.05: []}  # label row (axes height) → columns labelled
+    for c, kind, text in sorted(marks, key=lambda m: m[1] != "decode"):
+        row = 1.05 if kind == "turn" else 1.012
+        if all(abs(c - other) >= label_gap for other in placed[row]):
+            ax.text(c - 0.4, row, text, transform=ax.get_xaxis_transform(), fontsize=7.5,
+                    color=BOUNDARIES[kind]["color"], va="bottom")
+            placed[row].append(c)
+    used = {kind for c, kind, _ in marks if c > 0}
     return [Line2D([], [], label=BOUNDARY_NAMES[k], **BOUNDARIES[k]) for k in BOUNDARIES if k in used]
 
 
