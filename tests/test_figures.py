@@ -25,7 +25,7 @@ from harness.gate.gate_run import gate_run
 from harness.gate.outputs import FIGURES_DIR, markdown
 from harness.report.data import pack_row, unpack_row
 from harness.report.figures import (DPI, KIND_COLOURS, VIEWS, WIDTH_IN, FigureData, NothingToDraw, _boundary_marks,
-                                    attribution, context_loss, drift_vs_layer, heatmap, write_figures)
+                                    attribution, context_loss, drift_vs_layer, heatmap, variant_style, write_figures)
 from harness.report.synthetic import BAD_FROM_LAYER, BAD_PATCH, PATCHES, write_synthetic_run
 from harness.run.store import RunStore
 
@@ -142,6 +142,15 @@ def test_drift_vs_layer_draws_every_family_per_phase_with_yardstick_and_gate_bou
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert legend[:5] == ["yardstick (bf16 noise floor)", "base", "mma-sparse-decode", "triton-indexer", "all"]
     assert any(t.startswith("gate bound") for t in legend) and "CSA (compressed, indexer)" in legend
+
+
+def test_past_six_variants_colours_come_round_with_another_line_style(tmp_path: Path) -> None:
+    data = FigureData(payload={"variants": ["yardstick"] + [f"v{i}" for i in range(8)]}, bounds={},
+                      variants=["yardstick"] + [f"v{i}" for i in range(8)])
+    styles = [variant_style(data, f"v{i}") for i in range(8)]
+    assert len({s["color"] for s in styles[:6]}) == 6 and styles[6]["color"] == styles[0]["color"]
+    assert len({(s["color"], str(s["linestyle"])) for s in styles}) == 8, "no two variants drawn alike"
+    assert len({s["marker"] for s in styles}) == 8
 
 
 def test_drift_vs_layer_without_a_gate_draws_no_bound(tmp_path: Path) -> None:

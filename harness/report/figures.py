@@ -64,7 +64,9 @@ STYLE = {
 
 VARIANT_COLOURS = ("#0072B2", "#D55E00", "#009E73", "#E69F00", "#CC79A7", "#56B4E9")
 """Okabe & Ito's colour-blind-safe palette, less black (the reference) and yellow (unreadable on white). Each
-variant also has its own marker, so lines stay apart in greyscale and past six variants."""
+variant also has its own marker, and from the seventh on the colours come round again with a dash-dot line, so
+lines stay apart in greyscale and past six variants."""
+VARIANT_LINES = ("-", "-.", (0, (6, 1.5, 1, 1.5, 1, 1.5)))
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
 REFERENCE_COLOUR = "#000000"
 REFERENCE_STYLE = {"color": REFERENCE_COLOUR, "linewidth": 2.4}
@@ -257,7 +259,8 @@ def variant_style(data: FigureData, variant: str) -> dict[str, Any]:
         return {"color": YARDSTICK_COLOUR, "linestyle": (0, (5, 3)), "linewidth": 1.4, "marker": None}
     others = [v for v in data.variants if v != YARDSTICK]
     i = others.index(variant) if variant in others else 0
-    return {"color": VARIANT_COLOURS[i % len(VARIANT_COLOURS)], "linestyle": "-", "linewidth": 1.6,
+    return {"color": VARIANT_COLOURS[i % len(VARIANT_COLOURS)], "linewidth": 1.6,
+            "linestyle": VARIANT_LINES[i // len(VARIANT_COLOURS) % len(VARIANT_LINES)],
             "marker": MARKERS[i % len(MARKERS)], "markersize": 3.2}
 
 
