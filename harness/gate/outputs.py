@@ -1,5 +1,6 @@
 """What the gate writes: a console table, gate.json (also in the run directory, for the report's verdict
-banner), JUnit XML (one testcase per check × variant) and a markdown summary for $GITHUB_STEP_SUMMARY.
+banner), JUnit XML (one testcase per check × variant) and a markdown summary for $GITHUB_STEP_SUMMARY (which
+links the figures `dsv4-drift report --figures` left in RUN_DIR/figures).
 
 gate.json (format "dsv4-drift-gate/1"):
 
@@ -29,6 +30,7 @@ import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from harness.gate.evaluate import (CheckResult, GateResult, Unit, VariantResult, _fmt, _num, explain_limit,
                                nonfinite_message)
@@ -36,6 +38,10 @@ from harness.gate.evaluate import (CheckResult, GateResult, Unit, VariantResult,
 GATE_FORMAT = "dsv4-drift-gate/1"
 STATUS_STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "no_data": "dim", "skipped": "dim"}
 STATUS_MARK = {"pass": "✅ pass", "fail": "❌ FAIL", "warn": "⚠️ warn", "no_data": "➖ no data", "skipped": "⏭️ skipped"}
+FIGURES_DIR = "figures"
+"""RUN_DIR/figures: where `dsv4-drift report RUN_DIR --figures` writes its PNG and SVG figures by default. The
+markdown summary links the ones it finds there by file name (the gate reads numbers, never pages: it does not
+import harness.report)."""
 
 
 def _layers_text(layers: tuple) -> list[Any]:
@@ -208,9 +214,25 @@ def markdown(result: GateResult) -> str:
         lines += ["#### Failing checks", ""] + header + [row(r) for r in failing] + [""]
     lines += [f"<details><summary>All checks ({len(rows)} rows)</summary>", ""] + header + [row(r) for r in rows]
     lines += ["", "</details>", ""]
+    figures = figure_links(run.dir)
+    if figures:
+        lines += ["#### Figures", "", f"In `{_md(run.dir)}` (links relative to it):", ""] + figures + [""]
     for note in result.notes:
         lines.append(f"> note: {_md(note)}")
     return "\n".join(lines) + "\n"
+
+
+def figure_links(run_dir: Path) -> list[str]:
+    """A markdown list item per RUN_DIR/figures/*.png, linked relative to the run directory, with its SVG
+    beside it where there is one."""
+    items = []
+    for png in sorted((Path(run_dir) / FIGURES_DIR).glob("*.png")):
+        name = _md(png.stem).replace("[", "\\[").replace("]", "\\]")
+        item = f"- [{name}]({quote(f'{FIGURES_DIR}/{png.name}')})"
+        if png.with_suffix(".svg").is_file():
+            item += f" ([SVG]({quote(f'{FIGURES_DIR}/{png.stem}.svg')}))"
+        items.append(item)
+    return items
 
 
 # --------------------------------------------------------------------------- JUnit XML

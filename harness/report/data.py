@@ -179,6 +179,27 @@ def pack_row(values: np.ndarray, present: np.ndarray) -> list[Any] | None:
     return [num_exact(lo), num_exact(hi), int(use_log), "".join(_PAIRS[codes].tolist())]
 
 
+def unpack_row(row: list[Any] | None, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """pack_row's inverse, read as the page's unpackRow reads it: (values, measured). values holds a float per
+    bin (NaN where missing, NaN and ±inf as measured); measured is False where the bin has no value, so a
+    measured NaN can be told from a gap. An empty row (None) is all missing."""
+    values, measured = np.full(n_bins, np.nan), np.zeros(n_bins, bool)
+    if row is None:
+        return values, measured
+    lo, hi, use_log, chars = row
+    index = {c: i for i, c in enumerate(CODE_ALPHABET)}
+    codes = np.array([index[a] * len(CODE_ALPHABET) + index[b] for a, b in zip(chars[0::2], chars[1::2])],
+                     dtype=np.int64)[:n_bins]
+    t = np.minimum(codes, CODE_LEVELS - 1) / (CODE_LEVELS - 1)
+    decoded = np.exp(np.log(lo) + t * (np.log(hi) - np.log(lo))) if use_log else lo + t * (hi - lo)
+    decoded[codes == CODE_POS_INF] = np.inf
+    decoded[codes == CODE_NEG_INF] = -np.inf
+    decoded[(codes == CODE_NAN) | (codes == CODE_MISSING)] = np.nan
+    values[:len(codes)] = decoded
+    measured[:len(codes)] = codes != CODE_MISSING
+    return values, measured
+
+
 def num_exact(x: float) -> float | int:
     """A row bound, to 7 significant digits (the codes are relative to it)."""
     r = float(f"{x:.7g}")
