@@ -17,14 +17,17 @@ F is a factor on the error amplitude. For metrics quadratic in it (KL, JS, 1 −
 distances) the same triangle inequality is applied to square roots: F²·yardstick and (√base + F·√yardstick)².
 
 Discrete metrics (indexer picks, expert choices, needle answers) are bounded as counts. A unit of `positions`
-positions makes N = positions × decisions of them (MetricRule.decisions), and loss × N of them were lost. A
-relative bound whose right-hand side without the floor is R allows A = N·R lost decisions; the unit passes when
+positions makes N = positions × decisions of them (MetricRule.decisions), and V = loss × N of them were lost. A
+relative bound whose right-hand side without the floor is R = Σ c·r (c: F for the yardstick and the twin, 1 for
+base) allows A = N·R lost decisions; the unit passes when
 
-    loss ≤ R + z·√(A + 1)/N + floor
+    loss ≤ allowed_count(...)/N + floor
 
-z·√(A+1) is the Poisson noise of a count whose allowed mean is A (flips are rare independent events at near-ties,
-their rate scales with the perturbation), z = the policy's `poisson_z`; the "+1" keeps the allowance above zero
-when A = 0. The floor of a discrete metric is one decision of the unit's N (a tie broken the other way): 1/N.
+allowed_count is A plus z standard deviations of V − A: flips are rare independent events at near-ties whose rate
+scales with the perturbation, so V and every reference count N·r are Poisson draws, and a low draw of a
+reference must not fail a variant at its allowed rate. The comparison is made on the square-root scale, where
+Poisson counts are nearly Gaussian with variance 1/4 (`allowed_count`); z = the policy's `poisson_z`. The floor
+of a discrete metric is one decision of the unit's N (a tie broken the other way): 1/N.
 
 A NaN loss fails every bound. Comparisons allow a 1e-9 relative tolerance, so a loss computed as
 1 − 2/3 still equals a floor of 1/3. Any NaN/Inf finding of the run (findings.json) fails the gate,
@@ -158,7 +161,7 @@ class Unit:
     twin: float | None = None
     floor: float | None = None
     decisions: float | None = None  # counted bounds: the unit's N = positions × decisions per position
-    allowance: float | None = None  # counted bounds: the Poisson allowance z·√(A+1)/N, in loss units
+    allowance: float | None = None  # counted bounds: the count noise allowed above R (allowed_count/N − R)
     baseline: float | None = None
     baseline_limit: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -318,8 +321,8 @@ def explain_limit(c: CheckResult, u: Unit) -> str:
         parts.append(f"{_fmt(u.limit)} (absolute)")
     elif kind in relative and u.allowance is not None:
         n, allowed = u.decisions, (u.limit - u.allowance - u.floor) * u.decisions
-        parts.append(f"{_fmt(u.limit)} = {relative[kind]} + {_fmt(c.poisson_z)}·√(A+1)/N {_fmt(u.allowance)} + "
-                     f"floor {_fmt(u.floor)} (N = {n:.0f} decisions, A = {allowed:.3g})")
+        parts.append(f"{_fmt(u.limit)} = {relative[kind]} + count noise (z = {_fmt(c.poisson_z)}) "
+                     f"{_fmt(u.allowance)} + floor {_fmt(u.floor)} (N = {n:.0f} decisions, A = {allowed:.3g})")
     elif kind in relative:
         parts.append(f"{_fmt(u.limit)} = {relative[kind]} + floor {_fmt(u.floor)}")
     if u.baseline_limit is not None:
@@ -616,12 +619,9 @@ def _evaluate_unit(check: Check, unit: Unit, bound: _Bound, at: Mapping[str, flo
         else:
             relative = sum(c * r for c, r in terms)
         n = bound.decisions_at(unit.positions, at)
-        if n is not None and n > 0:
-            # counted: the variant's count V and the references' counts N·r are Poisson draws; V − N·R has
-            # variance ≈ (A + 1) + Σ c²·(N·r + 1) at the allowed mean A = N·R (a count of 0 still admits a mean
-            # of about 1), and the unit may exceed A by z standard deviations of it
-            variance = relative * n + 1 + sum(c * c * (r * n + 1) for c, r in terms)
-            unit.decisions, unit.allowance = n, bound.poisson_z * math.sqrt(variance) / n
+        if n is not None and n > 0:  # counted (module docstring)
+            allowed = allowed_count([(c, r * n) for c, r in terms], bound.poisson_z)
+            unit.decisions, unit.allowance = n, allowed / n - relative
         unit.limit = relative + (unit.allowance or 0.0) + floor
     unit.passed = _within(unit.value, unit.limit) if unit.limit is not None else True
     if kind in ("yardstick", "base"):
@@ -638,6 +638,22 @@ def _evaluate_unit(check: Check, unit: Unit, bound: _Bound, at: Mapping[str, flo
     if kind in RELATIVE_KINDS or unit.baseline is not None:
         unit.floor = floor
     return unit
+
+
+ANSCOMBE = 3 / 8
+"""√(X + 3/8) of a Poisson count X has variance 1/4 + O(1/mean) whatever its mean, and little skew (Anscombe 1948)."""
+
+
+def allowed_count(references: Sequence[tuple[float, float]], z: float) -> float:
+    """The lost decisions a counted bound allows before its floor. `references`: (coefficient c, count n) of each
+    reference in the relative part (yardstick F, base 1, twin F), which allows A = Σ c·n. Every count is a
+    Poisson draw, so the variant may exceed A by z standard deviations of the difference, taken on the
+    square-root scale where they are nearly Gaussian: √(V + 3/8) ≤ √(Σ c·(n + 3/8)) + z·s with
+    s² = 1/4 + Σ c²·(n + 3/8) / (4·Σ c·(n + 3/8)) — the variant's 1/4 and the references' by the delta method.
+    Works on numpy arrays too (tests check its false-failure rate by sampling)."""
+    shifted = sum(c * (n + ANSCOMBE) for c, n in references)
+    spread2 = 0.25 + sum(c * c * (n + ANSCOMBE) for c, n in references) / (4 * shifted)
+    return (shifted ** 0.5 + z * spread2 ** 0.5) ** 2 - ANSCOMBE
 
 
 def _within(value: float, limit: float) -> bool:

@@ -90,8 +90,10 @@ METRICS: dict[str, MetricRule] = {
     # selections are discrete: a unit's loss × positions × decisions counts the picks it lost
     "indexer.recall": MetricRule(("indexer.selected",), "lower", _ONE_PICK, decisions="index_topk"),
     "indexer.flips": MetricRule(("indexer.selected",), "upper", _ONE_POSITION, decisions="1"),  # picks per query
-    "indexer.mass_recall": MetricRule(("attn.probs",), "lower", _ONE_PICK, decisions="index_topk"),  # 1/k: a pick's
-    # average share of the selected mass
+    # the mass-weighted recall is counted in queries' masses: one lost pick costs its share of its query's selected
+    # mass, up to all of it (a row flipped at the k-th indexer score may hold most of the attention), so the lost
+    # mass of a unit is a sum of jumps in [0, 1], whose variance is at most its mean: a Poisson count's bound holds
+    "indexer.mass_recall": MetricRule(("attn.probs",), "lower", _ONE_POSITION, decisions="1"),
     "indexer.boundary_recall": MetricRule(("indexer.scores",), "lower", _ONE_PICK, decisions="index_topk"),
     # recalls over a subset of the picks (earlier turns, needles): one pick is 1/|subset| of a query's recall,
     # often far more than 1/k (a needle may hold 3 of a query's 512 picks): a query decides |subset| picks

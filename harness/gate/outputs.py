@@ -21,8 +21,8 @@ gate.json (format "dsv4-drift-gate/1"):
 A unit is {variant, mode, tap, layer, phase, scope, group, span, positions, value, limit, status, yardstick, base,
 twin, floor, decisions, allowance, baseline, baseline_limit, notes}: value is the aggregated loss (1 − x for
 recalls), limit the policy bound there; group is the chunk, turn, decode step or bin's first position (null: the
-whole layer and phase), span the unit's positions [first, end); decisions (N) and allowance (z·√(A+1)/N) are set
-for counted bounds. NaN and infinities are written as the strings "nan", "inf".
+whole layer and phase), span the unit's positions [first, end); decisions (N) and allowance (the count noise allowed
+above the relative part) are set for counted bounds. NaN and infinities are written as the strings "nan", "inf".
 
 `units` holds every unit of a layer-scope check. A group scope has up to one unit per bin (a 27K-token run:
 ~10⁴ per check and variant), so for it `units` keeps the failing units and, per (mode, tap, layer, phase), the

@@ -231,8 +231,8 @@ class Check(Model):
         return self.rule.discrete and self.bound is not None and self.bound.kind in RELATIVE_KINDS
 
     def bound_text(self, with_baseline: bool = True, poisson_z: str = "z") -> str:
-        """The bound as one line, e.g. `≤ 16×yardstick + floor`; a counted bound adds its Poisson allowance
-        `z·√(A+1)/N` (A: the decisions the relative part allows of the unit's N)."""
+        """The bound as one line, e.g. `≤ 16×yardstick + floor`; a counted bound adds the noise of its counts,
+        `count noise (z = 4)` (harness.gate.evaluate.allowed_count)."""
         parts = []
         if self.bound is not None:
             v = self.bound.value.text
@@ -242,7 +242,8 @@ class Check(Model):
             else:
                 text = {"absolute": f"≤ {v}", "yardstick": f"≤ {v}×yardstick + floor",
                         "base": f"≤ base + {v}×yardstick + floor", "twin": f"≤ {v}×twin + floor"}[self.bound.kind]
-            parts.append(text.replace(" + floor", f" + {poisson_z}·√(A+1)/N + floor") if self.counted else text)
+            parts.append(text.replace(" + floor", f" + count noise (z = {poisson_z}) + floor") if self.counted
+                         else text)
         if self.baseline_slack is not None and with_baseline:
             parts.append(f"≤ baseline×(1+{self.baseline_slack.text}) + floor")
         return "; ".join(parts)
@@ -273,9 +274,10 @@ class Policy(FileModel):
                         "unit's `positions` and, for subset recalls, `pick_share`")
     poisson_z: ExprValue = Field(
         Expr("4"), json_schema_extra={"default": 4},
-        description="[4] counted bounds (relative bounds on discrete metrics) allow z·√(A+1) lost decisions beyond "
-                    "the A of a unit's N that the relative part allows (and beyond the floor): the Poisson noise of "
-                    "a count whose allowed mean is A, at z standard deviations")
+        description="[4] counted bounds (relative bounds on discrete metrics) allow the lost decisions A of a unit's "
+                    "N that their relative part allows, plus z standard deviations of the Poisson noise of the "
+                    "variant's count and of the counts A is built from (harness.gate.evaluate.allowed_count), plus "
+                    "the floor")
     defaults: CheckDefaults = Field(default_factory=CheckDefaults)
     checks: tuple[Check, ...] = Field(min_length=1)
     _sha256: str = PrivateAttr("")
