@@ -660,6 +660,22 @@ def test_gate_json_keeps_a_groups_failing_units_and_each_layers_worst(tmp_path):
     assert variant["units"][0]["span"] == [0, 64] and variant["units"][0]["positions"] == 64
 
 
+def test_local_mode_checks_name_the_first_layer_a_patch_breaks_by_itself(tmp_path):
+    """The patch breaks layer 2 by itself (local error beyond base + 2× yardstick); its global error stays past the
+    bound at layer 3, carried. The local check names layer 2 and only it; the global one cannot tell them apart."""
+    local = {"yardstick": [0.01] * 4, "base": [0.1] * 4, "patched": [0.1, 0.11, 0.3, 0.11]}
+    accumulated = {"yardstick": [0.01, 0.02, 0.03, 0.04], "base": [0.1, 0.15, 0.2, 0.25],
+                   "patched": [0.1, 0.16, 0.4, 0.45]}
+    rows = rows_for("streams.rel_l2", local, mode="local") + rows_for("streams.rel_l2", accumulated)
+    result = gate_run(make_run(tmp_path / "run", rows), "default")
+    checks = {c.check.name: c for c in result.checks}
+    (own,) = checks["streams-rel-l2-local"].variants
+    assert own.status == "fail" and {u.layer for u in own.failing()} == {2}
+    assert own.first_failure().where() == "layer 2 prefill (local, layer.out)"
+    (carried,) = checks["streams-rel-l2-patch"].variants
+    assert {u.layer for u in carried.failing()} == {2, 3}
+
+
 def flips(counts: dict[str, int], positions: int = 640, k: int = CONFIG["num_experts_per_tok"]) -> list[dict]:
     """moe.flip_rate at learned layer 1: one prefill bin of `positions` tokens per variant, `counts` experts lost
     of its positions × k."""
@@ -696,6 +712,58 @@ def test_a_router_swapping_the_kth_expert_for_30_percent_of_tokens_fails_the_def
     (patch,) = statuses["moe-flip-rate-patch"]
     assert patch.status == "fail" and patch.units[0].value == pytest.approx(0.3 / 4)
     assert patch.units[0].limit == pytest.approx(counted_limit([(1, 0), (2, 0)], 2560))  # 19.3 flips of 2560
+
+
+@pytest.mark.parametrize("metric, tap, twin_value, site_value, passed", [
+    # mHC mixes: fp32 re-association moves them ~u_fp32 = 6e-8; another re-association is the same size (passes),
+    # a bf16 pre-linear moves them ~u_bf16·(a few) = 3e-4 (fails): limit 2·twin + 2^-24
+    ("mhc.site_rel_err", "attn.hc.site", 6e-8, 1.2e-7, True),
+    ("mhc.site_rel_err", "attn.hc.site", 6e-8, 3e-4, False),
+    # router: the twin flips nothing of 640 × 4; 2× its count's noise and the floor allow 19.4 experts, not 20
+    ("moe.site_flip_rate", "moe.router.site", 0, 19 / 2560, True),
+    ("moe.site_flip_rate", "moe.router.site", 0, 20 / 2560, False),
+])
+def test_twin_bounds_pass_a_reassociation_and_fail_a_precision_loss(tmp_path, metric, tap, twin_value, site_value,
+                                                                    passed):
+    twin = METRICS[metric].twin
+    rows = []
+    for variant, site in (("base", 0.0), ("patched", site_value)):  # base is the stock op: its site change is 0
+        rows += [row(variant, 1, metric, site, tap=tap, count=640), row(variant, 1, twin, twin_value, tap=tap,
+                                                                       count=640)]
+    result = gate_run(make_run(tmp_path / "run", rows), "default")
+    (check,) = [c for c in result.checks if c.check.metric == metric]
+    by_variant = {v.variant: v for v in check.variants}
+    assert by_variant["base"].status == "pass"
+    assert (by_variant["patched"].status == "pass") is passed
+    if metric == "mhc.site_rel_err":
+        assert by_variant["patched"].units[0].limit == pytest.approx(2 * twin_value + 2.0**-24)
+    assert "×twin" in check.check.bound_text()
+
+
+def test_a_lost_needle_answer_fails_at_the_first_layer_that_lost_it(tmp_path):
+    """ctx.needle_lost is 1 at a needle query where the reference answers beyond FP8 noise and the variant does not
+    (harness.run.needles). The patch stops answering the first query from layer 2 on: it fails there (absolute 0,
+    max). Base does not answer the second query, which the reference does not answer either: nothing is lost."""
+    rows = []
+    for variant in ("yardstick", "base", "patched"):
+        for layer, tap in [(layer, "needle.lens") for layer in range(4)] + [(4, "logits")]:
+            for step in range(2):  # two needle queries; the second one the reference does not answer
+                lost = float(variant == "patched" and layer >= 2 and step == 0)
+                answer = float(not lost and not (variant == "base" and step == 1))
+                for mode in ("global", "local") if tap == "needle.lens" else ("global",):
+                    where = {"tap": tap, "phase": "decode", "mode": mode, "count": 1, "pos_bin": 600 + step,
+                             "step": step}
+                    rows += [row(variant, layer, "ctx.needle_lost", lost if mode == "global" else 0.0, **where),
+                             row(variant, layer, "ctx.needle_answer", answer if mode == "global" else 1.0, **where),
+                             row(variant, layer, "ctx.needle_answer_ref", float(step == 0), **where)]
+    result = gate_run(make_run(tmp_path / "run", rows), "default")
+    (check,) = [c for c in result.checks if c.check.name == "needle-lost"]
+    by_variant = {v.variant: v for v in check.variants}
+    assert by_variant["base"].status == "pass"
+    patched = by_variant["patched"]
+    assert patched.first_failure().where() == "layer 2 decode (global, needle.lens)"
+    assert sorted((u.layer, u.tap) for u in patched.failing()) == [(2, "needle.lens"), (3, "needle.lens"),
+                                                                   (4, "logits")]
 
 
 @pytest.mark.parametrize("text, line, field, words", [
