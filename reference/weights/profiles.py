@@ -67,7 +67,8 @@ relative L2. A head whose sink holds mass m scales its output by (1 − m); drop
 change of m/(1 − m) relative to that head's output."""
 
 HEAVY_SINK_SHARE = 1 / 16
-"""Share of heads whose sink takes most of the mass (m ∈ [0.6, 0.9]). With light heads at m ≈ 1–10%, the
+"""Share of heads whose sink takes most of the mass (m ∈ [0.6, 0.9]): every 16th head of the model, counting
+heads layer by layer, so a model of few heads still has them (flash-mini: 5 of 86). With light heads at m ≈ 1–10%, the
 expected rel L2 of dropping every sink, sqrt(Σ m_h²)/sqrt(Σ (1 − m_h)²) over heads of equal output norm, is
 sqrt(1/16·0.56 + 15/16·0.0034)/sqrt(1/16·0.06 + 15/16·0.90) ≈ 0.20 — the order of SINK_DROP_REL_L2."""
 
@@ -88,11 +89,12 @@ def typical_lse(cfg: ModelConfig, layer: int, tokens: int = 8192) -> float:
     return math.log(n) + ATTN_LOGIT_STD**2 / 2
 
 
-def sink_logit(cfg: ModelConfig, layer: int, u_heavy: float, u_mass: float) -> float:
+def sink_logit(cfg: ModelConfig, layer: int, head: int, u_mass: float) -> float:
     """A head's sink logit for a target sink mass m: sink share = sigmoid(S − lse) ⇒ S = lse + logit(m).
-    `u_heavy`, `u_mass` are uniforms in [0, 1): heavy heads (HEAVY_SINK_SHARE of them) get m ∈ [0.6, 0.9],
-    the others m log-uniform in [1%, 10%]."""
-    if u_heavy < HEAVY_SINK_SHARE:
+    Heavy heads (HEAVY_SINK_SHARE of them) get m ∈ [0.6, 0.9], the others m log-uniform in [1%, 10%];
+    `u_mass` is a uniform in (0, 1)."""
+    period = round(1 / HEAVY_SINK_SHARE)
+    if (layer * cfg.num_attention_heads + head) % period == period // 2 - 1:
         m = 0.6 + 0.3 * u_mass
     else:
         m = math.exp(math.log(0.01) + u_mass * (math.log(0.10) - math.log(0.01)))
@@ -164,10 +166,18 @@ def student_t3(u: tuple[float, ...]) -> float:
 
 # --------------------------------------------------------------------------- activation outliers
 
-OUTLIER_CHANNEL_VALUE = 4.0
-"""The systematic outlier feature: residual dimension 0 holds 4.0 in every token's embedding, ~6× the median
-|value| (0.67) of the other dimensions — LLM.int8()'s outlier features (magnitude ≥ 6 where most hidden values
-are within ±1, in the same dimension across most tokens) — and, being constant, it is also a bias term the
-planted indexer heads read (Sun et al. 2024). With the norm-weight outlier gains (3–6× on 1/64 of channels) a
-normed activation row reaches ~20× its median, so a per-16 FP4 block holding it rounds its median entries
-(0.67/20·6 ≈ 0.2 of the e2m1 max 6) to 0 or 0.5."""
+def outlier_dim(cfg: ModelConfig) -> int:
+    """The residual dimension of the outlier channel: the last, whose per-16 FP4 and 1×128 FP8 activation blocks
+    otherwise hold ordinary N(0, 1) values (the planted retrieval circuit's codes use the first dims)."""
+    return cfg.hidden_size - 1
+
+
+OUTLIER_CHANNEL_VALUE = 12.0
+"""The systematic outlier feature: the last residual dimension holds 6.0 in every token's embedding — LLM.int8()'s
+outlier features (magnitude ≥ 6 where most hidden values are within ±1, in the same dimension across most
+tokens), ~6-9× the median |value| of the other dimensions (±1 codes, N(0, 1) elsewhere: median 0.67-1) — and,
+being constant, it is also a bias term the planted indexer heads read (Sun et al. 2024). A per-16 FP4 block
+holding it scales its e2m1 max (6) to the outlier (~6 after the input norm): entries below a quarter of the
+scale step (|x| < 0.25·amax/6 ≈ 0.25) round to zero, about a quarter of a N(0, 0.7) block's entries against a
+few percent in a block without it. FP8 e4m3 blocks (1×128) keep their small entries at this magnitude (its
+normals span 2^15); only a massive activation (10^3–10^5×, Sun et al.) would empty them."""

@@ -4,10 +4,10 @@ On random weights nothing a model outputs depends on an earlier turn, so a patch
 outcome. The calibrated profile plants an induction circuit — the mechanism trained LLMs use to continue a
 sequence they have seen before — built only from the spec's own ops, in four CSA layers:
 
-    residual (D dims):  [0] a constant outlier channel (a bias term)  [1 … b] the token's code  [b+1 … 2b] the answer
+    residual (D dims):  [0 … b−1] the token's code  [b … 2b−1] the answer  [D−1] a constant outlier channel (a bias)
 
 1. Token codes. Every token id t has a code c(t) ∈ {±1}^b (b = 24 bits, from a hash of t). The embedding
-   carries c(t) in dims 1…b, so every position knows its own token through every layer (the residual stream).
+   carries c(t) in dims 0…b−1, so every position knows its own token through every layer (the residual stream).
 2. Keys and values from the compressor (spec §5.1). A CSA row w pools the 8 tokens 4w−4 … 4w+3 with one softmax
    per channel over those slots; the gate is z = wgate·x + ape[slot]. With wgate = 0 and ape = ±A on chosen
    channels, the softmax is one-hot: channels K (0…b−1) carry the code of token s = 4w+i−1 and channels V
@@ -24,7 +24,7 @@ sequence they have seen before — built only from the spec's own ops, in four C
    with the same one-hot gates) and its weight reads the constant channel (weights_proj), so a matching row
    outscores the others and is among the top-k; rows ranked by code similarity make ReLU plateaus and exact
    ties at the k-th pick.
-6. Output (spec §4.6). wo_a/wo_b write head 0's V channels — the code of x_{s+1} — into residual dims b+1…2b.
+6. Output (spec §4.6). wo_a/wo_b write head 0's V channels — the code of x_{s+1} — into residual dims b…2b−1.
    HC_post adds it to every stream; later layers' updates are small (1/√(2·n_layers) output scaling), so it
    survives mHC, MoE and the remaining layers.
 7. The answer (spec §2). head.weight's answer columns hold β·c(t) for every token t, so the logit of t gains
@@ -68,12 +68,13 @@ is set by the code (normalised K/V entries ≈ √(hd/2b))."""
 QUERY_PROJECTION = 2.0
 """wq_a gain on the code dims: q_lat code dims ≈ 2.2 against ~1 elsewhere before q_norm."""
 
-ANSWER_WRITE = 0.365
-"""wo_a and wo_b gains on the answer path: head 0's V entries ≈ 1.14·g·0.92 ≈ 11 → 11·0.365² ≈ 1.5 per
-residual answer dim, comparable to a code dim (±1)."""
+ANSWER_WRITE = 0.5
+"""wo_a and wo_b gains on the answer path: head 0's V entries ≈ 1.14·g·0.92 ≈ 11 → 11·0.5² ≈ 2.8 per residual
+answer dim. The final norm divides by the residual's RMS, which the outlier channel (12, profiles) raises to ~2.4:
+the answer then reaches the LM head at ~1.2 per dim, like a code dim of a residual without the outlier."""
 
 ANSWER_READ = 4.0
-"""head.weight gain β on the answer dims: the answer logit is β·Σ_b c·a ≈ 4·24·1.15 = 110 against ≤ ~99 for the
+"""head.weight gain β on the answer dims: the answer logit is β·Σ_b c·a ≈ 4·24·1.2 = 115 against ≤ ~100 for the
 closest other code among 129,280 and a random part of std ~0.7, a margin of ≳ 10."""
 
 INDEX_QUERY = 1.0
@@ -82,7 +83,6 @@ INDEX_WEIGHT = 1.0
 """Indexer head 0: q = 1.0 × the q_lat code, keys normed to gain 2.0, weight 1.0 × the constant channel:
 a match scores ~29 against ~1–3 for a random head's contribution."""
 
-OUTLIER_DIM = 0
 
 
 @dataclass(frozen=True)
@@ -93,13 +93,15 @@ class RetrievalPlan:
     index_bits: int
     layers: dict[int, int]
 
+    outlier_dim: int
+
     @property
     def code_dims(self) -> slice:
-        return slice(1, 1 + self.bits)
+        return slice(0, self.bits)
 
     @property
     def answer_dims(self) -> slice:
-        return slice(1 + self.bits, 1 + 2 * self.bits)
+        return slice(self.bits, 2 * self.bits)
 
     def key_norm_gain(self, cfg: ModelConfig) -> float:
         """Compressor norm gain g so that head 0's exact-match logit is EXACT_SCORE: q's b code entries are
@@ -116,10 +118,11 @@ def retrieval_plan(cfg: ModelConfig) -> RetrievalPlan | None:
     bits = CODE_BITS
     index_bits = min(bits, cfg.index_head_dim - cfg.qk_rope_head_dim)
     fits = (len(csa) >= 5 and nope >= 2 * bits and index_bits >= 16 and cfg.q_lora_rank >= bits
-            and cfg.o_lora_rank >= bits and cfg.hidden_size >= 2 * bits + 1)
+            and cfg.o_lora_rank >= bits and cfg.hidden_size >= 2 * bits + 2)
     if not fits:
         return None
-    return RetrievalPlan(bits, index_bits, {layer: offset for offset, layer in enumerate(csa[1:5])})
+    return RetrievalPlan(bits, index_bits, {layer: offset for offset, layer in enumerate(csa[1:5])},
+                         cfg.hidden_size - 1)
 
 
 def token_codes(key: int, token_ids: torch.Tensor, bits: int) -> torch.Tensor:
@@ -136,7 +139,8 @@ def _protect_channels(plan: RetrievalPlan, value: torch.Tensor) -> torch.Tensor:
     A trained model keeps such a subspace clean by learning to; the synthetic one keeps it clean by construction.
     mHC's comb mixes the four streams with a doubly stochastic matrix, so dims equal in every stream stay equal."""
     value = value.clone()
-    value[: 1 + 2 * plan.bits] = 0
+    value[: 2 * plan.bits] = 0
+    value[plan.outlier_dim] = 0
     return value
 
 
@@ -168,7 +172,7 @@ def plant(cfg: ModelConfig, plan: RetrievalPlan, layer: int, name: str, value: t
     if offset is None:
         return value
     b, bI, hd = plan.bits, plan.index_bits, cfg.head_dim
-    code = torch.arange(1, 1 + b, device=value.device)
+    code = torch.arange(b, device=value.device)
     v = value.clone()
     k_slot, v_slot = _slot(offset, "K"), _slot(offset, "V")
     if name == "attn_norm.weight":  # unit gains along the code: an outlier gain would concentrate q's norm
@@ -203,7 +207,7 @@ def plant(cfg: ModelConfig, plan: RetrievalPlan, layer: int, name: str, value: t
         v[:rows, :hd] = 0
         v[torch.arange(b), b + torch.arange(b)] = ANSWER_WRITE
     elif name == "attn.wo_b.weight":  # u dims 0…b−1 of group 0 write the answer dims, and only they do
-        answer = torch.arange(1 + b, 1 + 2 * b)
+        answer = torch.arange(b, 2 * b)
         v[:, :b] = 0
         v[answer] = 0
         v[answer, torch.arange(b)] = ANSWER_WRITE
@@ -212,7 +216,7 @@ def plant(cfg: ModelConfig, plan: RetrievalPlan, layer: int, name: str, value: t
         v[torch.arange(bI), torch.arange(bI)] = INDEX_QUERY
     elif name == "attn.indexer.weights_proj.weight":
         v[0] = 0
-        v[0, OUTLIER_DIM] = INDEX_WEIGHT
+        v[0, plan.outlier_dim] = INDEX_WEIGHT
     elif name == "attn.indexer.compressor.wkv.weight":
         dI = cfg.index_head_dim
         for half in (0, 1):

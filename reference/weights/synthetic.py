@@ -94,10 +94,10 @@ class SyntheticWeights:
         return table[inverse.to(device)].to(torch.bfloat16)
 
     def _calibrated_embedding(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The outlier channel (profiles.OUTLIER_CHANNEL_VALUE) in dim 0 of every row; with a circuit, the token's
-        code in the code dims and zeros in the answer dims (retrieval.py step 1)."""
+        """The outlier channel (profiles.OUTLIER_CHANNEL_VALUE) in the last dim of every row; with a circuit, the
+        token's code in the code dims and zeros in the answer dims (retrieval.py step 1)."""
         rows = rows.clone()
-        rows[:, retrieval.OUTLIER_DIM] = profiles.OUTLIER_CHANNEL_VALUE
+        rows[:, profiles.outlier_dim(self.config)] = profiles.OUTLIER_CHANNEL_VALUE
         if self.retrieval is not None and rows.shape[0]:
             rows[:, self.retrieval.code_dims] = self.token_codes(ids)
             rows[:, self.retrieval.answer_dims] = 0
@@ -166,9 +166,9 @@ class SyntheticWeights:
         if layer is None:
             return value
         if name == "attn.attn_sink":
-            u = uniforms(stream_key(self.seed, layer, name + "#mass"), 2 * cfg.num_attention_heads)
-            value = torch.tensor([profiles.sink_logit(cfg, layer, float(u[2 * h]), float(u[2 * h + 1]))
-                                  for h in range(cfg.num_attention_heads)], dtype=torch.float32, device=device)
+            u = uniforms(stream_key(self.seed, layer, name + "#mass"), cfg.num_attention_heads)
+            value = torch.tensor([profiles.sink_logit(cfg, layer, h, float(u[h])) for h in range(cfg.num_attention_heads)],
+                                 dtype=torch.float32, device=device)
         elif name == "ffn.gate.weight":  # the uncalibrated logit std is 1: rescale to the reference router's margins
             value = value * profiles.router_logit_std(cfg)
         elif name == "ffn.gate.bias":  # 0.05·z before: keep the bias's share of the logit spread
