@@ -77,7 +77,10 @@ METRICS: dict[str, MetricRule] = {
     "mhc.pre_rel_err": MetricRule(_HC, "upper", _U),
     "mhc.post_rel_err": MetricRule(_HC, "upper", _U),
     "mhc.comb_rel_err": MetricRule(_HC, "upper", _U),
-    "mhc.ds_residual": MetricRule(_HC, "upper", _U),  # comb rows/cols sum to 1: bf16 storage moves a sum ≤ u
+    # the variant's Sinkhorn residual beyond the reference's: the two run on different inputs, and 20 iterations
+    # leave a residual that depends on the matrix, so no rounding bounds it (measured: 0.0043 for the stock
+    # engine on the demo) — descriptive; mhc.site_ds_residual compares on the same input
+    "mhc.ds_residual": MetricRule(_HC, "descriptive", None),
     # attention probabilities stored in bf16: |δp_i| ≤ u·p_i, so TV = ½Σ|δp_i| ≤ u/2, KL ≈ ½Σ δp_i²/p_i ≤ u²/2,
     # JS ≈ KL/4
     "attn.tv": MetricRule(("attn.probs",), "upper", "2**-9"),
@@ -124,6 +127,9 @@ METRICS: dict[str, MetricRule] = {
     "moe.site_flip_rate": MetricRule(("moe.router.site",), "upper", _ONE_EXPERT, decisions="num_experts_per_tok",
                                      twin="moe.twin_flip_rate"),
     "mhc.site_rel_err": MetricRule(_HC_SITES, "upper", "2**-24", twin="mhc.twin_rel_err"),
+    # how much less doubly stochastic the variant's comb is than the stock Sinkhorn's on the same input: a comb
+    # stored or normalised in bf16 moves a unit row/column sum by ≤ u_bf16 = 2^-8
+    "mhc.site_ds_residual": MetricRule(_HC_SITES, "upper", _U),
     "indexer.site_recall": MetricRule(("indexer.site",), "lower", _ONE_PICK, decisions="index_topk",
                                       twin="indexer.twin_recall"),
     "moe.twin_flip_rate": MetricRule(("moe.router.site",), "descriptive", None),

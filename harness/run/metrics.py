@@ -195,13 +195,17 @@ def compare_router_site(pos, ref, var, ctx) -> list[MetricValues]:
 
 def compare_hc_site(pos, ref, var, ctx) -> list[MetricValues]:
     """attn.hc.site / ffn.hc.site: relative error of the variant's (pre, post, comb) against the stock hc_pre's
-    on the same streams — the mHC pre-linear, sigmoids and Sinkhorn, an fp32 site — and the twin's."""
+    on the same streams — the mHC pre-linear, sigmoids and Sinkhorn, an fp32 site — and the twin's; and how much
+    less doubly stochastic the variant's comb is than the stock Sinkhorn's on the same input (20 iterations
+    leave a residual that depends on the matrix, so only the same input makes the two comparable)."""
     def joined(prefix: str) -> torch.Tensor:
         return torch.cat([_f64(var[prefix + f]).flatten(1) for f in ("pre", "post", "comb")], 1)
 
     stock = joined("stock_")
+    excess = (ds_residual(_f64(var["comb"])) - ds_residual(_f64(var["stock_comb"]))).clamp_min(0)
     return [MetricValues("mhc.site_rel_err", pos, _rel(joined(""), stock)),
-            MetricValues("mhc.twin_rel_err", pos, _rel(joined("twin_"), stock))]
+            MetricValues("mhc.twin_rel_err", pos, _rel(joined("twin_"), stock)),
+            MetricValues("mhc.site_ds_residual", pos, excess)]
 
 
 def compare_indexer_site(pos, ref, var, ctx) -> list[MetricValues]:
