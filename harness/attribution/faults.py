@@ -161,17 +161,19 @@ def _no_compressed_rows_in_chunk_one(ctx: OpContext, q, window_slots, comp_slots
 
 benign_change = Patch(
     "benign-sum-order", phases=("prefill", "decode"),
-    description="the mHC pre-linear in fp32 summed in four K-partials (a different order, the same precision)",
+    description="sums the routed experts' outputs in the opposite slot order (fp32, the same precision, another "
+                "rounding)",
     source="selftest")
 
 
-@benign_change.op("hc_prelinear")
-def _split_k_fp32(ctx: OpContext, streams, site):
-    flat = streams.float().flatten(-2)
-    fn = ctx.weight(f"hc_{site}_fn")
-    parts = [x @ w.T for x, w in zip(flat.chunk(4, -1), fn.chunk(4, -1))]
-    rho = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + ctx.cfg.rms_norm_eps)
-    return torch.stack(parts).sum(0) * rho
+@benign_change.op("experts")
+def _reversed_expert_sum(ctx: OpContext, y, routing):
+    """The experts op on the slots in reverse order: the same fp32 products, summed the other way round. No fault
+    overrides `experts`, so in every variant that combines them this change stays live (patches apply in order,
+    and one that replaces an op without calling ctx.base would hide an earlier one on it)."""
+    flipped = Routing(routing.scores, routing.expert_ids.flip(-1), routing.weights.flip(-1), routing.output_scale,
+                      routing.shared_weight)
+    return ctx.base(y=y, routing=flipped)
 
 
 FAULTS: dict[str, tuple[Patch, str]] = {

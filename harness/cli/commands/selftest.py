@@ -15,6 +15,7 @@ from rich.table import Table
 
 from harness.cli.commands.attribute import attribute
 from harness.attribution.faults import FAULTS, benign_change
+from harness.attribution.plan import BASE, only
 from harness.cli.console import console
 
 SELFTEST_SCENARIO = "selftest"
@@ -47,8 +48,24 @@ def check_fault(name: str, scenario: str, out_dir: Path) -> dict:
         problems.append(f"benign change diverged: {d.metric} at layer {d.first_layer} {d.phase}")
     if not result.divergences.get(patch.id):
         problems.append("the gate did not fail for the fault")
+    if not benign_changes_numbers(run_dir):
+        problems.append("the benign change left every metric identical to base: it tests nothing")
     return {"fault": name, "patch": patch.id, "expected_phase": phase, "verdict": verdict["summary"],
             "ok": not problems, "problems": problems, "run_dir": str(run_dir)}
+
+
+def benign_changes_numbers(run_dir: Path) -> bool:
+    """Does the benign patch alone change any stream metric against the stock engine? A decoy that is
+    bit-identical to base (e.g. an FP8 linear split into fp32 K-partials whose products and sums are exact)
+    passes any gate and proves nothing."""
+    import pandas as pd
+
+    metrics = pd.read_parquet(Path(run_dir) / "metrics.parquet", columns=["variant", "mode", "layer", "phase",
+                                                                          "pos_bin", "metric", "value"])
+    streams = metrics[metrics["metric"] == "streams.rel_l2"].set_index(["mode", "layer", "phase", "pos_bin"])
+    benign = streams[streams["variant"] == only(benign_change.id)]["value"]
+    base = streams[streams["variant"] == BASE]["value"]
+    return not benign.sort_index().equals(base.reindex(benign.index).sort_index())
 
 
 def run(args: argparse.Namespace) -> int:
