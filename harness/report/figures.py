@@ -208,11 +208,12 @@ def gate_bounds(gate: Any, metrics: dict[str, Any], n_layers: int) -> dict[str, 
     """gate.json's per-layer limits for the figures: per series key, variant and phase, the tightest limit of
     the checks (and baselines) on the layer mean in global mode, converted from the gate's loss (1 − x for
     recall-like metrics) back to the metric's units. Checks on other aggregates (max, p99) bound a different
-    number than the one drawn and are left out; so is a gate.json without per-layer units."""
+    number than the one drawn and are left out, and so are group scopes (a chunk's or a decode step's limit bounds
+    that group's mean, not the layer's); so is a gate.json without per-layer units."""
     losses: dict[str, dict[str, dict[str, np.ndarray]]] = {}
     checks = gate.get("checks") if isinstance(gate, dict) else None
     for check in checks if isinstance(checks, list) else []:
-        if not isinstance(check, dict) or check.get("aggregate") != "mean":
+        if not isinstance(check, dict) or check.get("aggregate") != "mean" or check.get("scope", "layer") != "layer":
             continue
         metric = str(check.get("metric"))
         if metric_info(metric).better not in ("lower", "higher"):
