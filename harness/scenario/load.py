@@ -680,12 +680,10 @@ def _patch_options(reader: _Reader, loc: Located, path: str, patch, where: str) 
                         f"(options: {', '.join(known) or 'none'})")
             ok = False
             continue
-        default = patch.defaults[key]
         value = _plain(value_loc)
-        # a string "false" for a boolean option would be truthy: insist on a real boolean
-        if isinstance(default, bool) and not isinstance(value, bool):
-            reader.fail(value_loc.line, option_path, f"{where}: option {key!r} of {patch.id!r} is true or false; "
-                                                     f"got {_describe(value)}")
+        problem = patch.option_problem(key, value)  # the patch's own choices (a string "false" is not false)
+        if problem:
+            reader.fail(value_loc.line, option_path, f"{where}: patch {patch.id!r}: {problem}")
             ok = False
             continue
         options[key] = value

@@ -28,6 +28,7 @@ PATCH = Patch(
     phases=("prefill", "decode"),
     description="routed experts as NVFP4 (e2m1 + e4m3/16 + fp32 global) with W4A4 activation quantization",
     defaults={"activations": "w4a4", "input_scale": "checkpoint"},
+    choices={"activations": ("w4a4", "w4a16"), "input_scale": ("checkpoint", float)},
     spec="optimized-stack §6 (O5)",
 )
 
@@ -53,8 +54,6 @@ def _nvfp4_weight(ctx: OpContext, name: str) -> tuple[torch.Tensor, float | None
 @PATCH.op("experts")
 def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
     mode, opt_scale = ctx.options["activations"], ctx.options["input_scale"]
-    if mode not in ("w4a4", "w4a16"):
-        raise ValueError(f"option activations={mode!r}: expected 'w4a4' or 'w4a16'")
 
     def act(x: torch.Tensor, stored_scale: float | None) -> torch.Tensor:
         if mode == "w4a16":
