@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from harness.cli.paths import writable_file
 from harness.errors import UsageError
 from harness.run.store import RunStore
 
@@ -27,6 +28,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not RunStore(args.run_dir).exists():
         raise UsageError(f"{args.run_dir} is not a run directory (no manifest.json)")
+    if args.out is not None:
+        writable_file(args.out, "--out")
     path = write_report(args.run_dir, args.out)
     print(f"report: {path} ({path.stat().st_size / 1024:.0f} KiB)")
     return 0

@@ -1,0 +1,59 @@
+"""`--threads N`: how many CPU threads torch uses, and a note when other processes compete for the same cores.
+
+torch defaults to one thread per core of the machine. On a machine shared with other jobs those threads wait
+for each other at every parallel region (a tiny run measured 8 s with 1 thread and 39 s with 2 on two busy
+cores), so the default here is the cores this process may run on (`os.sched_getaffinity`), and a run that
+starts on a loaded machine says so once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from harness.errors import UsageError
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask: what a container or `taskset` allows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help=f"CPU threads for torch (default: the cores this process may use, here "
+                             f"{available_cores()}); fewer than the cores when other jobs share the machine "
+                             "(README: Threads)")
+
+
+def oversubscription(threads: int, cores: int, load_average: float) -> str | None:
+    """A one-line note when `threads` will compete for `cores`: more threads than cores, or other processes
+    already keeping the cores busy (the 1-minute load average, which does not yet count this process)."""
+    if threads > cores:
+        return (f"--threads {threads} is more than the {cores} core(s) this process may use: the threads will "
+                "wait for each other")
+    if load_average + threads > cores + 0.5:
+        return (f"the machine is oversubscribed: load average {load_average:.1f} from other processes on {cores} "
+                f"core(s), and this run adds {threads} thread(s); expect it to run several times slower (fewer "
+                "--threads can be faster; README: Threads)")
+    return None
+
+
+@contextmanager
+def torch_threads(requested: int | None) -> Iterator[str | None]:
+    """Run a command with `requested` torch threads (default: the available cores), restoring the previous count
+    afterwards (commands also run in-process: tests, the pytest plugin). Yields the oversubscription note."""
+    cores = available_cores()
+    threads = cores if requested is None else requested
+    if threads < 1:
+        raise UsageError(f"--threads {threads}: must be at least 1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield oversubscription(threads, cores, os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)
+    finally:
+        torch.set_num_threads(before)
