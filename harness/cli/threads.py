@@ -1,9 +1,9 @@
 """`--threads N`: how many CPU threads torch uses, and a note when other processes compete for the same cores.
 
 torch defaults to one thread per core of the machine. On a machine shared with other jobs those threads wait
-for each other at every parallel region (a tiny run measured 8 s with 1 thread and 39 s with 2 on two busy
-cores), so the default here is the cores this process may run on (`os.sched_getaffinity`), and a run that
-starts on a loaded machine says so once.
+for each other at every parallel region (tiny-smoke on two cores with a load average near 6: 111-147 s with 2
+threads, 11 s with 1), so the default here is the cores this process may run on (`os.sched_getaffinity`), and a
+run that starts on a loaded machine says so once, with the thread count likely to be faster.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ def oversubscription(threads: int, cores: int, load_average: float) -> str | Non
         return (f"--threads {threads} is more than the {cores} core(s) this process may use: the threads will "
                 "wait for each other")
     if load_average + threads > cores + 0.5:
+        free = max(1, int(cores - load_average + 0.5))
+        advice = f"--threads {free} is likely faster" if free < threads else "expect it to run slower"
         return (f"the machine is oversubscribed: load average {load_average:.1f} from other processes on {cores} "
-                f"core(s), and this run adds {threads} thread(s); expect it to run several times slower (fewer "
-                "--threads can be faster; README: Threads)")
+                f"core(s), and this run adds {threads} thread(s); {advice} (README: Threads)")
     return None
 
 
