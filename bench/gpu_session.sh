@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# One batched GPU session (the device machine: python3 with torch/triton preinstalled, no install step).
+# One batched GPU session (the device machine: python3 with torch/triton preinstalled, no package registry).
 # Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, flash27k
+# pydantic (scenario and policy files) is not preinstalled: run bench/wheels.sh here first and carry .whl/ along.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+python3 -c 'import pydantic' 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl pydantic \
+  || { echo "pydantic missing: run bench/wheels.sh and carry .whl/ to this machine"; exit 2; }
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 dd() { python3 -m harness.cli "$@"; }

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from optimized.numerics import bf16, bf16_linear, fp8_activation, fp8_linear, fp32_linear, rms_norm_bf16
 from optimized.ops import OpContext, Routing
 from optimized.paged_cache import quantize_fp8_per_row
+from reference.quant import QuantizedTensor, mx32_to_nvfp4
 from reference.layer import share_rows
 from reference.ops.attention import KeySet
 from reference.ops.compressor import pool_new_windows, visible_rows
@@ -45,14 +46,28 @@ def linear(ctx: OpContext, x: torch.Tensor, site: str) -> torch.Tensor:
         return fp8_linear(x, w)
     if precision == "bf16":
         return bf16_linear(x, w)
-    return fp32_linear(x, w)
+    return fp32_product(ctx, x.float(), w)
+
+
+def reassociated(ctx: OpContext) -> bool:
+    """The benign twin (engine option `reassociate`): fp32 sums in a different order, the same precision."""
+    return bool(ctx.engine_options.get("reassociate"))
+
+
+def fp32_product(ctx: OpContext, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ wᵀ in fp32 (optimized.numerics.fp32_linear); the twin sums the two halves of K separately and adds them,
+    so every output is the same sum in another order: its difference is fp32 re-association noise alone."""
+    if not reassociated(ctx):
+        return fp32_linear(x, w)
+    half = x.shape[-1] // 2
+    return x[..., :half] @ w[:, :half].T + x[..., half:] @ w[:, half:].T
 
 
 def hc_prelinear(ctx: OpContext, streams: torch.Tensor, site: str) -> torch.Tensor:
     """fp32 SIMT GEMM on the bf16 streams: m = (x̂ · fnᵀ) · rsqrt(mean(x̂²) + eps) (optimized-stack §4.1 Ref)."""
     flat = streams.float().flatten(-2)
     rho = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + ctx.cfg.rms_norm_eps)
-    return (flat @ ctx.weight(f"hc_{site}_fn").T) * rho
+    return fp32_product(ctx, flat, ctx.weight(f"hc_{site}_fn")) * rho
 
 
 def hc_pre(ctx: OpContext, streams: torch.Tensor, site: str) -> tuple[torch.Tensor, HCMix]:
@@ -91,6 +106,21 @@ def compressor(ctx: OpContext, which: str, x: torch.Tensor, positions: torch.Ten
     return rows
 
 
+def load_weight(ctx: OpContext, name: str, fmt: str) -> torch.Tensor:
+    """Exact fp32 dequantization of the stored tensor (cached for the layer); 'nvfp4' / 'nvfp4-pow2' give the NVFP4
+    form of an FP4 expert weight (the checkpoint's own when it is stored as NVFP4), reference.quant.mx32_to_nvfp4."""
+    stored = ctx.weights.stored(name)
+    if fmt == "stored":
+        return ctx.dense.get(name, stored, ctx.device)
+    if fmt not in ("nvfp4", "nvfp4-pow2"):
+        raise ValueError(f"load_weight: unknown format {fmt!r} for '{name}' (stored, nvfp4 or nvfp4-pow2)")
+    if not isinstance(stored, QuantizedTensor) or stored.format not in ("fp4_mx32", "nvfp4"):
+        raise ValueError(f"'{name}' is not an FP4 or NVFP4 weight; it has no NVFP4 form")
+    rule = "pow2" if fmt == "nvfp4-pow2" else "modelopt"
+    as_nvfp4 = (lambda: stored) if stored.format == "nvfp4" else (lambda: mx32_to_nvfp4(stored, rule))
+    return ctx.dense.get(f"{name}#{fmt}", as_nvfp4, ctx.device)
+
+
 def kv_store(ctx: OpContext, cache: str, rows: torch.Tensor) -> None:
     ctx.state.cache(cache).append(rows)
 
@@ -117,7 +147,13 @@ def indexer_logits(ctx: OpContext, q: torch.Tensor, weights: torch.Tensor, posit
     else:
         k, k_scale = keys.dense_codes()
     dots = q8.float() @ k.T
-    logits = (w.unsqueeze(-1) * torch.relu(dots)).sum(1) * k_scale[None, :]
+    weighted = w.unsqueeze(-1) * torch.relu(dots)  # [B, heads, R]: the fp32 weighted head-sum (optimized-stack §3.1)
+    if reassociated(ctx):
+        half = weighted.shape[1] // 2
+        summed = weighted[:, :half].sum(1) + weighted[:, half:].sum(1)
+    else:
+        summed = weighted.sum(1)
+    logits = summed * k_scale[None, :]
     hidden = torch.arange(keys.length, device=q.device)[None, :] >= visible_rows(positions, ctx.state.ratio)[:, None]
     return logits.masked_fill(hidden, float("-inf"))
 
@@ -171,9 +207,11 @@ def candidate_key_sets(ctx: OpContext, window_slots: torch.Tensor, comp_slots: t
 
 
 def sparse_attention(ctx: OpContext, q: torch.Tensor, window_slots: torch.Tensor, comp_slots: torch.Tensor,
-                     sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     sink: torch.Tensor, comp_lanes: torch.Tensor | None = None,
+                     comp_length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA-style single pass over window + compressed rows: bf16 q·k with fp32 accumulation, fp32
-    softmax statistics with the sink in the denominator, P cast to bf16 for P·V, bf16 output."""
+    softmax statistics with the sink in the denominator, P cast to bf16 for P·V, bf16 output. (The stock kernel
+    reads the masked comp_slots; comp_lanes/comp_length are what a kernel of its own would be given.)"""
     key_sets = candidate_key_sets(ctx, window_slots, comp_slots)
     qb = bf16(q)
 
@@ -231,7 +269,8 @@ def chunk_state_carry(ctx: OpContext, state: Any) -> Any:
 
 BASE_OPS = {
     "linear": linear, "hc_prelinear": hc_prelinear, "hc_pre": hc_pre, "hc_post": hc_post,
-    "compressor": compressor, "kv_store": kv_store, "kv_load": kv_load, "indexer_logits": indexer_logits,
+    "compressor": compressor, "kv_store": kv_store, "kv_load": kv_load, "load_weight": load_weight,
+    "indexer_logits": indexer_logits,
     "indexer_topk": indexer_topk, "sparse_attention": sparse_attention, "router": router, "experts": experts,
     "chunk_state_carry": chunk_state_carry,
 }

@@ -10,7 +10,7 @@ each phase.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -52,6 +52,18 @@ class EngineOptions:
 
 
 
+def kernel_lanes(row_ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k lanes as a sparse-attention kernel receives them: each query's valid picks first (stable order),
+    then the lanes past topk_length holding what the top-k left there (its non-causal picks); and topk_length."""
+    order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
+    return row_ids.gather(-1, order), valid.sum(-1)
+
+
+def _mix_fields(result: tuple[torch.Tensor, Any]) -> dict[str, torch.Tensor]:
+    _, mix = result
+    return {"pre": mix.pre, "post": mix.post, "comb": mix.comb}
+
+
 class OptimizedLayer:
     """Block `layer` of the optimized engine for one variant (its patch choices)."""
 
@@ -62,6 +74,7 @@ class OptimizedLayer:
         self.device, self.options = torch.device(device), options
         self.dense = DenseCache()
         self.tables = {phase: OpTable(BASE_OPS, list(choices), phase) for phase in PHASES}
+        self.stock_tables = {phase: OpTable(BASE_OPS, [], phase) for phase in PHASES}
         self.hadamard = hadamard_matrix(cfg.index_head_dim, device=self.device) if self.kind == "csa" else None
 
     def new_state(self, capacity_tokens: int) -> EngineState:
@@ -82,6 +95,25 @@ class OptimizedLayer:
         return OpContext(self.cfg, self.layer, self.kind, phase, segment, positions, state, self.weights, self.dense,
                          self.device, self.options.to_dict(), self.tables[phase])
 
+    def _stock(self, ctx: OpContext, reassociate: bool) -> OpContext:
+        """The stock engine's ops (no patch) on this segment — or their benign twin, the same precision with fp32
+        sums re-associated (base_ops.fp32_product). Comparing a variant's fp32 decision sites with the stock
+        op on the *same inputs* measures what the site itself changed; the twin measures what fp32 rounding
+        alone changes there (DESIGN §5: decision floors at sites the official model keeps in fp32)."""
+        return replace(ctx, table=self.stock_tables[ctx.phase], engine_options={**ctx.engine_options,
+                                                                                 "reassociate": reassociate})
+
+    def _emit_site(self, sink: ProbeSink, tap: str, ctx: OpContext, op: str, fields: Callable[[Any], dict],
+                   positions: torch.Tensor, own: Any, **inputs: Any) -> None:
+        """Emit `tap` with the variant's result of `op` and the stock op's and its twin's on the same inputs."""
+        if not sink.wants(tap):
+            return
+        values = {}
+        for prefix, result in (("", own), ("stock_", self._stock(ctx, False).call(op, **inputs)),
+                               ("twin_", self._stock(ctx, True).call(op, **inputs))):
+            values.update({prefix + k: v for k, v in fields(result).items()})
+        sink.emit(tap, positions, **values)
+
     # ------------------------------------------------------------------------------------------
     def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, state: EngineState, phase: str,
                 segment: int = 0, sink: ProbeSink = NULL_SINK) -> torch.Tensor:
@@ -99,6 +131,8 @@ class OptimizedLayer:
         a, mix = ctx.call("hc_pre", streams=streams, site="attn")
         if sink.wants("attn.hc"):
             sink.emit("attn.hc", positions, pre=mix.pre, post=mix.post, comb=mix.comb, mixed=a)
+        self._emit_site(sink, "attn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix), streams=streams,
+                        site="attn")
         attn_out = self._attention(ctx, rms_norm_bf16(a, ctx.weight("attn_norm.weight"), cfg.rms_norm_eps), sink)
         if sink.wants("attn.out"):
             sink.emit("attn.out", positions, out=attn_out)
@@ -107,6 +141,8 @@ class OptimizedLayer:
         a, mix = ctx.call("hc_pre", streams=streams, site="ffn")
         if sink.wants("ffn.hc"):
             sink.emit("ffn.hc", positions, pre=mix.pre, post=mix.post, comb=mix.comb, mixed=a)
+        self._emit_site(sink, "ffn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix), streams=streams,
+                        site="ffn")
         moe_out = self._moe(ctx, rms_norm_bf16(a, ctx.weight("ffn_norm.weight"), cfg.rms_norm_eps), token_ids, sink)
         if sink.wants("moe.out"):
             sink.emit("moe.out", positions, out=moe_out)
@@ -158,20 +194,29 @@ class OptimizedLayer:
             window_slots = pos[:, None] + torch.arange(-cfg.sliding_window + 1, 1, device=self.device)[None, :]
             window_slots = torch.where(window_slots >= 0, window_slots, -1)
             comp_slots = torch.full((pos.numel(), 0), -1, dtype=torch.int64, device=self.device)
+            lanes, length = comp_slots, torch.zeros(pos.numel(), dtype=torch.int64, device=self.device)
             if self.kind == "hca":
                 ids = torch.arange(state.compressor.n_rows, device=self.device)
-                comp_slots = torch.where(ids[None, :] < visible_rows(pos, self.ratio)[:, None], ids[None, :], -1)
+                length = visible_rows(pos, self.ratio).clamp_max(ids.numel())
+                comp_slots = torch.where(ids[None, :] < length[:, None], ids[None, :], -1)
+                lanes = ids[None, :].expand(pos.numel(), -1)  # every block, the visible ones first
             elif self.kind == "csa":
                 logits = ctx.call("indexer_logits", q=q_idx[blk], weights=idx_weights[blk], positions=pos)
                 row_ids, valid = ctx.call("indexer_topk", logits=logits, positions=pos, k=cfg.index_topk)
                 if sink.wants("indexer.scores"):
                     pick = sink.sampled(pos)
                     sink.emit("indexer.scores", pos[pick], scores=logits[pick])
+                if sink.wants("indexer.site"):
+                    pick = sink.sampled(pos)
+                    if bool(pick.any()):
+                        self._emit_indexer_site(ctx, sink, pos[pick], q_idx[blk][pick], idx_weights[blk][pick],
+                                                row_ids[pick], valid[pick])
                 if sink.wants("indexer.selected"):
                     sink.emit("indexer.selected", pos, row_ids=row_ids, valid=valid)
                 comp_slots = torch.where(valid, row_ids, -1)
+                lanes, length = kernel_lanes(row_ids, valid)
             o, lse = ctx.call("sparse_attention", q=q[blk], window_slots=window_slots, comp_slots=comp_slots,
-                              sink=sink_logit)
+                              sink=sink_logit, comp_lanes=lanes, comp_length=length)
             if sink.wants("attn.lse"):
                 sink.emit("attn.lse", pos, lse=lse)
             if sink.wants("attn.probs"):
@@ -184,6 +229,18 @@ class OptimizedLayer:
         o = bf16(apply_rope(out, cos[:, None], sin[:, None], inverse=True))
         u = ctx.call("linear", x=o.flatten(-2).unflatten(-1, (cfg.o_groups, -1)), site="attn.wo_a")
         return ctx.call("linear", x=u.flatten(-2), site="attn.wo_b")
+
+    def _emit_indexer_site(self, ctx: OpContext, sink: ProbeSink, pos: torch.Tensor, q: torch.Tensor,
+                           weights: torch.Tensor, row_ids: torch.Tensor, valid: torch.Tensor) -> None:
+        """The indexer's selection at sampled queries, and the stock logits + top-k's (and its twin's) on the same
+        queries, weights and keys: the fp32 weighted head-sum is a site the official model keeps in fp32."""
+        values = {"row_ids": row_ids, "valid": valid}
+        for prefix, twin in (("stock_", False), ("twin_", True)):
+            stock = self._stock(ctx, twin)
+            logits = stock.call("indexer_logits", q=q, weights=weights, positions=pos)
+            ids, ok = stock.call("indexer_topk", logits=logits, positions=pos, k=self.cfg.index_topk)
+            values.update({prefix + "row_ids": ids, prefix + "valid": ok})
+        sink.emit("indexer.site", pos, **values)
 
     def _emit_probs(self, ctx: OpContext, sink: ProbeSink, pos: torch.Tensor, q: torch.Tensor,
                     window_slots: torch.Tensor, comp_slots: torch.Tensor, sink_logit: torch.Tensor) -> None:
@@ -207,6 +264,8 @@ class OptimizedLayer:
         if sink.wants("moe.router"):
             sink.emit("moe.router", ctx.positions, scores=routing.scores, expert_ids=routing.expert_ids,
                       weights=routing.weights * routing.output_scale)
+        self._emit_site(sink, "moe.router.site", ctx, "router", lambda r: {"expert_ids": r.expert_ids}, ctx.positions,
+                        routing, y=y, token_ids=token_ids)
         total = ctx.call("experts", y=y, routing=routing)
         if self.cfg.n_shared_experts:
             g = ctx.call("linear", x=y, site="ffn.shared_experts.w1")
@@ -224,6 +283,7 @@ class OptimizedModel:
         self.source, self.cfg, self.choices = source, source.config, list(choices)
         self.device, self.options = torch.device(device), options
         self._top: TensorBundle | None = None
+        self._top_dense = DenseCache()
 
     @property
     def top(self) -> TensorBundle:
@@ -254,11 +314,15 @@ class OptimizedModel:
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """HC head and final norm in fp32 from the bf16 streams, bf16 normed hidden, fp32 LM head."""
-        cfg, top = self.cfg, self.top
-        h = hc_head(streams.float(), top.dense("hc_head_fn"), top.dense("hc_head_base"), top.dense("hc_head_scale"),
-                    cfg.rms_norm_eps, cfg.hc_eps)
-        h = rms_norm_bf16(h, top.dense("norm.weight"), cfg.rms_norm_eps)
-        return h @ top.dense("head.weight").T
+        cfg = self.cfg
+
+        def w(name: str) -> torch.Tensor:  # fp32 once per model: the needle lens reads logits after every layer
+            return self._top_dense.get(name, lambda: self.top.stored(name), self.device)
+
+        h = hc_head(streams.float(), w("hc_head_fn"), w("hc_head_base"), w("hc_head_scale"), cfg.rms_norm_eps,
+                    cfg.hc_eps)
+        h = rms_norm_bf16(h, w("norm.weight"), cfg.rms_norm_eps)
+        return h @ w("head.weight").T
 
     def forward(self, prompt_ids: Sequence[int], decode_ids: Sequence[int] = (),
                 chunk_size: int | None = DEFAULT_CHUNK_SIZE, keep_layer_outputs: bool = False,

@@ -11,6 +11,9 @@ class OpSpec:
     inputs: tuple[str, ...]
     returns: str
     doc: str
+    optional: tuple[str, ...] = ()
+    """Inputs added after the op was first published: passed only to implementations that declare them (a
+    parameter of that name, or **kwargs), so plugins written against the older signature keep working."""
 
 
 OP_SPECS: dict[str, OpSpec] = {
@@ -35,9 +38,23 @@ OP_SPECS: dict[str, OpSpec] = {
     "indexer_topk": OpSpec(("logits", "positions", "k"), "(row_ids [B, k'], valid [B, k'])",
                            "Top-k rows per query; valid marks causal picks."),
     "sparse_attention": OpSpec(("q", "window_slots", "comp_slots", "sink"), "(out [B, H, d], lse [B, H])",
-                               "Attention of q over its window rows and compressed rows with the per-head sink."),
+                               "Attention of q over its window rows and compressed rows with the per-head sink. "
+                               "comp_slots [B, K] are the compressed rows already masked (−1 = no row). What a "
+                               "kernel receives is also given: comp_lanes [B, K] are the top-k lanes as the "
+                               "indexer wrote them, the valid picks first and then whatever the top-k left in the "
+                               "lanes past them (rows not yet visible to the query), and comp_length [B] is the "
+                               "number of valid lanes (topk_length). A kernel that reads past comp_length attends "
+                               "rows it must not see.",
+                               optional=("comp_lanes", "comp_length")),
     "router": OpSpec(("y", "token_ids"), "Routing", "Router scores, expert ids and weights (hash or learned)."),
     "experts": OpSpec(("y", "routing"), "out [S, D]", "Weighted sum of the routed experts (fp32 accumulation)."),
+    "load_weight": OpSpec(("name", "fmt"), "weight [out, in] fp32",
+                          "The fp32 value a kernel computes with, of this layer's stored tensor `name` (e.g. "
+                          "'ffn.experts.3.w3.weight'), in format `fmt`: 'stored' (its checkpoint format, dequantized "
+                          "exactly), 'nvfp4' (the NVFP4 form an O5 loader builds: the checkpoint's own, or converted "
+                          "from FP4 with ModelOpt-style global scales) or 'nvfp4-pow2' (power-of-two global scales). "
+                          "ctx.weight(name) is load_weight(name, 'stored'). A loader bug (a wrong scale, a fused "
+                          "tensor split wrongly) is one override of this op."),
     "chunk_state_carry": OpSpec(("state",), "state",
                                 "Called before every prefill chunk and decode step after the first: the state "
                                 "(window, compressor and indexer-compressor state, caches) carried across."),

@@ -9,6 +9,8 @@ stated otherwise.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -59,12 +61,31 @@ class OpContext:
     base: Callable[..., Any] | None = None
 
     def weight(self, name: str) -> torch.Tensor:
-        """Exact fp32 dequantization of a stored tensor of this layer (cached for the layer)."""
-        return self.dense.get(name, self.weights.stored(name), self.device)
+        """The fp32 value of a stored tensor of this layer, through the `load_weight` op (exact dequantization in
+        the stock engine, cached for the layer)."""
+        return self.table.call("load_weight", self, {"name": name, "fmt": "stored"})
 
     def call(self, op: str, **inputs: Any) -> Any:
         """Run op `op` through the full patch chain of this phase."""
         return self.table.call(op, self, inputs)
+
+
+def _declared(fn: Callable[..., Any], optional: tuple[str, ...], inputs: dict[str, Any]) -> dict[str, Any]:
+    """`inputs` without the optional ones `fn` does not declare (OpSpec.optional)."""
+    if not optional or not any(k in inputs for k in optional):
+        return inputs
+    accepted = _parameters(fn)
+    if accepted is None:  # **kwargs: takes everything
+        return inputs
+    return {k: v for k, v in inputs.items() if k not in optional or k in accepted}
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn: Callable[..., Any]) -> frozenset[str] | None:
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params)
 
 
 class OpTable:
@@ -88,6 +109,7 @@ class OpTable:
 
     def _invoke(self, name: str, level: int, ctx: OpContext, inputs: dict[str, Any]) -> Any:
         fn, choice = self.chains[name][level]
+        inputs = _declared(fn, OP_SPECS[name].optional, inputs)
         if choice is None:
             return fn(replace(ctx, options={}, patch_id=None, base=None), **inputs)
         sub = replace(ctx, options=choice.options, patch_id=choice.id,

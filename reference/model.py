@@ -68,12 +68,20 @@ class ReferenceModel:
         self.source, self.cfg = source, source.config
         self.dtype, self.device, self.parity = dtype, torch.device(device), parity
         self._top: TensorBundle | None = None
+        self._top_dense: dict[str, torch.Tensor] = {}
 
     @property
     def top(self) -> TensorBundle:
         if self._top is None:
             self._top = self.source.top_level(self.device)
         return self._top
+
+    def _dense_top(self, name: str) -> torch.Tensor:
+        """A top-level tensor in the model's dtype, converted once (logits are read after every layer by the
+        needle lens; the head is [vocab, D])."""
+        if name not in self._top_dense:
+            self._top_dense[name] = self.top.dense(name, self.dtype)
+        return self._top_dense[name]
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """X = stack of n identical copies of the embedding (spec §2): [T, n, D]."""
@@ -97,11 +105,10 @@ class ReferenceModel:
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """HCHead → final RMSNorm → LM head (spec §2, §3.3); fp32 logits [T, vocab]."""
-        cfg, top = self.cfg, self.top
-        h = hc_head(streams, top.dense("hc_head_fn", self.dtype), top.dense("hc_head_base", self.dtype),
-                    top.dense("hc_head_scale", self.dtype), cfg.rms_norm_eps, cfg.hc_eps)
-        h = rms_norm(h, top.dense("norm.weight", self.dtype), cfg.rms_norm_eps)
-        return (h @ top.dense("head.weight", self.dtype).T).float()
+        cfg, w = self.cfg, self._dense_top
+        h = hc_head(streams, w("hc_head_fn"), w("hc_head_base"), w("hc_head_scale"), cfg.rms_norm_eps, cfg.hc_eps)
+        h = rms_norm(h, w("norm.weight"), cfg.rms_norm_eps)
+        return (h @ w("head.weight").T).float()
 
     def forward(self, prompt_ids: Sequence[int], decode_ids: Sequence[int] = (), chunk_size: int | None = None,
                 keep_layer_outputs: bool = False, progress: Callable[[int, int], None] | None = None,

@@ -17,6 +17,8 @@ Formats (spec §8.2, optimized-stack §0.1, §6.1):
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -294,17 +296,39 @@ def quantize_fp4_mx32(w: torch.Tensor) -> QuantizedTensor:
     return QuantizedTensor("fp4_mx32", pack_e2m1(codes), e8m0_encode(exp))
 
 
-def mx32_to_nvfp4(q: QuantizedTensor) -> QuantizedTensor:
-    """Lossless MXFP4 -> NVFP4 (spec §8.4): same e2m1 codes, per-16 e4m3 scale = 2^e / global.
+NVFP4_GLOBAL_RULES = ("modelopt", "pow2")
 
-    A power of two 2^e is exact in e4m3 when it lies in [2^-9, 448]; choose the global scale as the
-    largest per-32 scale divided by 2^8 (a power of two), so every block scale 2^(e-emax+8) is exact as
-    long as the tensor's scale exponents span at most 17 binades (checked; else ValueError).
+
+def mx32_to_nvfp4(q: QuantizedTensor, global_rule: str = "modelopt") -> QuantizedTensor:
+    """MXFP4 -> NVFP4 (spec §8.4) with the same e2m1 codes; per-16 e4m3 block scale = 2^e / global.
+
+    The block scale 2^e·(2^k/global) must be exact in e4m3. `pow2`: global = 2^(emax−8), a power of two, so every
+    block scale is a power of two in [2^-9, 2^8] (exact while the per-32 exponents span ≤ 17 binades). `modelopt`
+    (the default): ModelOpt sets global = amax/(6·448), a per-tensor number that is rarely a power of two, and
+    real NVFP4 checkpoints' w1/w3 globals differ accordingly (sglang PR #27588: ratio median 1.077). Here
+    global = 2^(emax−7)/f with f the 3-bit-mantissa number in [1, 2) nearest to the mantissa of 2^(emax−7)·6·448/
+    amax — ModelOpt's global times a power of two (2 or 4), with ModelOpt's mantissa to 3 bits — so block scales
+    2^(e−emax+7)·f stay exact e4m3 normals (≤ 2^7·1.875 = 240, ≥ 2^-6 while the exponents
+    span ≤ 13 binades; wider spans fall back to f = 1). Codes and block scales are then exactly the FP4 source's
+    value; the fp32 product block·global is within 2^-23 relative of 2^e (one rounding of 2^k/f).
     """
     if q.format != "fp4_mx32":
         raise ValueError(f"expected an fp4_mx32 tensor, got {q.format}")
+    if global_rule not in NVFP4_GLOBAL_RULES:
+        raise ValueError(f"unknown NVFP4 global-scale rule {global_rule!r}; expected one of {NVFP4_GLOBAL_RULES}")
     exp = q.scale.to(torch.int32) - 127
     emax = int(exp.max())
+    # an all-zero block's scale multiplies only zeros: any exponent is exact, so it must not widen the span
+    zero = (e2m1_decode(unpack_e2m1(q.codes)) == 0).unflatten(1, (-1, 32)).all(-1)
+    exp = torch.where(zero, emax, exp)
+    if global_rule == "modelopt" and int(exp.min()) - emax + 7 >= -6:
+        amax = float(q.dequantize(torch.float32).abs().max())
+        ratio = 2.0 ** (emax - 7) * FP4_MAX * FP8_MAX / amax if amax > 0 else 1.0
+        mantissa = ratio / 2.0 ** math.floor(math.log2(ratio))
+        f = min(round(mantissa * 8) / 8, 1.875)
+        block16 = (pow2(exp - emax + 7) * f).repeat_interleave(2, dim=1).to(torch.float8_e4m3fn)
+        global_scale = torch.tensor(2.0 ** (emax - 7) / f, dtype=torch.float32)
+        return QuantizedTensor("nvfp4", q.codes.clone(), block16, global_scale.reshape(()), None)
     rel = exp - emax + 8  # in [-9, 8] when the span is <= 17 binades
     if int(rel.min()) < -9:
         raise ValueError("per-32 scales span more than 17 binades; NVFP4 conversion would not be lossless")

@@ -49,7 +49,14 @@ def test_every_tensor_dequantizes_bit_identically(fmt, checkpoints, synthetic):
         assert got.names() == want.names(), f"{got.where}: tensor names differ from {want.where}"
         for name in want.names():
             a, b = got.dense(name), want.dense(name)
-            assert a.dtype == b.dtype and torch.equal(a, b), f"{fmt} {got.where}: '{name}' differs after dequantization"
+            assert a.dtype == b.dtype, f"{fmt} {got.where}: '{name}' has dtype {a.dtype}, expected {b.dtype}"
+            if fmt == "nvfp4" and name.startswith("ffn.experts."):
+                # ModelOpt-style global scales (quant.mx32_to_nvfp4): e2m1 codes and e4m3 block scales are the FP4
+                # source's exactly; block·global is 2^e up to one fp32 rounding of 2^k/f and one of the product:
+                # ≤ 2·2^-24 relative
+                assert torch.allclose(a, b, rtol=2.0**-23, atol=0), f"{fmt} {got.where}: '{name}' differs beyond 2^-23"
+            else:
+                assert torch.equal(a, b), f"{fmt} {got.where}: '{name}' differs after dequantization"
 
 
 @pytest.mark.parametrize("fmt", LAYOUTS)

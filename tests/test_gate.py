@@ -150,7 +150,7 @@ def test_exit_2_for_a_missing_run_dir_a_missing_policy_and_a_run_without_metrics
     ("checks:\n  - name: a\n    metric: streams.rel_l2\n    layers: [csa, 3-1]\n    bound: {absolute: 1}\n",
      4, "checks[0].layers[1]", "empty"),
     ("checks:\n  - name: a\n    metric: streams.rel_l2\n    aggregate: median\n    bound: {absolute: 1}\n",
-     4, "checks[0].aggregate", "not one of"),
+     4, "checks[0].aggregate", "expected one of max, p99, mean, min; got 'median'"),
     ("checks:\n  - name: a\n    metric: streams.rel_l2\n    tap: attn.out\n    bound: {absolute: 1}\n",
      4, "checks[0].tap", "not measured at tap attn.out"),
     ("checks:\n  - name: a\n    metric: streams.rel_l2\n", 2, "checks[0].bound", "required"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from reference.quant import (E2M1_VALUES, FP8_MAX, QuantizedTensor, ceil_log2, e2m1_decode, e2m1_encode,
@@ -64,9 +66,17 @@ def test_block_quantizers_dequantize_exactly_and_respect_their_ranges():
     q4 = quantize_fp4_mx32(w4)
     d4 = q4.dequantize()
     assert torch.equal(quantize_fp4_mx32(d4).dequantize(), d4)
-    nv = mx32_to_nvfp4(q4)
+    nv = mx32_to_nvfp4(q4, "pow2")
     assert isinstance(nv, QuantizedTensor) and nv.scale.shape == (64, 16)
-    assert torch.equal(nv.dequantize(), d4), "MXFP4 -> NVFP4 must be lossless"
+    assert torch.equal(nv.dequantize(), d4), "MXFP4 -> NVFP4 with power-of-two globals must be lossless"
+    modelopt = mx32_to_nvfp4(q4)
+    assert torch.equal(modelopt.codes, q4.codes), "the e2m1 codes carry over unchanged"
+    # block·global = 2^e up to one fp32 rounding of 2^k/f and one of the product (2·2^-24 relative)
+    assert torch.allclose(modelopt.dequantize(), d4, rtol=2.0**-23, atol=0)
+    # the global scale is ModelOpt's amax/(6·448) times a power of two (the largest block scale is kept at
+    # 2^7·f ≤ 240, an exact e4m3 normal), up to rounding f to 3 mantissa bits: within 1/16 relative
+    ratio = float(modelopt.global_scale) / (float(d4.abs().max()) / (6 * 448))
+    assert abs(ratio / 2.0 ** round(math.log2(ratio)) - 1) <= 1 / 16
 
 
 def test_fake_quant_blocks_use_power_of_two_scales():

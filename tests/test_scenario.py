@@ -11,6 +11,7 @@ from harness.scenario.chat_encoding import PREAMBLE_TURN
 from harness.cli.main import main
 from harness.errors import UsageError
 from harness.scenario import (
+    CANONICAL_TAPS,
     SCENARIOS_DIR,
     ScenarioError,
     find_scenario,
@@ -379,6 +380,140 @@ def test_every_problem_is_reported_at_once(tmp_path):
     broken = "prefill: {chunk_size: 0}\ndecode: {steps: -1}\nmeasure: {local: yes please}\n"
     issues = issues_of(tmp_path, MINIMAL + broken)
     assert len(issues) == 3 and all(re.match(r".*s\.yaml:\d+: \S+: ", i) for i in issues), issues
+
+
+TOP_KEYS = "name, description, model, prompt, tokenizer, prefill, decode, stacks, measure, probes, gate"
+WRONG_SCENARIOS = {
+    # each: a wrong scenario and every line the loader prints for it, in line order (the hand-written reader that
+    # the pydantic models replaced printed the same lines)
+    "typos": ("""
+        name: t
+        model: {preset: flash-minni}
+        prompt:
+          generator: {target_tokens: 2000, turns: 0}
+        prefill:
+          chunk_sise: 128
+        decoder: {steps: 4}
+        stacks:
+          reference: {dtype: float16}
+    """, [
+        "s.yaml:2: model.preset: expected one of flash, flash-mini, tiny; got 'flash-minni'; did you mean "
+        "'flash-mini'?",
+        "s.yaml:4: prompt.generator.turns: must be positive, got 0",
+        "s.yaml:6: prefill.chunk_sise: unknown key; did you mean 'chunk_size'? (known: chunk_size, "
+        "reference_chunk_size)",
+        f"s.yaml:7: decoder: unknown key; did you mean 'decode'? (known: {TOP_KEYS})",
+        "s.yaml:9: stacks.reference.dtype: expected one of float32, float64; got 'float16'; did you mean 'float64'?",
+    ]),
+    "types": ("""
+        name: My Scenario
+        model: {preset: tiny, seed: -1}
+        prompt:
+          generator: {target_tokens: 2000, thinking: "yes"}
+        decode:
+          steps: many
+          tokens: gredy
+        stacks:
+          yardstick: 1
+        measure: {local: yes please}
+        probes:
+          bin_size: 0
+          dump: {taps: [attn.zz], positions: [1, 1]}
+    """, [
+        "s.yaml:1: name: 'My Scenario' is not a valid scenario name (allowed: [a-z0-9-]+)",
+        "s.yaml:2: model.seed: must be at least 0, got -1",
+        "s.yaml:4: prompt.generator.thinking: expected true or false, got a string ('yes')",
+        "s.yaml:6: decode.steps: expected an integer, got a string ('many')",
+        "s.yaml:7: decode.tokens: expected one of continuation, greedy; got 'gredy'; did you mean 'greedy'?",
+        "s.yaml:9: stacks.yardstick: expected true or false, got an integer (1)",
+        "s.yaml:10: measure.local: expected true or false, got a string ('yes please')",
+        "s.yaml:12: probes.bin_size: must be positive, got 0",
+        "s.yaml:13: probes.dump.positions[1]: 1 is listed twice",
+        f"s.yaml:13: probes.dump.taps[0]: 'attn.zz' matches no tap; did you mean 'attn.q'? (taps: "
+        f"{', '.join(CANONICAL_TAPS)})",
+    ]),
+    "patches": ("""
+        name: t
+        model: {preset: tiny}
+        prompt:
+          generator: {target_tokens: 2000}
+        stacks:
+          variants:
+            - name: fast
+              patches: [hash-topk, triton-indexr]
+            - name: indexer-prefill
+              patches: [triton-indexer]
+              options:
+                triton-indexer: {prefill_row: true}
+            - {name: b, patches: [triton-indexer], options: {triton-indexer: {prefill_rows: "false"}}}
+            - {name: c, patches: [hash-topk], options: {triton-indexer: {impl: auto}}}
+    """, [
+        f"s.yaml:8: stacks.variants[0].patches[1]: variant 'fast': unknown patch 'triton-indexr'; did you mean "
+        f"'triton-indexer'? (known: {', '.join(BUILT_IN_PATCHES)})",
+        "s.yaml:12: stacks.variants[1].options.triton-indexer.prefill_row: variant 'indexer-prefill': patch "
+        "'triton-indexer' has no option 'prefill_row'; did you mean 'prefill_rows'? (options: dot_precision, impl, "
+        "masked_value, prefill_rows)",
+        "s.yaml:13: stacks.variants[2].options.triton-indexer.prefill_rows: variant 'b': patch 'triton-indexer': "
+        "option prefill_rows='false' is not true or false",
+        "s.yaml:14: stacks.variants[3].options.triton-indexer: variant 'c': options for patch 'triton-indexer', "
+        "which this variant does not select (selected: hash-topk)",
+    ]),
+    "two-sources": ("""
+        name: t
+        model: {preset: tiny}
+        prompt:
+          generator: {target_tokens: 2000}
+          token_file: ids.json
+    """, [
+        "s.yaml:5: prompt: give exactly one prompt source: messages, token_file, generator; got token_file and "
+        "generator",
+    ]),
+    "token-file": ("""
+        name: t
+        model: {preset: tiny}
+        prompt:
+          token_file: ids.json
+          turn_starts: [0, 5, 3]
+          needle_spans: {a: [3, 1]}
+        decode: {tokens: [1, 2, 3], steps: 2}
+        prefill: {chunk_size: 2.5, reference_chunk_size: 0}
+    """, [
+        "s.yaml:5: prompt.turn_starts[2]: turn starts must increase; 3 follows 5",
+        "s.yaml:6: prompt.needle_spans.a: expected [start, end) with start < end, got [3, 1]",
+        "s.yaml:7: decode.tokens: 3 ids given for 2 decode steps",
+        "s.yaml:8: prefill.chunk_size: expected an integer, got a number (2.5)",
+        "s.yaml:8: prefill.reference_chunk_size: must be positive, got 0",
+    ]),
+    "continuation": ("""
+        name: t
+        model: {preset: tiny}
+        prompt:
+          messages:
+            - {role: user, content: hi}
+            - {role: assistant, content: hello}
+        decode: {tokens: greedy, steps: 2}
+    """, [
+        "s.yaml:7: decode.tokens: the final assistant message is the continuation, but decode.tokens is greedy: "
+        "remove that message or use tokens: continuation",
+    ]),
+    "chat": ("""
+        name: t
+        model: {preset: tiny}
+        prompt:
+          messages:
+            - {role: user, content: hi}
+            - {role: system, content: "Be brief."}
+            - {role: assistant, content: hello}
+    """, ["s.yaml:6: prompt.messages[1]: a system message may only come first"]),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_SCENARIOS)
+def test_wrong_scenarios_print_exactly_these_lines(tmp_path, name):
+    text, expected = WRONG_SCENARIOS[name]
+    (tmp_path / "ids.json").write_text(json.dumps(list(range(8))))
+    issues = issues_of(tmp_path, text)
+    assert [issue.replace(f"{tmp_path}/", "") for issue in issues] == expected
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path):

@@ -5,8 +5,9 @@
     result.exit_code          # 0 pass, 1 regression
     result.failure_lines()    # what failed, where first, by how much
 
-Modules: `policy` (the policy file and the metrics it can name), `evaluate` (per-unit evaluation),
+Modules: `policy` (the policy file, as pydantic models), `metric_rules` (how the gate reads each metric),
+`expressions` (a policy's numbers: arithmetic over the run's config), `evaluate` (per-unit evaluation),
 `baseline` (baselines and the ratchet), `outputs` (console, JSON, JUnit, markdown), `gate_run` (one call),
-`policies/` (the shipped default). The gate reads numbers (metrics.parquet, findings.json, manifest.json),
-never pages: nothing here imports `harness.report`.
+`policies/` (the shipped default and the policy JSON Schema). The gate reads numbers (metrics.parquet,
+findings.json, manifest.json), never pages: nothing here imports `harness.report`.
 """

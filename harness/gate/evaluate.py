@@ -32,7 +32,8 @@ import numpy as np
 import pandas as pd
 
 from harness.errors import UsageError
-from harness.gate.policy import PICK_SHARE, PICK_SHARE_METRICS, YARDSTICK, Check, Policy, config_names
+from harness.gate.metric_rules import PICK_SHARE, PICK_SHARE_METRICS
+from harness.gate.policy import YARDSTICK, Check, Policy, config_names
 
 REL_TOL = 1e-9
 UNIT_KEYS = ["variant", "mode", "tap", "layer", "phase"]

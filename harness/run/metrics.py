@@ -167,6 +167,62 @@ def compare_router(pos, ref, var, ctx) -> list[MetricValues]:
     ]
 
 
+# ---------------------------------------------------------------------------------------------
+# fp32 decision sites: the variant's op against the stock op on the same inputs, and the stock op's benign twin
+# (fp32 sums re-associated) against the stock op — no reference involved (optimized/engine.py, _emit_site)
+# ---------------------------------------------------------------------------------------------
+
+
+def _set_overlap(ids_a: torch.Tensor, ids_b: torch.Tensor, valid_a: torch.Tensor | None = None,
+                 valid_b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(|A ∩ B|, |B|) per row for id sets [n, k] (with optional validity masks)."""
+    ids_a, ids_b = ids_a.long().cpu(), ids_b.long().cpu()
+    valid_a = torch.ones_like(ids_a, dtype=torch.bool) if valid_a is None else valid_a.cpu()
+    valid_b = torch.ones_like(ids_b, dtype=torch.bool) if valid_b is None else valid_b.cpu()
+    n = _max_id(ids_a, ids_b) + 1
+    hit = valid_b & _membership(ids_a, valid_a, n).gather(1, ids_b.clamp(0, max(n - 1, 0))) if n else valid_b
+    return hit.sum(1).double(), valid_b.sum(1).double()
+
+
+def compare_router_site(pos, ref, var, ctx) -> list[MetricValues]:
+    """moe.router.site: expert-set flips of the variant's router against the stock router on the same input y
+    (what the router itself changed), and of the stock router's twin (fp32 re-association alone)."""
+    k = var["expert_ids"].shape[1]
+    site, _ = _set_overlap(var["expert_ids"], var["stock_expert_ids"])
+    twin, _ = _set_overlap(var["twin_expert_ids"], var["stock_expert_ids"])
+    return [MetricValues("moe.site_flip_rate", pos, 1 - site / k), MetricValues("moe.twin_flip_rate", pos, 1 - twin / k)]
+
+
+def compare_hc_site(pos, ref, var, ctx) -> list[MetricValues]:
+    """attn.hc.site / ffn.hc.site: relative error of the variant's (pre, post, comb) against the stock hc_pre's
+    on the same streams — the mHC pre-linear, sigmoids and Sinkhorn, an fp32 site — and the twin's."""
+    def joined(prefix: str) -> torch.Tensor:
+        return torch.cat([_f64(var[prefix + f]).flatten(1) for f in ("pre", "post", "comb")], 1)
+
+    stock = joined("stock_")
+    return [MetricValues("mhc.site_rel_err", pos, _rel(joined(""), stock)),
+            MetricValues("mhc.twin_rel_err", pos, _rel(joined("twin_"), stock))]
+
+
+def compare_indexer_site(pos, ref, var, ctx) -> list[MetricValues]:
+    """indexer.site at sampled queries: recall of the stock indexer's top-k (logits and top-k on the same queries,
+    weights and keys) in the variant's selection, and in the twin's."""
+    site, n = _set_overlap(var["row_ids"], var["stock_row_ids"], var["valid"], var["stock_valid"])
+    twin, _ = _set_overlap(var["twin_row_ids"], var["stock_row_ids"], var["twin_valid"], var["stock_valid"])
+    keep = n > 0
+    return [MetricValues("indexer.site_recall", pos[keep], (site / n.clamp_min(1))[keep]),
+            MetricValues("indexer.twin_recall", pos[keep], (twin / n.clamp_min(1))[keep])]
+
+
+SITE_COMPARATORS: dict[str, Callable] = {
+    "moe.router.site": compare_router_site,
+    "attn.hc.site": compare_hc_site,
+    "ffn.hc.site": compare_hc_site,
+    "indexer.site": compare_indexer_site,
+}
+"""Site taps: compared within the variant's own emission (no reference record)."""
+
+
 def compare_rows(name: str) -> Callable:
     def compare(pos, ref, var, ctx) -> list[MetricValues]:
         return [ratio_metric(name, pos, var["rows"], ref["rows"], "rel_l2")]
@@ -383,6 +439,7 @@ COMPARATORS: dict[str, Callable] = {
     "indexer.rows": compare_rows("indexer.rows_rel_l2"),
     "indexer.selected": compare_selected,
     "attn.probs": compare_attention,
+    **SITE_COMPARATORS,
 }
 """Taps compared per position as they stream past; indexer.scores (boundary recall) pairs with
 indexer.selected and logits are compared after the last layer."""

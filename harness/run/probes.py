@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from harness.run.aggregate import LayerAccumulator
-from harness.run.metrics import COMPARATORS, CompareContext, MetricValues, compare_indexer_scores
+from harness.run.metrics import COMPARATORS, SITE_COMPARATORS, CompareContext, MetricValues, compare_indexer_scores
 
 DENSE_TAPS = ("attn.out", "moe.out", "attn.hc", "ffn.hc", "attn.lse", "moe.router", "indexer.selected", "layer.out")
 ROW_TAPS = ("compressor.rows", "indexer.rows")
@@ -162,7 +162,8 @@ class ComparingSink:
         """The taps compared with the reference's, and indexer.scores (at sampled positions) for its NaN/Inf
         check: an indexer fault that poisons the scores changes selections without a non-finite value reaching
         attn.out, so it is checked where it happens."""
-        return (tap in COMPARATORS and (tap in self.record.dense or tap in self.record.rows or tap == "attn.probs")) \
+        return (tap in COMPARATORS and (tap in self.record.dense or tap in self.record.rows or tap == "attn.probs"
+                                        or tap in SITE_COMPARATORS)) \
             or tap == "indexer.scores" or (self.dump is not None and self.dump.wants(tap))
 
     def sampled(self, positions: torch.Tensor) -> torch.Tensor:
@@ -183,6 +184,9 @@ class ComparingSink:
             return
         if tap == "attn.probs":
             self._hold(tap, positions, values, self.record.samples["attn.probs"])
+            return
+        if tap in SITE_COMPARATORS:  # the variant against the stock op on its own inputs: no reference needed
+            self._add(tap, COMPARATORS[tap](positions.cpu(), None, values, self.ctx))
             return
         ref = self.record.at(tap, positions)
         self._add(tap, COMPARATORS[tap](positions.cpu(), ref, values, self.ctx))

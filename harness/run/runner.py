@@ -20,6 +20,7 @@ import torch
 from harness.run.aggregate import LayerAccumulator
 from harness.run.bins import BinPlan
 from harness.run.metrics import CompareContext, compare_logits
+from harness.run.needles import AnswerLens, needle_queries
 from harness.run.probes import ComparingSink, DumpSink, Finding, RecordingSink
 from harness.run.store import RunStore
 from optimized.engine import EngineOptions, OptimizedLayer, OptimizedModel
@@ -30,6 +31,9 @@ from reference.model import ReferenceModel, ensure_no_tf32, segment_lengths
 from reference.weights.source import WeightSource
 
 YARDSTICK = "yardstick"
+ANSWER_TAP = "needle.lens"
+"""The needle answer read through a stack's own HC head, norm and LM head after each layer (harness.run.needles);
+after the last layer it is the answer itself, also recorded on the logits row."""
 
 
 @dataclass
@@ -48,6 +52,7 @@ class RunSpec:
     turn_of_position: list[int]  # per prompt+decode position
     needle_spans: list[tuple[int, int]]
     variants: list[VariantSpec]
+    needle_names: list[str] = field(default_factory=list)  # one per needle span (default: needle-0, needle-1, …)
     chunk_size: int = 8192
     reference_chunk_size: int | None = None  # None: the whole prompt in one query-blocked pass
     reference_dtype: torch.dtype = torch.float32
@@ -151,6 +156,8 @@ class LockstepRunner:
         self.findings: list[Finding] = []
         self.where: dict[str, Any] = {"layer": 0, "stack": "reference", "mode": "global"}
         """The layer, stack and mode running now: recorded in the manifest when the run stops on an error."""
+        names = spec.needle_names or [f"needle-{i}" for i in range(len(spec.needle_spans))]
+        self.lens = AnswerLens(needle_queries(spec.prompt_ids, spec.decode_ids, dict(zip(names, spec.needle_spans))))
 
     # ------------------------------------------------------------------------------------------
     def run(self, start_layer: int = 0, streams: dict[str, torch.Tensor] | None = None) -> None:
@@ -230,6 +237,7 @@ class LockstepRunner:
                                            ref_in, self.ids, self.reference_segments, record)
         ctx = CompareContext(cfg.layer_kind(layer), cfg.compress_ratio(layer), cfg.sliding_window,
                              torch.tensor(spec.turn_of_position), self.turn_start, spec.needle_spans)
+        ref_answers = self.lens.read(self.reference.logits, ref_out) if self.lens else None
         rows: list[dict] = []
         new_streams = {"reference": ref_out}
         yard_layer = ReferenceLayer(cfg, layer, weights, torch.bfloat16, ParityOptions(), self.device) \
@@ -254,6 +262,10 @@ class LockstepRunner:
                     engine_layers[name] = block
                 out = self.engines[name].run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink)
             sink.finish()
+            if ref_answers is not None:  # the needle answer through this stack's own head, after this layer
+                model = self.yardstick if name == YARDSTICK else self.engines[name]
+                for mv in self.lens.compare(ref_answers, self.lens.read(model.logits, out)):
+                    acc.add(ANSWER_TAP, mv)
             if mode == "global":
                 new_streams[name] = out
             rows += acc.rows(name, mode, layer)
@@ -275,6 +287,7 @@ class LockstepRunner:
         spec = self.spec
         pos = torch.nonzero(sampled_positions(spec, spec.logits_sample_every)).flatten()
         ref_logits = self.reference.logits(streams["reference"][pos.to(self.device)])
+        ref_answers = self.lens.read(self.reference.logits, streams["reference"]) if self.lens else None
         rows: list[dict] = []
         for name in ([YARDSTICK] if spec.yardstick else []) + [v.name for v in spec.variants]:
             model = self.yardstick if name == YARDSTICK else self.engines[name]
@@ -282,6 +295,9 @@ class LockstepRunner:
             acc = LayerAccumulator(self.plan)
             for mv in compare_logits(pos, ref_logits, logits):
                 acc.add("logits", mv)
+            if ref_answers is not None:
+                for mv in self.lens.compare(ref_answers, self.lens.read(model.logits, streams[name])):
+                    acc.add("logits", mv)
             if not bool(torch.isfinite(logits).all()) and not any(f.variant == name for f in self.findings):
                 bad = int(pos[torch.nonzero(~torch.isfinite(logits).all(-1)).flatten()[0]])
                 self.findings.append(Finding(name, "global", self.cfg.num_hidden_layers, "logits", "logits",

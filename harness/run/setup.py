@@ -113,7 +113,8 @@ def build_run_spec(scenario: Scenario, overrides: Overrides, decode_ids: list[in
             raise scenario.error("probes.dump.positions", f"position {p} is past the last token ({n_total - 1})")
     spec = RunSpec(
         source=source, prompt_ids=list(plan.prompt_ids), decode_ids=list(decode_ids), turn_of_position=turns,
-        needle_spans=[(n.start, n.end) for n in plan.needles.values()], variants=variants,
+        needle_spans=[(n.start, n.end) for n in plan.needles.values()], needle_names=list(plan.needles),
+        variants=variants,
         chunk_size=scenario.prefill.chunk_size, reference_chunk_size=scenario.prefill.reference_chunk_size,
         reference_dtype=dtype, parity=parity, yardstick=scenario.stacks.yardstick,
         engine=scenario.stacks.engine.options(),

@@ -4,8 +4,9 @@
     scenario = load_scenario("scenarios/demo-cpu.yaml")   # ScenarioError: file:line: field: problem
     plan = resolve_prompt(scenario)                        # token ids, decode ids, turn and needle spans
 
-Modules: `schema` (the scenario tree and its constants), `load` (YAML → Scenario, shipped scenarios),
-`yaml_source` (YAML with line numbers, plain data only), `prompt` (Scenario → PromptPlan), `agent_session`
+Modules: `schema` (the scenario tree as pydantic models, its constants), `load` (YAML → Scenario, shipped
+scenarios), `yaml_source` (YAML with line numbers, plain data only), `validation` (pydantic errors as
+`file:line: field: problem`, shared with the gate policy), `prompt` (Scenario → PromptPlan), `agent_session`
 (the synthetic coding-agent generator), `chat_encoding` (DeepSeek-V4's chat format), `tokenizer`,
 `token_files`, `weights` (a model spec → a weight source).
 """

@@ -221,14 +221,14 @@ def resolve_prompt(scenario: Scenario, tokenizer: Tokenizer | None = None) -> Pr
         parts = _from_token_file(scenario, tokenizer, cfg.vocab_size)
     tokenizer_ids, decode_ids = parts.prompt_ids, parts.decode_ids
 
-    if scenario.decode.tokens == "ids":
+    if scenario.decode.source == "ids":
         decode_ids = list(scenario.decode.ids)
         for index, token_id in enumerate(decode_ids):
             if token_id >= cfg.vocab_size:
                 raise scenario.error(f"decode.tokens[{index}]", f"id {token_id} is outside the model's vocabulary "
                                                                 f"({cfg.vocab_size} ids)")
         parts.decode_text = tokenizer.decode(decode_ids)
-    elif scenario.decode.tokens == "greedy":
+    elif scenario.decode.source == "greedy":
         decode_ids, parts.decode_text = None, None
     elif decode_ids is None:  # continuation with steps: 0 and nothing to continue from
         decode_ids, parts.decode_text = [], ""
@@ -264,7 +264,7 @@ def resolve_prompt(scenario: Scenario, tokenizer: Tokenizer | None = None) -> Pr
         prompt_ids=prompt_ids,
         decode_ids=decode_ids,
         decode_steps=scenario.decode.steps,
-        decode_source=scenario.decode.tokens,
+        decode_source=scenario.decode.source,
         turn_of_position=parts.turn_of_position,
         turn_spans=parts.turn_spans,
         needles=parts.needles,
@@ -330,7 +330,7 @@ def _from_generator(scenario: Scenario, tokenizer: Tokenizer) -> _Parts:
     except (ValueError, RuntimeError) as e:
         raise scenario.error("prompt.generator.target_tokens", str(e)) from None
     decode_ids = decode_text = None
-    if scenario.decode.tokens == "continuation":
+    if scenario.decode.source == "continuation":
         steps = scenario.decode.steps
         decode_ids, decode_text = _text_of_first(tokenizer, continuation_text(session, tokenizer, steps), steps)
     return _from_encoded(session.encoded, decode_ids, decode_text)
@@ -344,8 +344,8 @@ def _from_messages(scenario: Scenario, tokenizer: Tokenizer) -> _Parts:
     except ValueError as e:
         raise scenario.error("prompt.messages", str(e)) from None
     decode_ids = decode_text = None
-    if scenario.decode.tokens == "continuation" and prompt.continuation_message is not None:
-        full = encode_chat(prompt.messages, tokenizer, **options)
+    if scenario.decode.source == "continuation" and prompt.continuation_message is not None:
+        full = encode_chat(prompt.chat_messages, tokenizer, **options)
         n_prompt = len(encoded.ids)
         if full.ids[:n_prompt] != encoded.ids:
             raise scenario.error(f"prompt.messages[{len(prompt.messages) - 1}]",
@@ -386,7 +386,7 @@ def _from_token_file(scenario: Scenario, tokenizer: Tokenizer, vocab_size: int) 
         needles[name] = NeedleLocation(start, end, turn_of_position[start])
 
     decode_ids = decode_text = None
-    if scenario.decode.tokens == "continuation" and scenario.decode.steps > 0:
+    if scenario.decode.source == "continuation" and scenario.decode.steps > 0:
         try:
             decode_all = read_token_file(prompt.decode_token_file, vocab_size)
         except UsageError as e:
@@ -396,7 +396,7 @@ def _from_token_file(scenario: Scenario, tokenizer: Tokenizer, vocab_size: int) 
                                                  f"decode.steps = {scenario.decode.steps}")
         decode_ids = decode_all[: scenario.decode.steps]
         decode_text = tokenizer.decode(decode_ids)
-    elif scenario.decode.tokens == "continuation":
+    elif scenario.decode.source == "continuation":
         decode_ids, decode_text = [], ""
     text = tokenizer.decode(ids)
     return _Parts(ids, decode_ids, decode_text, text, None, turn_of_position, turn_spans, needles,

@@ -10,6 +10,9 @@ is applied before the intermediate is re-quantized for W2.
 Options:
   activations: "w4a4" (default) or "w4a16" (bf16 activations, Marlin-style weight-only)
   input_scale: "checkpoint" (use the stored input_scale, 1.0 where absent) or a number
+  global_scale: "modelopt" (default: per-tensor global scales near amax/(6·448), as ModelOpt writes them, so a
+                gate/up pair's scales differ as in real checkpoints) or "pow2" (power-of-two globals, the rule
+                before 2026-12-01); either way the FP4 source converts losslessly (reference.quant.mx32_to_nvfp4)
 """
 
 from __future__ import annotations
@@ -20,15 +23,16 @@ from optimized.base_ops import swiglu_fp32
 from optimized.numerics import bf16
 from optimized.ops import OpContext, Routing
 from optimized.patching import Patch
-from reference.quant import FP4_MAX, QuantizedTensor, blockwise_amax_last, expand_blocks_last, mx32_to_nvfp4, \
-    round_to_e2m1, round_to_e4m3
+from reference.quant import FP4_MAX, QuantizedTensor, blockwise_amax_last, expand_blocks_last, round_to_e2m1, \
+    round_to_e4m3
 
 PATCH = Patch(
     "nvfp4-experts",
     phases=("prefill", "decode"),
     description="routed experts as NVFP4 (e2m1 + e4m3/16 + fp32 global) with W4A4 activation quantization",
-    defaults={"activations": "w4a4", "input_scale": "checkpoint"},
-    choices={"activations": ("w4a4", "w4a16"), "input_scale": ("checkpoint", float)},
+    defaults={"activations": "w4a4", "input_scale": "checkpoint", "global_scale": "modelopt"},
+    choices={"activations": ("w4a4", "w4a16"), "input_scale": ("checkpoint", float),
+             "global_scale": ("modelopt", "pow2")},
     spec="optimized-stack §6 (O5)",
 )
 
@@ -42,12 +46,12 @@ def nvfp4_activation(x: torch.Tensor, input_scale: float) -> torch.Tensor:
 
 
 def _nvfp4_weight(ctx: OpContext, name: str) -> tuple[torch.Tensor, float | None]:
-    """Dense fp32 value of the NVFP4 form of an expert weight (cached per layer) and its input_scale."""
+    """Dense fp32 value of the NVFP4 form of an expert weight (through the load_weight op) and its input_scale."""
     stored = ctx.weights.stored(name)
     if not isinstance(stored, QuantizedTensor):
         raise ValueError(f"expert weight '{name}' is not quantized; nvfp4-experts needs FP4 or NVFP4 storage")
-    as_nvfp4 = (lambda: stored) if stored.format == "nvfp4" else (lambda: mx32_to_nvfp4(stored))
-    w = ctx.dense.get(name + "#nvfp4", as_nvfp4, ctx.device)
+    rule = ctx.options["global_scale"]
+    w = ctx.call("load_weight", name=name, fmt="nvfp4" if rule == "modelopt" else "nvfp4-pow2")
     return w, None if stored.input_scale is None else float(stored.input_scale)
 
 

@@ -30,6 +30,7 @@ from reference.weights.layouts import (
 from reference.weights.safetensors_index import INDEX_FILE, SINGLE_FILE
 from reference.weights.schema import layer_prefix
 from reference.weights.source import Stored, TensorBundle
+from reference.weights.profiles import DEFAULT_PROFILE
 from reference.weights.synthetic import SyntheticWeights
 
 NVFP4_INPUT_SCALE = 1.0
@@ -79,8 +80,9 @@ def _config_json(config: ModelConfig, fmt: str) -> dict[str, Any]:
 
 
 def write_synthetic_checkpoint(config: ModelConfig, seed: int, out_dir: str | Path, fmt: str = "official",
-                               shard_layers: int = 1, dequantize_wo_a: bool = False) -> Path:
-    """Write `config.json` and safetensors shards of `SyntheticWeights(config, seed)` in layout `fmt`.
+                               shard_layers: int = 1, dequantize_wo_a: bool = False,
+                               profile: str = DEFAULT_PROFILE) -> Path:
+    """Write `config.json` and safetensors shards of `SyntheticWeights(config, seed, profile)` in layout `fmt`.
 
     Shard k holds layers [k·shard_layers, (k+1)·shard_layers), the top-level tensors go with the first; with
     a single shard the file is `model.safetensors` and no index is written (both forms exist in the wild).
@@ -93,7 +95,7 @@ def write_synthetic_checkpoint(config: ModelConfig, seed: int, out_dir: str | Pa
         raise ValueError(f"shard_layers must be >= 1, got {shard_layers}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    source = SyntheticWeights(config, seed)
+    source = SyntheticWeights(config, seed, profile)
     n_layers = config.num_hidden_layers
     groups = [list(range(s, min(n_layers, s + shard_layers))) for s in range(0, n_layers, shard_layers)]
     files = [SINGLE_FILE] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"

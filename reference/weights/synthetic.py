@@ -9,7 +9,10 @@ functions are involved, so no device-specific libm can change a bit.
 
 Statistics aim at a model where low precision has something to break: norm weights near 1 with a few
 outlier channels, kv-norm gains that make attention peaky, non-zero sinks and ape biases, router biases,
-near-identity mHC mixing, a random `tid2eid`. Storage is **quantization-consistent**: FP8 tensors are
+near-identity mHC mixing, a random `tid2eid`. The profile (`reference.weights.profiles`) decides the rest:
+`calibrated` (the default) sets sink masses, router margins, w1/w3 scale spreads and an outlier channel from
+public evidence and plants retrieval circuits (`reference.weights.retrieval`); `uncalibrated` is the generator
+as it was before, bit for bit. Storage is **quantization-consistent**: FP8 tensors are
 generated, quantized to e4m3 with UE8M0 128x128 block scales, and kept in that form; experts likewise as
 FP4 e2m1 with per-32 scales; BF16 tensors are rounded to bf16. The fp32 master value every stack sees is
 the exact dequantization, as with the real checkpoint, so the weight format is never counted as drift.
@@ -17,63 +20,16 @@ the exact dequantization, as with the real checkpoint, so the weight format is n
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import torch
 
 from reference.config import ModelConfig
 from reference.quant import quantize_fp4_mx32, quantize_fp8_block128
+from reference.weights import profiles, retrieval
+from reference.weights.hashing import CHUNK, INV_STD_IH4, hash_u32, standard_normal, stream_key, uniform_int, uniforms
 from reference.weights.schema import TensorSpec, layer_specs, top_level_specs
 from reference.weights.source import Stored, TensorBundle
-
-_MASK32 = 0xFFFFFFFF
-_CHUNK = 1 << 24  # elements generated per step, bounds the int64 temporaries (~128 MB per step)
-_INV_STD_IH4 = 1.0 / math.sqrt(4 * (256**2 - 1) / 12)  # 1/std of a sum of four uniform bytes
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3 finaliser on values in [0, 2^32) held in int64; exact wrap-around via masking."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _MASK32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _MASK32
-    return h ^ (h >> 16)
-
-
-def stream_key(seed: int, layer: int | None, name: str) -> int:
-    """A 32-bit key from (seed, layer, name); blake2b so the mapping never depends on Python's hash()."""
-    tag = f"dsv4-drift/{seed}/{'top' if layer is None else layer}/{name}".encode()
-    return int.from_bytes(hashlib.blake2b(tag, digest_size=4).digest(), "little")
-
-
-def hash_u32(key: int, index: torch.Tensor) -> torch.Tensor:
-    """fmix32(index XOR key) for int64 indices < 2^32: a bijection of the index, so one tensor never
-    repeats a value by construction, and two keys give two permutations of the same well-mixed sequence."""
-    return _fmix32(index ^ key)
-
-
-def standard_normal(key: int, numel: int, device: torch.device | str, offset: int = 0) -> torch.Tensor:
-    """Elements [offset, offset+numel) of the key's stream of approximately N(0, 1) fp32 values.
-
-    Irwin–Hall(4) of the hash's four bytes: S = b0+b1+b2+b3 is an integer in [0, 1020], exact in fp32,
-    with mean 510 and variance 4·(256²−1)/12 = 21845; z = (S − 510)/sqrt(21845) has mean 0, variance 1,
-    tails at ±3.45 and a resolution of 0.0068σ, far finer than the FP8/FP4/BF16 storage it feeds.
-    The one float operation is a correctly-rounded multiply, so every device gives the same bits.
-    """
-    out = torch.empty(numel, dtype=torch.float32, device=device)
-    for start in range(0, numel, _CHUNK):
-        stop = min(numel, start + _CHUNK)
-        h = hash_u32(key, torch.arange(offset + start, offset + stop, dtype=torch.int64, device=device))
-        s = (h & 255) + ((h >> 8) & 255) + ((h >> 16) & 255) + (h >> 24)
-        out[start:stop] = (s - 510).to(torch.float32) * _INV_STD_IH4
-    return out
-
-
-def uniform_int(key: int, numel: int, device: torch.device | str) -> torch.Tensor:
-    """`numel` 32-bit random integers (int64), for discrete draws such as outlier channels."""
-    return hash_u32(key, torch.arange(numel, dtype=torch.int64, device=device))
-
 
 RESIDUAL_OUTPUT_PROJECTIONS = ("attn.wo_b.weight", "ffn.shared_experts.w2.weight")
 """Projections whose output is added to the residual streams (with the routed experts' w2)."""
@@ -82,17 +38,38 @@ RESIDUAL_OUTPUT_PROJECTIONS = ("attn.wo_b.weight", "ffn.shared_experts.w2.weight
 class SyntheticWeights:
     """A `WeightSource` of deterministic synthetic weights for any `ModelConfig`."""
 
-    def __init__(self, config: ModelConfig, seed: int = 0) -> None:
+    def __init__(self, config: ModelConfig, seed: int = 0, profile: str = profiles.DEFAULT_PROFILE) -> None:
         self.config = config
         self.seed = int(seed)
+        self.profile = profiles.get_profile(profile)
+        self.retrieval = retrieval.retrieval_plan(config) if self.profile.calibrated else None
 
     def describe(self) -> dict[str, object]:
-        return {"kind": "synthetic", "seed": self.seed, "model": self.config.name}
+        out: dict[str, object] = {"kind": "synthetic", "seed": self.seed, "model": self.config.name,
+                                  "profile": self.profile.name}
+        if self.retrieval is not None:
+            out["retrieval_layers"] = {str(layer): offset for layer, offset in self.retrieval.layers.items()}
+        return out
+
+    def token_codes(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The ±1 retrieval codes of token ids (calibrated profile with a circuit only)."""
+        if self.retrieval is None:
+            raise ValueError(f"{self.config.name} ({self.profile.name} profile) has no retrieval circuit")
+        return retrieval.token_codes(stream_key(self.seed, None, "retrieval/codes"), token_ids, self.retrieval.bits)
 
     # --- public API -------------------------------------------------------------------------------
     def top_level(self, device: torch.device | str = "cpu") -> TensorBundle:
         specs = [s for s in top_level_specs(self.config) if s.name != "embed.weight"]
         return TensorBundle("top level (synthetic)", {s.name: self._make(s, None, device) for s in specs})
+
+    def _answer_head(self, value: torch.Tensor) -> torch.Tensor:
+        """head.weight with β·c(t) in the answer columns (retrieval.py step 7), generated in row chunks."""
+        plan, out = self.retrieval, value.clone()
+        step = max(1, CHUNK // plan.bits)
+        for start in range(0, out.shape[0], step):
+            ids = torch.arange(start, min(out.shape[0], start + step), device=out.device)
+            out[start : start + ids.numel(), plan.answer_dims] = retrieval.ANSWER_READ * self.token_codes(ids)
+        return out
 
     def embed_rows(self, token_ids: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
         """Rows of embed.weight (bf16, as stored) for the given ids, generated without the full table:
@@ -105,14 +82,26 @@ class SyntheticWeights:
         key = stream_key(self.seed, None, "embed.weight")
         cols = torch.arange(D, dtype=torch.int64, device=device)
         rows = []
-        for start in range(0, unique.numel(), max(1, _CHUNK // D)):
-            u = unique[start : start + max(1, _CHUNK // D)].to(device)
+        for start in range(0, unique.numel(), max(1, CHUNK // D)):
+            u = unique[start : start + max(1, CHUNK // D)].to(device)
             idx = (u[:, None] * D + cols[None, :]).flatten()
             h = hash_u32(key, idx)
             s = (h & 255) + ((h >> 8) & 255) + ((h >> 16) & 255) + (h >> 24)
-            rows.append(((s - 510).to(torch.float32) * _INV_STD_IH4).view(-1, D))
+            rows.append(((s - 510).to(torch.float32) * INV_STD_IH4).view(-1, D))
         table = torch.cat(rows, 0) if rows else torch.empty(0, D, device=device)
+        if self.profile.calibrated:
+            table = self._calibrated_embedding(unique.to(device), table)
         return table[inverse.to(device)].to(torch.bfloat16)
+
+    def _calibrated_embedding(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The outlier channel (profiles.OUTLIER_CHANNEL_VALUE) in dim 0 of every row; with a circuit, the token's
+        code in the code dims and zeros in the answer dims (retrieval.py step 1)."""
+        rows = rows.clone()
+        rows[:, retrieval.OUTLIER_DIM] = profiles.OUTLIER_CHANNEL_VALUE
+        if self.retrieval is not None and rows.shape[0]:
+            rows[:, self.retrieval.code_dims] = self.token_codes(ids)
+            rows[:, self.retrieval.answer_dims] = 0
+        return rows
 
     def layer(self, layer: int, device: torch.device | str = "cpu") -> TensorBundle:
         if not 0 <= layer < self.config.num_hidden_layers:
@@ -129,6 +118,8 @@ class SyntheticWeights:
 
     def _make(self, spec: TensorSpec, layer: int | None, device) -> Stored:
         value = self._value(spec, layer, device)
+        if self.profile.calibrated:
+            value = self._calibrate(spec, layer, value, device)
         if spec.storage == "fp8_block128":
             return quantize_fp8_block128(value)
         if spec.storage == "fp4_mx32":
@@ -167,6 +158,30 @@ class SyntheticWeights:
             return self._hc_param(layer, name, shape, device)
         raise KeyError(f"synthetic generator has no rule for tensor '{name}'")
 
+    def _calibrate(self, spec: TensorSpec, layer: int | None, value: torch.Tensor, device) -> torch.Tensor:
+        """The calibrated profile's statistics (reference.weights.profiles), then the retrieval circuit."""
+        name, cfg = spec.name, self.config
+        if name == "head.weight" and self.retrieval is not None:
+            return self._answer_head(value)
+        if layer is None:
+            return value
+        if name == "attn.attn_sink":
+            u = uniforms(stream_key(self.seed, layer, name + "#mass"), 2 * cfg.num_attention_heads)
+            value = torch.tensor([profiles.sink_logit(cfg, layer, float(u[2 * h]), float(u[2 * h + 1]))
+                                  for h in range(cfg.num_attention_heads)], dtype=torch.float32, device=device)
+        elif name == "ffn.gate.weight":  # the uncalibrated logit std is 1: rescale to the reference router's margins
+            value = value * profiles.router_logit_std(cfg)
+        elif name == "ffn.gate.bias":  # 0.05·z before: keep the bias's share of the logit spread
+            value = value * profiles.router_logit_std(cfg)
+        elif name.startswith("ffn.experts.") and name.endswith((".w1.weight", ".w3.weight")):
+            expert = name.split(".")[2]
+            u = uniforms(stream_key(self.seed, layer, f"ffn.experts.{expert}#w13"), 4)
+            log_ratio = profiles.W13_LOG_RATIO_SCALE * profiles.student_t3(tuple(float(x) for x in u))
+            value = value * math.exp((0.5 if name.endswith(".w3.weight") else -0.5) * log_ratio)
+        if self.retrieval is not None:
+            value = retrieval.plant(cfg, self.retrieval, layer, name, value)
+        return value
+
     def _norm_weight(self, layer: int | None, name: str, shape, device) -> torch.Tensor:
         """1 + 0.1·N(0,1), with ~1/64 of channels outliers scaled 3-6x (real checkpoints show such channels)."""
         w = 1.0 + 0.1 * self._normal(layer, name, shape, device)
@@ -196,7 +211,7 @@ class SyntheticWeights:
         V, E, k = cfg.vocab_size, cfg.n_routed_experts, cfg.num_experts_per_tok
         key = stream_key(self.seed, layer, "ffn.gate.tid2eid")
         rows = []
-        step = max(1, _CHUNK // E)
+        step = max(1, CHUNK // E)
         for start in range(0, V, step):
             stop = min(V, start + step)
             r = hash_u32(key, torch.arange(start * E, stop * E, dtype=torch.int64, device=device))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from harness.cli.console import console
 from harness.cli.paths import writable_dir
+from reference.weights.profiles import DEFAULT_PROFILE, PROFILES
 
 from harness.errors import UsageError
 from reference.config import ConfigError, get_preset
@@ -31,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     syn.add_argument("--format", choices=["hf", "official", "nvfp4"], required=True)
     syn.add_argument("--model", required=True, help="model preset: flash, flash-mini, tiny")
     syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
+                     help=f"synthetic weight statistics (default {DEFAULT_PROFILE}; uncalibrated reproduces runs "
+                          "before 2026-12-01)")
     syn.add_argument("--out", type=Path, required=True)
     syn.set_defaults(func=run_synth)
 
@@ -76,6 +80,6 @@ def run_synth(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise UsageError(str(e)) from None
     writable_dir(args.out, "--out")
-    path = write_synthetic_checkpoint(config, args.seed, args.out, fmt=args.format)
+    path = write_synthetic_checkpoint(config, args.seed, args.out, fmt=args.format, profile=args.profile)
     print(f"wrote {args.format} checkpoint of {args.model} (seed {args.seed}) to {path}")
     return 0

@@ -20,6 +20,7 @@ from harness.scenario.weights import open_weights
 from harness.scenario.token_files import read_token_file
 from reference.layer import ParityOptions
 from reference.model import ReferenceModel
+from reference.weights.profiles import DEFAULT_PROFILE, PROFILES
 
 PARITY_SWITCHES = {"fp8-kv": "fp8_kv", "indexer-fp4": "indexer_fp4"}
 LOGITS_BLOCK_ROWS = 1024  # logits rows computed and written at a time (1024 × 129,280 fp32 = 0.5 GB)
@@ -38,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                          "tiny")
     src.add_argument("--checkpoint", type=Path, metavar="DIR", help="checkpoint directory (config.json + safetensors)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="synthetic weight seed (default 0)")
+    p.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
+                   help=f"synthetic weight statistics (default {DEFAULT_PROFILE}; uncalibrated reproduces runs before "
+                        "2026-12-01)")
     p.add_argument("--tokens", type=Path, required=True, metavar="FILE", help="JSON list of prompt token ids")
     p.add_argument("--decode-tokens", type=Path, metavar="FILE", help="JSON list of decode token ids, fed one at a time")
     p.add_argument("--chunk-size", type=int, metavar="N", help="prefill chunk size in tokens (default: the whole prompt at once "
@@ -99,7 +103,7 @@ def _forward(args: argparse.Namespace, note: str | None) -> int:
 
     writable_file(args.out, "--out")
     check_device(args.device)
-    source = open_weights(args.model, args.seed, args.checkpoint)
+    source = open_weights(args.model, args.seed, args.checkpoint, args.profile)
     cfg = source.config
     prompt = read_token_file(args.tokens, cfg.vocab_size, "--tokens file")
     decode = read_token_file(args.decode_tokens, cfg.vocab_size, "--decode-tokens file") if args.decode_tokens else []

@@ -3,6 +3,7 @@
     dsv4-drift gate reports/flash-27k-20250101-120000 --junit gate.xml --summary "$GITHUB_STEP_SUMMARY"
     dsv4-drift gate RUN --baseline baselines/flash-27k.json            # also: not worse than the baseline
     dsv4-drift gate RUN --update-baseline baselines/flash-27k.json     # ratchet: values only tighten
+    dsv4-drift gate --schema > harness/gate/policies/policy.schema.json  # the policy JSON Schema, for editors
 
 Exit codes: 0 pass, 1 regression (a failing check or any NaN/Inf finding), 2 usage or input error, including an
 incomplete run (killed, interrupted, failed) unless --allow-incomplete. gate.json goes into the run directory and
@@ -12,6 +13,7 @@ its report.html, when there is one, is redrawn from it.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from harness.errors import UsageError
@@ -25,9 +27,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "floor) or to the stock 'base' engine, each plus a rounding floor; any NaN/Inf finding fails. "
                     "Writes gate.json into the run directory and redraws its report.html from it. An incomplete run "
                     "(killed, interrupted or failed) never passes unless --allow-incomplete. Exit codes: 0 pass, 1 "
-                    "regression, 2 usage or input error (an incomplete run included). Policy schema: "
-                    "harness/gate/policy.py; the default: harness/gate/policies/default.yaml.")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory written by `dsv4-drift run`")
+                    "regression, 2 usage or input error (an incomplete run included). Policy schema: `gate --schema` "
+                    "(from harness/gate/policy.py); the default: harness/gate/policies/default.yaml.")
+    p.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR", help="a run directory written by `dsv4-drift "
+                                                                             "run`")
     p.add_argument("--policy", metavar="FILE",
                    help="policy YAML, or 'default' (default: the scenario's gate.policy, else the shipped default)")
     p.add_argument("--baseline", type=Path, metavar="RUN_DIR_OR_JSON",
@@ -45,6 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-report", action="store_true",
                    help="leave RUN_DIR/report.html as it is (by default it is redrawn with this verdict)")
     p.add_argument("--quiet", action="store_true", help="print only the verdict and the failures, not the table")
+    p.add_argument("--schema", action="store_true",
+                   help="print the policy JSON Schema (shipped as harness/gate/policies/policy.schema.json) and exit")
     p.set_defaults(func=run)
 
 
@@ -56,6 +61,14 @@ def run(args: argparse.Namespace) -> int:
     from harness.gate.baseline import update_baseline
     from harness.gate.outputs import junit_xml, markdown, print_console, print_verdict, write_json
 
+    if args.schema:
+        from harness.gate.policy import Policy
+        from harness.scenario.validation import schema_json
+
+        sys.stdout.write(schema_json(Policy))
+        return 0
+    if args.run_dir is None:
+        raise UsageError("RUN_DIR is required (or --schema, to print the policy JSON Schema)")
     if args.allow_loosen and not args.update_baseline:
         raise UsageError("--allow-loosen only applies with --update-baseline FILE")
     result = gate_run(args.run_dir, args.policy, args.baseline, allow_incomplete=args.allow_incomplete)

@@ -1,8 +1,10 @@
-"""`dsv4-drift scenarios`: list the shipped scenarios, validate scenario files, render a scenario's prompt.
+"""`dsv4-drift scenarios`: list the shipped scenarios, validate scenario files, render a scenario's prompt, print the
+scenario JSON Schema.
 
     dsv4-drift scenarios list
     dsv4-drift scenarios validate scenarios/*.yaml my-scenario.yaml
     dsv4-drift scenarios render demo-cpu --max-chars 1500 --ids
+    dsv4-drift scenarios schema > scenarios/scenario.schema.json
 
 Scenario text comes from users, so it is never parsed as rich markup: everything user-written is
 printed through `rich.text.Text` (a `[bold]` in a prompt prints as those seven characters).
@@ -21,10 +23,10 @@ from harness.errors import UsageError
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "scenarios",
-        help="list the shipped scenarios, validate scenario files, render a scenario's prompt",
+        help="list the shipped scenarios, validate scenario files, render a scenario's prompt, print the schema",
         description="Scenarios are YAML files naming the model, the prompt, the stacks and patches, the probes and "
-                    "the gate policy (schema: harness/scenario/schema.py). A scenario argument is a file path or the name "
-                    "of a shipped scenario (see `scenarios list`).",
+                    "the gate policy (schema: `scenarios schema`, from harness/scenario/schema.py). A scenario "
+                    "argument is a file path or the name of a shipped scenario (see `scenarios list`).",
     )
     verbs = p.add_subparsers(dest="scenarios_command", metavar="VERB")
 
@@ -52,6 +54,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="show at most about this many characters per turn (0: everything; default 2000)")
     render.add_argument("--ids", action="store_true", help="also print the model token ids of every turn")
     render.set_defaults(func=run_render)
+
+    schema = verbs.add_parser(
+        "schema", help="print the scenario JSON Schema (shipped as scenarios/scenario.schema.json)",
+        description="The JSON Schema of scenario files, for editors: a first line "
+                    "`# yaml-language-server: $schema=PATH` makes the YAML language server complete and check the "
+                    "file as it is written. Regenerate the shipped copy with "
+                    "`dsv4-drift scenarios schema > scenarios/scenario.schema.json`.")
+    schema.set_defaults(func=run_schema)
 
     p.set_defaults(func=lambda args: _missing_verb(p))
 
@@ -142,6 +152,17 @@ def run_validate(args: argparse.Namespace) -> int:
     if failed:
         print(f"{failed} of {len(args.files)} scenario file(s) invalid", file=sys.stderr)
     return 2 if failed else 0
+
+
+# --------------------------------------------------------------------------- schema
+
+
+def run_schema(args: argparse.Namespace) -> int:
+    from harness.scenario.schema import Scenario
+    from harness.scenario.validation import schema_json
+
+    sys.stdout.write(schema_json(Scenario))
+    return 0
 
 
 # --------------------------------------------------------------------------- render
