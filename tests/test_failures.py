@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from harness.cli.main import main
-from harness.cli.threads import available_cores, oversubscription
+from harness.cli.threads import available_cores, default_threads, oversubscription
 from harness.report.html import extract_payload
 from harness.run.store import RunStore
 from optimized.patching import Patch, PatchError, PatchRegistry, shadowed_patches
@@ -555,6 +555,12 @@ def test_threads_are_recorded_and_restored(nan_run):
 
 def test_the_default_is_the_available_cores_and_oversubscription_is_said_once(tmp_path, capsys, monkeypatch):
     assert available_cores() == len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert default_threads() == available_cores()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert default_threads() == 1, "a lower OMP_NUM_THREADS is kept"
+    monkeypatch.setenv("OMP_NUM_THREADS", "999")
+    assert default_threads() == available_cores(), "never more than the cores"
     assert oversubscription(2, 2, 0.1) is None
     assert "oversubscribed: load average 3.0" in oversubscription(2, 2, 3.0)
     assert "--threads 1 is likely faster" in oversubscription(2, 2, 3.0)

@@ -2,8 +2,9 @@
 
 torch defaults to one thread per core of the machine. On a machine shared with other jobs those threads wait
 for each other at every parallel region (tiny-smoke on two cores with a load average near 6: 111-147 s with 2
-threads, 11 s with 1), so the default here is the cores this process may run on (`os.sched_getaffinity`), and a
-run that starts on a loaded machine says so once, with the thread count likely to be faster.
+threads, 11 s with 1), so the default here is the cores this process may run on (`os.sched_getaffinity`; fewer
+when OMP_NUM_THREADS says so), and a run that starts on a loaded machine says so once, with the thread count
+likely to be faster.
 """
 
 from __future__ import annotations
@@ -23,11 +24,21 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def default_threads() -> int:
+    """The cores this process may run on, or fewer when OMP_NUM_THREADS asks for fewer: a limit someone set on
+    purpose (a CI job, a test session) is kept, never raised."""
+    cores = available_cores()
+    try:
+        return max(1, min(cores, int(os.environ["OMP_NUM_THREADS"])))
+    except (KeyError, ValueError):
+        return cores
+
+
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, metavar="N",
-                        help=f"CPU threads for torch (default: the cores this process may use, here "
-                             f"{available_cores()}); fewer than the cores when other jobs share the machine "
-                             "(README: Threads)")
+                        help=f"CPU threads for torch (default: the cores this process may use, or OMP_NUM_THREADS "
+                             f"when lower; here {default_threads()}); fewer than the cores when other jobs share the "
+                             "machine (README: Threads)")
 
 
 def oversubscription(threads: int, cores: int, load_average: float) -> str | None:
@@ -46,10 +57,10 @@ def oversubscription(threads: int, cores: int, load_average: float) -> str | Non
 
 @contextmanager
 def torch_threads(requested: int | None) -> Iterator[str | None]:
-    """Run a command with `requested` torch threads (default: the available cores), restoring the previous count
+    """Run a command with `requested` torch threads (default: default_threads()), restoring the previous count
     afterwards (commands also run in-process: tests, the pytest plugin). Yields the oversubscription note."""
     cores = available_cores()
-    threads = cores if requested is None else requested
+    threads = default_threads() if requested is None else requested
     if threads < 1:
         raise UsageError(f"--threads {threads}: must be at least 1")
     before = torch.get_num_threads()
