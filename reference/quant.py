@@ -17,7 +17,6 @@ Formats (spec §8.2, optimized-stack §0.1, §6.1):
 
 from __future__ import annotations
 
-import math
 
 from dataclasses import dataclass
 
@@ -306,10 +305,10 @@ def mx32_to_nvfp4(q: QuantizedTensor, global_rule: str = "modelopt") -> Quantize
     block scale is a power of two in [2^-9, 2^8] (exact while the per-32 exponents span ≤ 17 binades). `modelopt`
     (the default): ModelOpt sets global = amax/(6·448), a per-tensor number that is rarely a power of two, and
     real NVFP4 checkpoints' w1/w3 globals differ accordingly (sglang PR #27588: ratio median 1.077). Here
-    global = 2^(emax−7)/f with f the 3-bit-mantissa number in [1, 2) nearest to the mantissa of 2^(emax−7)·6·448/
-    amax — ModelOpt's global times a power of two (2 or 4), with ModelOpt's mantissa to 3 bits — so block scales
-    2^(e−emax+7)·f stay exact e4m3 normals (≤ 2^7·1.875 = 240, ≥ 2^-6 while the exponents
-    span ≤ 13 binades; wider spans fall back to f = 1). Codes and block scales are then exactly the FP4 source's
+    global = 2^(emax−7)/f with f = 6·2^emax/amax rounded to 3 mantissa bits: the largest per-32 block holds
+    amax = c·2^emax with c ∈ (3, 6], so f ∈ [1, 2) and global ≈ amax/(6·2^7) — ModelOpt's amax/(6·448) times the
+    constant 3.5, tracking amax to within 1/16 — while block scales 2^(e−emax+7)·f stay exact e4m3 normals
+    (≤ 2^7·1.875 = 240, ≥ 2^-6 while the exponents span ≤ 13 binades; wider spans fall back to f = 1). Codes and block scales are then exactly the FP4 source's
     value; the fp32 product block·global is within 2^-23 relative of 2^e (one rounding of 2^k/f).
     """
     if q.format != "fp4_mx32":
@@ -323,9 +322,7 @@ def mx32_to_nvfp4(q: QuantizedTensor, global_rule: str = "modelopt") -> Quantize
     exp = torch.where(zero, emax, exp)
     if global_rule == "modelopt" and int(exp.min()) - emax + 7 >= -6:
         amax = float(q.dequantize(torch.float32).abs().max())
-        ratio = 2.0 ** (emax - 7) * FP4_MAX * FP8_MAX / amax if amax > 0 else 1.0
-        mantissa = ratio / 2.0 ** math.floor(math.log2(ratio))
-        f = min(round(mantissa * 8) / 8, 1.875)
+        f = min(max(round(FP4_MAX * 2.0**emax / amax * 8) / 8, 1.0), 1.875) if amax > 0 else 1.0
         block16 = (pow2(exp - emax + 7) * f).repeat_interleave(2, dim=1).to(torch.float8_e4m3fn)
         global_scale = torch.tensor(2.0 ** (emax - 7) / f, dtype=torch.float32)
         return QuantizedTensor("nvfp4", q.codes.clone(), block16, global_scale.reshape(()), None)

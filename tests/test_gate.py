@@ -11,13 +11,16 @@ import math
 import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import pytest
 
 from harness.cli.main import main
 from harness.errors import UsageError
+from harness.gate.expressions import Expr
 from harness.gate.gate_run import gate_run
-from harness.gate.evaluate import load_run, select_layers
+from harness.gate.evaluate import allowed_count, load_run, select_layers
 from harness.gate.policy import DEFAULT_POLICY, METRICS, config_names, load_policy, parse_policy
 from harness.run.store import RunStore
 
@@ -42,12 +45,14 @@ checks:
 
 
 def row(variant: str, layer: int, metric: str, value: float, *, tap: str | None = None, phase: str = "prefill",
-        mode: str = "global", peak: float | None = None, count: int = 64, pos_bin: int = 0) -> dict:
-    """One metrics.parquet row (one position bin)."""
-    return {"variant": variant, "mode": mode, "layer": layer, "phase": phase, "chunk": 0 if phase == "prefill" else -1,
-            "step": -1 if phase == "prefill" else 0, "turn": 0, "pos_bin": pos_bin, "pos_end": pos_bin + count,
-            "tap": tap or METRICS[metric].taps[0], "metric": metric, "value": value,
-            "max": value if peak is None else peak, "count": count}
+        mode: str = "global", peak: float | None = None, count: int = 64, pos_bin: int = 0, chunk: int = 0,
+        step: int = 0, turn: int = 0) -> dict:
+    """One metrics.parquet row (one position bin); `chunk` is written for prefill rows, `step` for decode rows (the
+    other is −1, as harness.run.bins writes them)."""
+    return {"variant": variant, "mode": mode, "layer": layer, "phase": phase,
+            "chunk": chunk if phase == "prefill" else -1, "step": -1 if phase == "prefill" else step, "turn": turn,
+            "pos_bin": pos_bin, "pos_end": pos_bin + count, "tap": tap or METRICS[metric].taps[0], "metric": metric,
+            "value": value, "max": value if peak is None else peak, "count": count}
 
 
 def rows_for(metric: str, per_variant: dict[str, list[float]], phases=("prefill", "decode"), **kw) -> list[dict]:
@@ -247,21 +252,35 @@ def test_absolute_zero_bound_holds_hash_layer_routing_exact(tmp_path):
     assert "layer 0 prefill (local, moe.router)" in result.failure_lines()[0]
 
 
-def test_recall_is_bounded_as_a_loss_over_its_worst_bin(tmp_path):
+def counted_limit(terms: list[tuple[float, float]], n: float, z: float = 4) -> float:
+    """The limit of a counted bound (harness.gate.evaluate), written out apart from the gate's code: with reference
+    counts N·r and coefficients c, √(V + 3/8) ≤ √(Σ c·(N·r + 3/8)) + z·s, s² = ¼ + Σ c²·(N·r + 3/8)/(4·Σ c·(N·r + 3/8)),
+    plus the floor, one decision of N; in loss units."""
+    shifted = sum(c * (r * n + 3 / 8) for c, r in terms)
+    spread = math.sqrt(0.25 + sum(c * c * (r * n + 3 / 8) for c, r in terms) / (4 * shifted))
+    return ((math.sqrt(shifted) + z * spread) ** 2 - 3 / 8 + 1) / n
+
+
+def test_recall_worst_bin_is_a_bin_scope_counted_as_lost_picks(tmp_path):
     policy = write(tmp_path / "p.yaml", "checks:\n  - name: recall\n    metric: indexer.recall\n    layers: csa\n"
-                                        "    bound: {yardstick: 16}\n")
+                                        "    scope: bin\n    bound: {yardstick: 16}\n")
     rows = []
-    for variant, recalls in {"yardstick": [1.0, 0.99], "base": [0.9, 0.85], "patched": [0.95, 0.6]}.items():
+    for variant, recalls in {"yardstick": [1.0, 0.99], "base": [0.95, 0.85], "patched": [0.95, 0.5]}.items():
         for i, r in enumerate(recalls):  # two bins at layer 1; the max column (best position) must be ignored
             rows.append(row(variant, 1, "indexer.recall", r, peak=1.0, pos_bin=64 * i))
     result = gate_run(make_run(tmp_path / "run", rows), policy)
     (check,) = result.checks
     by_variant = {v.variant: v for v in check.variants}
-    # loss of the worst bin: 1 − 0.6 = 0.4 > 16·(1 − 0.99) + 1/index_topk = 0.16 + 0.0625
-    assert by_variant["patched"].status == "fail"
-    assert by_variant["patched"].units[0].value == pytest.approx(0.4)
-    assert by_variant["patched"].units[0].limit == pytest.approx(16 * 0.01 + 1 / 16)
-    assert by_variant["base"].status == "pass"  # 0.15 ≤ 0.2225
+    # each bin: 64 queries × index_topk 16 = 1024 picks. The first: the yardstick lost none, 16× its count's noise
+    # allows 115 picks (0.112 ≥ 0.05, base's and patched's loss there); the second: the yardstick lost 1% (10.24),
+    # 16× that is 164 and with the noise of both counts 453 picks, 0.443 < 0.5
+    limit = counted_limit([(16, 0.01)], 64 * 16)
+    patched = {u.group: u for u in by_variant["patched"].units}
+    assert by_variant["patched"].status == "fail" and not patched[64].passed and patched[0].passed
+    assert patched[64].value == pytest.approx(0.5) and patched[64].limit == pytest.approx(limit)
+    assert patched[64].decisions == 1024 and patched[64].where() == "layer 1 prefill positions 64-127 (global, " \
+                                                                    "indexer.selected)"
+    assert by_variant["base"].status == "pass"  # 0.15 ≤ 0.443 in the second bin
     assert {u.layer for u in by_variant["base"].units} == {1}  # layers: csa on this run's [swa, csa, hca, csa]
 
 
@@ -467,7 +486,7 @@ def test_allow_loosen_without_update_baseline_and_a_bad_baseline_file_are_usage_
 def test_default_policy_loads_and_its_floors_match_the_metric_registry():
     policy = load_policy(DEFAULT_POLICY)
     names = {**config_names({"index_topk": 512, "num_experts_per_tok": 6, "routed_scaling_factor": 1.5}),
-             "pick_share": 0.25}  # the subset recalls' per-unit floor variable
+             "pick_share": 0.25, "positions": 1000}  # the per-unit floor variables
     for metric, expr in policy.floors.items():
         built_in = METRICS[metric].floor
         assert built_in is not None, metric
@@ -477,6 +496,13 @@ def test_default_policy_loads_and_its_floors_match_the_metric_registry():
     assert by_name["logits-kl"].bound.value.evaluate({}) == 16 and by_name["logits-kl"].rule.order == 2
     assert by_name["streams-rel-l2-patch"].bound.kind == "base"
     assert by_name["hash-routing-exact"].bound.value.evaluate({}) == 0
+    assert policy.poisson_z.evaluate({}) == 4
+    # every discrete floor is one decision of the unit's N = positions × decisions
+    for metric, expr in policy.floors.items():
+        rule = METRICS[metric]
+        if rule.discrete:
+            decisions = Expr(rule.decisions).evaluate(names)
+            assert expr.evaluate(names) == pytest.approx(1 / (names["positions"] * decisions)), metric
 
 
 NEEDLE_POLICY = """\
@@ -488,19 +514,23 @@ checks:
 """
 
 
-def test_subset_recall_floor_is_one_pick_of_the_subset_per_query(tmp_path):
-    """A needle holding 4 of a query's picks: one pick lost per query is 1/4 of its needle recall — one rounding's
-    worth of a discrete selection, as 1/k is for indexer.recall — so with a zero yardstick a loss of 1/4 passes
-    and 2/4 fails. The floor is the unit's count-weighted mean of ctx.needle_pick_share (= 1/|needle picks|)."""
+def test_subset_recall_counts_the_picks_of_the_subset(tmp_path):
+    """A needle holding 4 of each query's picks (pick share 1/4): a unit of 64 queries decides N = 64/(1/4) = 256
+    needle picks, and its floor is one of them, pick_share/positions = 1/256 — not 1/4, one pick at every query.
+    With a zero yardstick the bound allows 114 lost picks plus that one (16× the yardstick's count, whose 0 is a
+    Poisson draw too: harness.gate.evaluate.allowed_count); 16 queries losing 2 picks each (32) pass, all 64
+    losing 2 (128) fail."""
     policy = write(tmp_path / "p.yaml", NEEDLE_POLICY)
     share = rows_for("ctx.needle_pick_share", {v: [0.25] * 4 for v in ("yardstick", "base", "patched")})
-    one_pick = rows_for("ctx.needle_recall", {"yardstick": [1] * 4, "base": [1, 0.75, 1, 0.75], "patched": [1] * 4})
-    assert main(["gate", str(make_run(tmp_path / "one", one_pick + share)), "--policy", str(policy)]) == 0
-    two_picks = rows_for("ctx.needle_recall", {"yardstick": [1] * 4, "base": [1, 0.5, 1, 1], "patched": [1] * 4})
-    result = gate_run(make_run(tmp_path / "two", two_picks + share), policy)
-    failed = {(v.variant, u.phase, u.layer, u.floor, u.limit) for _, v in result.failed_checks for u in v.units
-              if not u.passed}
-    assert failed == {("base", phase, 1, 0.25, 0.25) for phase in ("prefill", "decode")}
+    some = rows_for("ctx.needle_recall", {"yardstick": [1] * 4, "base": [1, 1 - 32 / 256, 1, 1], "patched": [1] * 4})
+    assert main(["gate", str(make_run(tmp_path / "some", some + share)), "--policy", str(policy)]) == 0
+    many = rows_for("ctx.needle_recall", {"yardstick": [1] * 4, "base": [1, 0.5, 1, 1], "patched": [1] * 4})
+    result = gate_run(make_run(tmp_path / "many", many + share), policy)
+    failed = {(v.variant, u.phase, u.layer) for _, v in result.failed_checks for u in v.units if not u.passed}
+    assert failed == {("base", phase, 1) for phase in ("prefill", "decode")}
+    unit = result.failed_checks[0][1].units[0]
+    assert (unit.decisions, unit.floor) == (256, 1 / 256)
+    assert unit.limit == pytest.approx(counted_limit([(16, 0)], 256))
 
 
 def test_pick_share_floor_needs_its_metric(tmp_path):
@@ -517,7 +547,8 @@ def test_pick_share_floor_needs_its_metric(tmp_path):
 
 def test_default_policy_on_a_synthetic_run_passes_then_fails_on_hash_flips(tmp_path):
     rows = rows_for("streams.rel_l2", good_streams())
-    rows += rows_for("moe.flip_rate", {"yardstick": [0, 0, 0, 0], "base": [0, 0.25, 0, 0], "patched": [0, 0, 0, 0]})
+    # base: 16 expert flips of 64 tokens × 4 at learned layer 1, within what 16× a zero-count yardstick allows
+    rows += rows_for("moe.flip_rate", {"yardstick": [0, 0, 0, 0], "base": [0, 1 / 16, 0, 0], "patched": [0, 0, 0, 0]})
     assert main(["gate", str(make_run(tmp_path / "ok", rows))]) == 0  # the manifest's gate.policy: default
     rows += [row("patched", 0, "moe.flip_rate", 0.25, pos_bin=64)]
     result = gate_run(make_run(tmp_path / "bad", rows))
@@ -533,3 +564,243 @@ def test_every_metric_harness_metrics_documents_is_known_to_the_gate():
         names |= {f"{prefix}.{m.strip()}" for m in members.split(",")}
     names |= set(re.findall(r"\b(?:compressor|indexer)\.rows_rel_l2\b", doc))
     assert names and names <= set(METRICS), names - set(METRICS)
+
+
+# --------------------------------------------------------------------------- where a loss happens (DESIGN §5)
+
+
+Y, B = 0.01, 0.1  # yardstick and base attn.out_rel_l2 everywhere in the scope runs
+PATCH_ALLOWANCE = 2 * Y + U  # `base: 2`: what a patch may add over base, with the rel-L2 floor 2^-8
+
+
+def scope_rows(bad: Callable[[dict], bool]) -> list[dict]:
+    """attn.out_rel_l2 at layer 1 over 12 prefill bins of 64 positions — chunk 0 is bins 0-7, chunk 1 bins 8-11;
+    turn 0 bins 0-3, turn 1 bins 4-9, turn 2 bins 10-11 and the 8 decode steps — for yardstick, base and a patch
+    that adds 2× its allowance in the bins where `bad(row)`: a loss that the layer's mean dilutes."""
+    rows = []
+    for b in range(12):
+        where = {"pos_bin": 64 * b, "chunk": b // 8, "turn": 0 if b < 4 else 1 if b < 10 else 2}
+        rows += [row("yardstick", 1, "attn.out_rel_l2", Y, **where), row("base", 1, "attn.out_rel_l2", B, **where)]
+        rows.append(row("patched", 1, "attn.out_rel_l2", B, **where))
+    for step in range(8):
+        where = {"phase": "decode", "pos_bin": 768 + step, "count": 1, "step": step, "turn": 2}
+        rows += [row(v, 1, "attn.out_rel_l2", x, **where) for v, x in (("yardstick", Y), ("base", B), ("patched", B))]
+    for r in rows:
+        if r["variant"] == "patched" and bad(r):
+            r["value"] = r["max"] = B + 2 * PATCH_ALLOWANCE
+    return rows
+
+
+@pytest.mark.parametrize("scope, bad, where", [
+    ("chunk", lambda r: r["phase"] == "prefill" and r["chunk"] == 1, "layer 1 prefill chunk 1"),
+    ("turn", lambda r: r["phase"] == "prefill" and r["turn"] == 2, "layer 1 prefill turn 2"),
+    ("step", lambda r: r["step"] == 2, "layer 1 decode step 2"),
+    ("bin", lambda r: r["pos_bin"] < 64, "layer 1 prefill positions 0-63"),  # before the indexer has k rows
+])
+def test_a_loss_confined_to_one_group_fails_its_scope_while_the_layer_mean_passes(tmp_path, scope, bad, where):
+    """The patch adds 2× its allowance in a third of the prefill bins or fewer (one decode step of eight): the
+    layer's mean adds at most 2/3 of the allowance and passes; the group's mean adds twice it and fails."""
+    policy = write(tmp_path / "p.yaml", "checks:\n  - name: layer\n    metric: attn.out_rel_l2\n    aggregate: mean\n"
+                                        "    bound: {base: 2}\n  - name: group\n    metric: attn.out_rel_l2\n"
+                                        f"    aggregate: mean\n    scope: {scope}\n    bound: {{base: 2}}\n")
+    result = gate_run(make_run(tmp_path / "run", scope_rows(bad)), policy)
+    layer, group = result.checks
+    assert layer.status == "pass"
+    (patched,) = group.variants
+    first = patched.first_failure()
+    assert patched.status == "fail" and len(patched.failing()) == 1
+    assert first.where() == f"{where} (global, attn.out)"
+    assert first.value == pytest.approx(B + 2 * PATCH_ALLOWANCE) and first.limit == pytest.approx(B + PATCH_ALLOWANCE)
+    assert (first.yardstick, first.base) == (pytest.approx(Y), pytest.approx(B))  # taken over the same group
+    assert f"group [patched]: attn.out_rel_l2 first fails at {where} (global, attn.out)" in result.failure_lines()[0]
+    gate = json.loads((tmp_path / "run" / "gate.json").read_text())
+    written = next(c for c in gate["checks"] if c["name"] == "group")
+    assert written["scope"] == scope and written["variants"][0]["first_failure"]["group"] == first.group
+
+
+def test_scoped_units_carry_their_group_to_junit_markdown_and_the_baseline(tmp_path, capsys):
+    policy = write(tmp_path / "p.yaml", "checks:\n  - name: by-chunk\n    metric: attn.out_rel_l2\n    scope: chunk\n"
+                                        "    aggregate: mean\n    bound: {base: 2}\n    baseline: {slack: 0}\n")
+    run = make_run(tmp_path / "run", scope_rows(lambda r: r["chunk"] == 1))
+    junit, summary, baseline = tmp_path / "j.xml", tmp_path / "s.md", tmp_path / "b.json"
+    assert main(["gate", str(run), "--policy", str(policy), "--junit", str(junit), "--summary", str(summary)]) == 1
+    failure = next(c.find("failure") for c in ET.parse(junit).getroot().iter("testcase")
+                   if c.get("classname") == "dsv4-drift.by-chunk")
+    assert "first fails at layer 1 prefill chunk 1 (global, attn.out)" in failure.get("message")
+    assert "| by-chunk | `attn.out_rel_l2` | patched | prefill | ❌ FAIL | 1 chunk 1 |" in summary.read_text()
+    assert main(["gate", str(run), "--policy", str(policy), "--update-baseline", str(baseline)]) == 1
+    entries = json.loads(baseline.read_text())["values"]
+    assert {"check": "by-chunk", "variant": "patched", "mode": "global", "tap": "attn.out", "layer": 1,
+            "phase": "prefill", "scope": "chunk", "group": 1, "value": B + 2 * PATCH_ALLOWANCE} in entries
+    decode = next(e for e in entries if e["phase"] == "decode")  # chunk scope: the decode rows are one group
+    assert (decode["scope"], decode["group"]) == ("chunk", None)
+    # an older baseline has no scope or group keys: its entries are layer-scope units
+    old = {"format": "dsv4-drift-baseline/1", "values": [{"check": "layer", "variant": "patched", "mode": "global",
+                                                         "tap": "attn.out", "layer": 1, "phase": "prefill",
+                                                         "value": 0.05}]}
+    write(baseline, json.dumps(old))
+    write(policy, "checks:\n  - name: layer\n    metric: attn.out_rel_l2\n    baseline: {slack: 0}\n")
+    patched = next(v for v in gate_run(run, policy, baseline).checks[0].variants if v.variant == "patched")
+    (unit,) = [u for u in patched.units if u.phase == "prefill"]
+    assert unit.baseline == 0.05 and not unit.passed  # the patched layer's worst position is 0.148 > 0.05 + 2^-8
+
+
+def test_gate_json_keeps_a_groups_failing_units_and_each_layers_worst(tmp_path):
+    """Bin scope makes a unit per bin; gate.json keeps the failing ones and, per layer, phase, mode and tap, the
+    group nearest its limit (the report's cell), and says how many there were."""
+    policy = write(tmp_path / "p.yaml", "checks:\n  - name: by-bin\n    metric: attn.out_rel_l2\n    scope: bin\n"
+                                        "    aggregate: mean\n    bound: {base: 2}\n")
+    run = make_run(tmp_path / "run", scope_rows(lambda r: r["pos_bin"] in (0, 64)))
+    gate_run(run, policy)
+    (variant,) = json.loads((run / "gate.json").read_text())["checks"][0]["variants"]
+    assert variant["units_total"] == 12 + 8
+    kept = {(u["phase"], u["group"], u["status"]) for u in variant["units"]}
+    # decode: all 8 steps pass at the same excess; the first (lowest position) is the one kept
+    assert kept == {("prefill", 0, "fail"), ("prefill", 64, "fail"), ("decode", 768, "pass")}
+    assert variant["units"][0]["span"] == [0, 64] and variant["units"][0]["positions"] == 64
+
+
+def test_local_mode_checks_name_the_first_layer_a_patch_breaks_by_itself(tmp_path):
+    """The patch breaks layer 2 by itself (local error beyond base + 2× yardstick); its global error stays past the
+    bound at layer 3, carried. The local check names layer 2 and only it; the global one cannot tell them apart."""
+    local = {"yardstick": [0.01] * 4, "base": [0.1] * 4, "patched": [0.1, 0.11, 0.3, 0.11]}
+    accumulated = {"yardstick": [0.01, 0.02, 0.03, 0.04], "base": [0.1, 0.15, 0.2, 0.25],
+                   "patched": [0.1, 0.16, 0.4, 0.45]}
+    rows = rows_for("streams.rel_l2", local, mode="local") + rows_for("streams.rel_l2", accumulated)
+    result = gate_run(make_run(tmp_path / "run", rows), "default")
+    checks = {c.check.name: c for c in result.checks}
+    (own,) = checks["streams-rel-l2-local"].variants
+    assert own.status == "fail" and {u.layer for u in own.failing()} == {2}
+    assert own.first_failure().where() == "layer 2 prefill (local, layer.out)"
+    (carried,) = checks["streams-rel-l2-patch"].variants
+    assert {u.layer for u in carried.failing()} == {2, 3}
+
+
+def flips(counts: dict[str, int], positions: int = 640, k: int = CONFIG["num_experts_per_tok"]) -> list[dict]:
+    """moe.flip_rate at learned layer 1: one prefill bin of `positions` tokens per variant, `counts` experts lost
+    of its positions × k."""
+    return [row(v, 1, "moe.flip_rate", c / (positions * k), count=positions) for v, c in counts.items()]
+
+
+@pytest.mark.parametrize("counts, passed", [
+    ({"yardstick": 0, "base": 0, "patched": 1}, True),  # one flip: a tie broken the other way
+    # yardstick 16 and base 100 of N = 2560 allow A = 100 + 2·16 = 132. On the square-root scale the counts' noise
+    # is s = √(¼ + (100.375 + 2²·16.375)/(4·(100.375 + 2·16.375))) = 0.749: √(V + 3/8) may exceed √133.125 by 4s,
+    # so two of them, V = 169, are noise; V = 210.9 is the last count allowed, 211.9 with the floor's one decision
+    ({"yardstick": 16, "base": 100, "patched": 169}, True),
+    ({"yardstick": 16, "base": 100, "patched": 211}, True),
+    ({"yardstick": 16, "base": 100, "patched": 212}, False),
+])
+def test_discrete_metrics_are_bounded_as_a_count_with_poisson_noise(tmp_path, counts, passed):
+    policy = write(tmp_path / "p.yaml", "checks:\n  - name: flips\n    metric: moe.flip_rate\n    layers: learned\n"
+                                        "    bound: {base: 2}\n")
+    (variant,) = gate_run(make_run(tmp_path / "run", flips(counts)), policy).checks[0].variants
+    (unit,) = variant.units
+    assert unit.decisions == 640 * 4 and unit.floor == pytest.approx(1 / 2560)
+    assert unit.passed is passed, (unit.value * 2560, unit.limit * 2560)
+
+
+def test_a_router_swapping_the_kth_expert_for_30_percent_of_tokens_fails_the_default_policy(tmp_path):
+    """The issue's example: the k-th expert swapped for the (k+1)-th at 30% of tokens is a flip rate of 0.3/k —
+    under the old floor 1/k (one expert of every token) it passed. Now the floor is one expert of the layer's
+    positions × k, and 0.3·640 = 192 flips of 2560 are beyond both the stock engine's allowance (16× a yardstick
+    count of 0, itself a Poisson draw: 115 flips) and the patch's (19)."""
+    rows = flips({"yardstick": 0, "base": 0, "patched": 192})
+    result = gate_run(make_run(tmp_path / "run", rows), "default")
+    statuses = {c.check.name: c.variants for c in result.checks if c.check.name.startswith("moe-flip-rate")}
+    assert [v.status for v in statuses["moe-flip-rate"]] == ["pass", "fail"]  # base, patched
+    (patch,) = statuses["moe-flip-rate-patch"]
+    assert patch.status == "fail" and patch.units[0].value == pytest.approx(0.3 / 4)
+    assert patch.units[0].limit == pytest.approx(counted_limit([(1, 0), (2, 0)], 2560))  # 19.3 flips of 2560
+
+
+@pytest.mark.parametrize("metric, tap, twin_value, site_value, passed", [
+    # mHC mixes: fp32 re-association moves them ~u_fp32 = 6e-8; another re-association is the same size (passes),
+    # a bf16 pre-linear moves them ~u_bf16·(a few) = 3e-4 (fails): limit 2·twin + 2^-24
+    ("mhc.site_rel_err", "attn.hc.site", 6e-8, 1.2e-7, True),
+    ("mhc.site_rel_err", "attn.hc.site", 6e-8, 3e-4, False),
+    # router: the twin flips nothing of 640 × 4; 2× its count's noise and the floor allow 19.4 experts, not 20
+    ("moe.site_flip_rate", "moe.router.site", 0, 19 / 2560, True),
+    ("moe.site_flip_rate", "moe.router.site", 0, 20 / 2560, False),
+])
+def test_twin_bounds_pass_a_reassociation_and_fail_a_precision_loss(tmp_path, metric, tap, twin_value, site_value,
+                                                                    passed):
+    twin = METRICS[metric].twin
+    rows = []
+    for variant, site in (("base", 0.0), ("patched", site_value)):  # base is the stock op: its site change is 0
+        rows += [row(variant, 1, metric, site, tap=tap, count=640), row(variant, 1, twin, twin_value, tap=tap,
+                                                                       count=640)]
+    result = gate_run(make_run(tmp_path / "run", rows), "default")
+    (check,) = [c for c in result.checks if c.check.metric == metric]
+    by_variant = {v.variant: v for v in check.variants}
+    assert by_variant["base"].status == "pass"
+    assert (by_variant["patched"].status == "pass") is passed
+    if metric == "mhc.site_rel_err":
+        assert by_variant["patched"].units[0].limit == pytest.approx(2 * twin_value + 2.0**-24)
+    assert "×twin" in check.check.bound_text()
+
+
+def test_a_lost_needle_answer_fails_at_the_first_layer_that_lost_it(tmp_path):
+    """ctx.needle_lost is 1 at a needle query where the reference answers beyond FP8 noise and the variant does not
+    (harness.run.needles). The patch stops answering the first query from layer 2 on: it fails there (absolute 0,
+    max). Base does not answer the second query, which the reference does not answer either: nothing is lost."""
+    rows = []
+    for variant in ("yardstick", "base", "patched"):
+        for layer, tap in [(layer, "needle.lens") for layer in range(4)] + [(4, "logits")]:
+            for step in range(2):  # two needle queries; the second one the reference does not answer
+                lost = float(variant == "patched" and layer >= 2 and step == 0)
+                answer = float(not lost and not (variant == "base" and step == 1))
+                for mode in ("global", "local") if tap == "needle.lens" else ("global",):
+                    where = {"tap": tap, "phase": "decode", "mode": mode, "count": 1, "pos_bin": 600 + step,
+                             "step": step}
+                    rows += [row(variant, layer, "ctx.needle_lost", lost if mode == "global" else 0.0, **where),
+                             row(variant, layer, "ctx.needle_answer", answer if mode == "global" else 1.0, **where),
+                             row(variant, layer, "ctx.needle_answer_ref", float(step == 0), **where)]
+    result = gate_run(make_run(tmp_path / "run", rows), "default")
+    (check,) = [c for c in result.checks if c.check.name == "needle-lost"]
+    by_variant = {v.variant: v for v in check.variants}
+    assert by_variant["base"].status == "pass"
+    patched = by_variant["patched"]
+    assert patched.first_failure().where() == "layer 2 decode (global, needle.lens)"
+    assert sorted((u.layer, u.tap) for u in patched.failing()) == [(2, "needle.lens"), (3, "needle.lens"),
+                                                                   (4, "logits")]
+
+
+@pytest.mark.parametrize("text, line, field, words", [
+    ("checks:\n  - name: a\n    metric: streams.rel_l2\n    bound: {twin: 2}\n", 4, "checks[0].bound.twin",
+     "streams.rel_l2 has no benign twin (twin bounds apply to the fp32 decision sites: moe.site_flip_rate"),
+    ("checks:\n  - name: a\n    metric: attn.out_rel_l2\n    phases: prefill\n    scope: step\n    bound: {base: 2}\n",
+     5, "checks[0].scope", "scope step groups decode steps"),
+    ("checks:\n  - name: a\n    metric: attn.out_rel_l2\n    scope: chunks\n    bound: {absolute: 1}\n", 4,
+     "checks[0].scope", "expected one of layer, chunk, turn, step, bin; got 'chunks'"),
+    ("checks:\n  - name: a\n    metric: indexer.recall\n    aggregate: max\n    bound: {yardstick: 16}\n", 4,
+     "checks[0].aggregate", "indexer.recall is discrete: a relative bound counts the decisions a unit lost"),
+    ("defaults:\n  aggregate: p99\nchecks:\n  - name: a\n    metric: moe.flip_rate\n    bound: {base: 2}\n", 2,
+     "defaults.aggregate", "needs aggregate: mean (got 'p99')"),
+    ("checks:\n  - name: a\n    metric: moe.twin_flip_rate\n    bound: {absolute: 0}\n", 3, "checks[0].metric",
+     "moe.twin_flip_rate is a measurement, not a drift"),
+])
+def test_scope_twin_and_count_rules_are_checked_when_the_policy_loads(tmp_path, capsys, text, line, field, words):
+    run = make_run(tmp_path / "run", rows_for("streams.rel_l2", good_streams()))
+    bad = write(tmp_path / "bad.yaml", text)
+    assert main(["gate", str(run), "--policy", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:{line}: {field}: " in err and words in err, err
+
+
+@pytest.mark.parametrize("coefficients, means", [
+    ((16,), (3,)), ((16,), (10,)), ((16,), (100,)),  # yardstick: 16 — the worst case is a yardstick mean near 10
+    ((1, 2), (10, 3)), ((1, 2), (100, 10)), ((1, 2), (1000, 100)),  # base: 2 (base, yardstick)
+    ((2,), (0.3,)), ((2,), (10,)),  # twin: 2
+])
+def test_the_count_noise_allowance_fails_a_variant_at_its_allowed_rate_rarely(coefficients, means):
+    """At the edge of H0 — the variant's true count mean exactly Σ c·μ of the references' means — draw every count
+    (Poisson) 10⁶ times. The nominal false-failure rate of z = 4 is the one-sided Gaussian tail 3.2·10⁻⁵; the
+    square-root comparison (allowed_count) stays within 10× of it (measured worst 1.7·10⁻⁴, at a yardstick mean of
+    10). Allowing only the variant's own noise, A + 4·√(A + 1), fails such a variant 1-20% of the time."""
+    rng = np.random.default_rng(0)
+    draws = 10**6
+    references = [(c, rng.poisson(mu, draws).astype(float)) for c, mu in zip(coefficients, means)]
+    variant = rng.poisson(sum(c * mu for c, mu in zip(coefficients, means)), draws)
+    false_failures = float(np.mean(variant > allowed_count(references, 4.0) + 1))  # + 1: the floor's decision
+    assert false_failures < 3.2e-4, false_failures

@@ -29,7 +29,8 @@ SCENARIO = {
     ]},
     "tokenizer": "fallback",
     "prefill": {"chunk_size": 96},
-    "decode": {"steps": 2, "tokens": "continuation"},
+    # 8 steps into "The code word is falcon-2291.": steps 5 and 6 can only be answered from the needle (needle queries)
+    "decode": {"steps": 8, "tokens": "continuation"},
     "stacks": {"reference": {"dtype": "float32"}, "yardstick": True,
                "variants": [{"name": "base", "patches": []}]},
     "measure": {"local": True, "force_decisions": False},

@@ -92,6 +92,73 @@ def _fp8_prelinear(ctx: OpContext, streams, site):
     return (fp8(flat) @ fp8(ctx.weight(f"hc_{site}_fn")).T) * rho
 
 
+sink_per_partial_fault = Patch(
+    "fault-sink-per-partial", phases=("decode",),
+    description="counts the attention sink in each partial (window and compressed) before the LSE merge, so it "
+                "enters the denominator twice in decode (O1 merge failure: sink applied per partial, not once)",
+    source="selftest")
+
+
+@sink_per_partial_fault.op("sparse_attention")
+def _sink_in_each_partial(ctx: OpContext, q, window_slots, comp_slots, sink):
+    if comp_slots.shape[-1] == 0 or not bool((comp_slots >= 0).any()):
+        return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_slots, sink=sink)
+    out_w, lse_w = ctx.base(q=q, window_slots=window_slots, comp_slots=torch.full_like(comp_slots, -1), sink=sink)
+    out_c, lse_c = ctx.base(q=q, window_slots=torch.full_like(window_slots, -1), comp_slots=comp_slots, sink=sink)
+    lse = torch.logaddexp(lse_w, lse_c)  # a correct LSE merge of two partials that each already hold the sink
+    weight_w = torch.exp(lse_w - lse)[..., None]
+    return weight_w * out_w + (1 - weight_w) * out_c, lse
+
+
+bf16_router_fault = Patch(
+    "fault-bf16-router", phases=("prefill", "decode"),
+    description="computes the router's logits and scores in bf16 (DeepSeek keeps gate scores in fp32; vllm-ascend "
+                "PRs #9676, #9831: bf16 routing perturbs near-ties)",
+    source="selftest")
+
+
+@bf16_router_fault.op("router")
+def _bf16_router(ctx: OpContext, y, token_ids) -> Routing:
+    cfg = ctx.cfg
+    bf = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
+    scores = bf(torch.sqrt(torch.nn.functional.softplus(bf(bf(y) @ bf(ctx.weight("ffn.gate.weight")).T))))
+    if cfg.is_hash_layer(ctx.layer):
+        expert_ids = ctx.weights.stored("ffn.gate.tid2eid").to(ctx.device)[token_ids]
+    else:
+        expert_ids = torch.topk(bf(scores + ctx.weight("ffn.gate.bias")), cfg.num_experts_per_tok, dim=-1).indices
+    w = scores.gather(-1, expert_ids)
+    return Routing(scores, expert_ids, w / w.sum(-1, keepdim=True) * cfg.routed_scaling_factor)
+
+
+lanes_past_length_fault = Patch(
+    "fault-lanes-past-length", phases=("prefill", "decode"),
+    description="sparse attention reads every top-k lane instead of the first topk_length, so while the indexer has "
+                "fewer than k rows the kernel attends rows the query must not see (optimized-stack §2.5: lanes "
+                "beyond topk_length must be −1)",
+    source="selftest")
+
+
+@lanes_past_length_fault.op("sparse_attention")
+def _read_every_lane(ctx: OpContext, q, window_slots, comp_slots, sink, comp_lanes=None, comp_length=None):
+    if ctx.kind != "csa" or comp_lanes is None:
+        return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_slots, sink=sink)
+    return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_lanes, sink=sink)
+
+
+one_chunk_fault = Patch(
+    "fault-one-chunk", phases=("prefill",),
+    description="in the second prefill chunk only, sparse attention skips the compressed rows (a kernel regime "
+                "switch that drops the extra cache for one chunk size; optimized-stack §7.1)",
+    source="selftest")
+
+
+@one_chunk_fault.op("sparse_attention")
+def _no_compressed_rows_in_chunk_one(ctx: OpContext, q, window_slots, comp_slots, sink):
+    if ctx.segment == 1:
+        comp_slots = torch.full_like(comp_slots, -1)
+    return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_slots, sink=sink)
+
+
 benign_change = Patch(
     "benign-sum-order", phases=("prefill", "decode"),
     description="the mHC pre-linear in fp32 summed in four K-partials (a different order, the same precision)",
@@ -113,6 +180,10 @@ FAULTS: dict[str, tuple[Patch, str]] = {
     "attention split merge": (merge_fault, "decode"),
     "routing scale": (routing_fault, "prefill"),
     "mHC precision": (mhc_fault, "prefill"),
+    "sink counted per partial": (sink_per_partial_fault, "decode"),
+    "router in bf16": (bf16_router_fault, "prefill"),
+    "loss confined to early positions": (lanes_past_length_fault, "prefill"),
+    "fault in one chunk": (one_chunk_fault, "prefill"),
 }
 """Fault class -> (patch, the phase attribution must name). Faults active in both phases are named by their
 first divergence, which a prefill of hundreds of tokens reaches before the decode steps."""

@@ -9,7 +9,9 @@ JSON written by `dsv4-drift gate RUN --update-baseline FILE`:
       "values": [                       one entry per evaluated unit, sorted; one line each for reviewable diffs
         {"check": "stream-drift", "variant": "all", "mode": "global", "tap": "layer.out", "layer": 3,
          "phase": "prefill", "value": 0.0123},
-        …],
+        {"check": "attn-out-by-chunk", "variant": "all", "mode": "global", "tap": "attn.out", "layer": 3,
+         "phase": "prefill", "scope": "chunk", "group": 1, "value": 0.0201},
+        …],                             scope and group only for units of a group scope (absent: the whole layer)
       "history": [                      every update: who, when, from which run, what changed
         {"when": "…", "who": "alice", "run": "reports/x", "scenario": "flash-27k", "action": "tighten",
          "added": 0, "tightened": 12, "loosened": [], "refused": 0}, …]
@@ -38,6 +40,9 @@ from harness.gate.policy import Policy
 
 BASELINE_FORMAT = "dsv4-drift-baseline/1"
 ENTRY_KEYS = ("check", "variant", "mode", "tap", "layer", "phase")
+GROUP_KEYS = ("scope", "group")
+"""Written for units of a group scope only, so a baseline of layer-scope checks reads as before (and an older
+baseline, which has no group keys, reads as layer scope)."""
 
 
 def load_baseline(source: str | Path, policy: Policy) -> Baseline:
@@ -79,12 +84,17 @@ def read_baseline_values(path: Path) -> dict[tuple, float]:
 
 
 def _key(entry: dict[str, Any]) -> tuple:
+    group = entry.get("group")
     return (str(entry["check"]), str(entry["variant"]), str(entry["mode"]), str(entry["tap"]), int(entry["layer"]),
-            str(entry["phase"]))
+            str(entry["phase"]), str(entry.get("scope", "layer")), None if group is None else int(group))
 
 
 def _entry(key: tuple, value: float) -> dict[str, Any]:
-    return dict(zip(ENTRY_KEYS, key)) | {"value": value}
+    entry = dict(zip(ENTRY_KEYS, key))
+    scope, group = key[len(ENTRY_KEYS):]
+    if scope != "layer":
+        entry |= {"scope": scope, "group": group}
+    return entry | {"value": value}
 
 
 @dataclass
@@ -104,9 +114,10 @@ class RatchetReport:
                 + f" ({self.added} added, {self.tightened} tightened, {len(self.loosened)} loosened)")
         if self.refused:
             e = self.refused[0]
+            group = f" {e['scope']} {e['group']}" if "scope" in e else ""
             text += (f"; refused to loosen {len(self.refused)} value(s), e.g. {e['check']} [{e['variant']}] layer "
-                     f"{e['layer']} {e['phase']} ({e['mode']}, {e['tap']}): {e['old']:.4g} → {e['new']:.4g}, kept "
-                     f"{e['old']:.4g}; pass --allow-loosen to accept (it is recorded in the file)")
+                     f"{e['layer']} {e['phase']}{group} ({e['mode']}, {e['tap']}): {e['old']:.4g} → {e['new']:.4g}, "
+                     f"kept {e['old']:.4g}; pass --allow-loosen to accept (it is recorded in the file)")
         return text
 
 
@@ -167,8 +178,9 @@ def update_baseline(path: str | Path, result: GateResult, allow_loosen: bool = F
 
 
 def _sort_key(entry: dict[str, Any]) -> tuple:
+    group = entry.get("group")
     return (entry["check"], entry["variant"], entry["mode"], entry["tap"], PHASE_ORDER.get(entry["phase"], 9),
-            entry["layer"])
+            entry["layer"], -math.inf if group is None else group)
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:

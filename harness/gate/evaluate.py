@@ -1,17 +1,33 @@
-"""Evaluate a gate policy on a run directory (DESIGN §5): per check, variant, mode, tap, layer and phase.
+"""Evaluate a gate policy on a run directory (DESIGN §5): per check, variant, mode, tap, layer, phase and group.
 
-A *unit* is one (variant, mode, tap, layer, phase). For each check and unit the metric's rows (one per
-position bin) are turned into the check's loss (larger is worse: x for errors, 1 − x for recalls) and
-aggregated over the bins; the same aggregate of the yardstick's (and the base variant's) rows at the same
-mode, tap, layer and phase gives the relative bound:
+A *unit* is one (variant, mode, tap, layer, phase, group). The group is the check's scope: the whole layer, or
+one prefill chunk, turn, decode step or position bin of it (harness.run.bins: bins never straddle a chunk or a
+turn, so every group is a set of whole bins). For each check and unit the metric's rows (one per position bin)
+are turned into the check's loss (larger is worse: x for errors, 1 − x for recalls) and aggregated over the
+group's bins; the same aggregate of the yardstick's (and the base variant's, and the variant's own benign
+twin's) rows over the same group gives the relative bound:
 
     absolute:  loss ≤ X
     yardstick: loss ≤ F·max(yardstick, 0) + floor
     base:      loss ≤ base + F·max(yardstick, 0) + floor
+    twin:      loss ≤ F·twin + floor                      (fp32 decision sites: the stock op re-associated)
     baseline:  loss ≤ baseline·(1 + slack) + floor        (with a baseline, for checks that ask for one)
 
 F is a factor on the error amplitude. For metrics quadratic in it (KL, JS, 1 − cos, whose square roots are
 distances) the same triangle inequality is applied to square roots: F²·yardstick and (√base + F·√yardstick)².
+
+Discrete metrics (indexer picks, expert choices, needle answers) are bounded as counts. A unit of `positions`
+positions makes N = positions × decisions of them (MetricRule.decisions), and V = loss × N of them were lost. A
+relative bound whose right-hand side without the floor is R = Σ c·r (c: F for the yardstick and the twin, 1 for
+base) allows A = N·R lost decisions; the unit passes when
+
+    loss ≤ allowed_count(...)/N + floor
+
+allowed_count is A plus z standard deviations of V − A: flips are rare independent events at near-ties whose rate
+scales with the perturbation, so V and every reference count N·r are Poisson draws, and a low draw of a
+reference must not fail a variant at its allowed rate. The comparison is made on the square-root scale, where
+Poisson counts are nearly Gaussian with variance 1/4 (`allowed_count`); z = the policy's `poisson_z`. The floor
+of a discrete metric is one decision of the unit's N (a tie broken the other way): 1/N.
 
 A NaN loss fails every bound. Comparisons allow a 1e-9 relative tolerance, so a loss computed as
 1 − 2/3 still equals a floor of 1/3. Any NaN/Inf finding of the run (findings.json) fails the gate,
@@ -32,11 +48,14 @@ import numpy as np
 import pandas as pd
 
 from harness.errors import UsageError
-from harness.gate.metric_rules import PICK_SHARE, PICK_SHARE_METRICS
-from harness.gate.policy import YARDSTICK, Check, Policy, config_names
+from harness.gate.expressions import Expr
+from harness.gate.metric_rules import PICK_SHARE, PICK_SHARE_METRICS, POSITIONS, UNIT_VARIABLES
+from harness.gate.policy import RELATIVE_KINDS, YARDSTICK, Check, Policy, config_names
 
 REL_TOL = 1e-9
-UNIT_KEYS = ["variant", "mode", "tap", "layer", "phase"]
+UNIT_KEYS = ["variant", "mode", "tap", "layer", "phase", "group"]
+SCOPE_COLUMN = {"chunk": "chunk", "turn": "turn", "step": "step", "bin": "pos_bin"}
+"""The metrics.parquet column that names a row's group in each scope (layer scope: one group)."""
 PHASE_ORDER = {"prefill": 0, "decode": 1}
 MODE_ORDER = {"global": 0, "local": 1, "forced": 2}
 
@@ -128,7 +147,7 @@ def load_run(run_dir: str | Path) -> RunData:
 
 @dataclass
 class Unit:
-    """One evaluated (variant, mode, tap, layer, phase) of a check."""
+    """One evaluated (variant, mode, tap, layer, phase, group) of a check."""
 
     variant: str
     mode: str
@@ -138,9 +157,16 @@ class Unit:
     value: float  # the aggregated loss
     limit: float | None  # the policy bound at this unit (None: the check has no bound, only a baseline)
     passed: bool
+    scope: str = "layer"
+    group: int | None = None  # chunk, turn, step, or the bin's first position; None: the whole layer and phase
+    span: tuple[int, int] = (0, 0)  # [first position, one past the last) of the unit's rows
+    positions: int = 0  # Σ count of the unit's rows
     yardstick: float | None = None
     base: float | None = None
+    twin: float | None = None
     floor: float | None = None
+    decisions: float | None = None  # counted bounds: the unit's N = positions × decisions per position
+    allowance: float | None = None  # counted bounds: the count noise allowed above R (allowed_count/N − R)
     baseline: float | None = None
     baseline_limit: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -161,13 +187,40 @@ class Unit:
             return 0.0 if self.value <= 0 else math.inf
         return self.value / lim
 
+    @property
+    def rank(self) -> float:
+        """The excess with NaN as +inf: how near to (or far past) its limit, for picking the worst unit."""
+        return math.inf if math.isnan(self.excess) else self.excess
+
+    @property
+    def group_text(self) -> str:
+        """The group within the layer and phase: "" (the whole of it), `chunk 1`, `turn 2`, `step 3`,
+        `positions 320-383`."""
+        if self.group is None:
+            return ""
+        if self.scope == "bin":
+            first, end = self.span
+            return f"position {first}" if end - first == 1 else f"positions {first}-{end - 1}"
+        if self.scope == "turn" and self.group < 0:
+            return "turn -1 (preamble)"
+        return f"{self.scope} {self.group}"
+
     def where(self) -> str:
-        return f"layer {self.layer} {self.phase} ({self.mode}, {self.tap})"
+        """`layer 4 prefill chunk 1 (global, attn.out)`."""
+        group = f" {self.group_text}" if self.group_text else ""
+        return f"layer {self.layer} {self.phase}{group} ({self.mode}, {self.tap})"
+
+    @property
+    def key(self) -> tuple:
+        """(variant, mode, tap, layer, phase, scope, group): the unit's identity in a baseline."""
+        return self.variant, self.mode, self.tap, self.layer, self.phase, self.scope, self.group
 
     def to_dict(self) -> dict[str, Any]:
         return {"variant": self.variant, "mode": self.mode, "tap": self.tap, "layer": self.layer, "phase": self.phase,
+                "scope": self.scope, "group": self.group, "span": list(self.span), "positions": self.positions,
                 "value": _num(self.value), "limit": _num(self.limit), "status": "pass" if self.passed else "fail",
-                "yardstick": _num(self.yardstick), "base": _num(self.base), "floor": _num(self.floor),
+                "yardstick": _num(self.yardstick), "base": _num(self.base), "twin": _num(self.twin),
+                "floor": _num(self.floor), "decisions": _num(self.decisions), "allowance": _num(self.allowance),
                 "baseline": _num(self.baseline), "baseline_limit": _num(self.baseline_limit), "notes": self.notes}
 
 
@@ -191,7 +244,7 @@ class VariantResult:
         units = [u for u in self.units if phase is None or u.phase == phase]
         if not units:
             return None
-        return max(units, key=lambda u: (math.inf if math.isnan(u.excess) else u.excess, -u.layer))
+        return max(units, key=lambda u: (u.rank, -u.layer))
 
     def phases(self) -> list[str]:
         return sorted({u.phase for u in self.units}, key=lambda p: PHASE_ORDER.get(p, 9))
@@ -207,8 +260,9 @@ class CheckResult:
     check: Check
     variants: list[VariantResult]
     factor: float | None = None  # the bound's evaluated number (X or F)
-    floor: float | None = None
+    floor: float | None = None  # None where it depends on the unit (positions, pick_share)
     slack: float | None = None
+    poisson_z: float | None = None  # counted bounds only
 
     @property
     def status(self) -> str:
@@ -273,21 +327,24 @@ class GateResult:
 
 
 def explain_limit(c: CheckResult, u: Unit) -> str:
-    """The limit a unit was held to, with its terms: `0.31 = base 0.23 + 2×yardstick 0.041 + floor 0.0039`."""
+    """The limit a unit was held to, with its terms: `0.31 = base 0.23 + 2×yardstick 0.041 + floor 0.0039`; a
+    counted bound adds its Poisson allowance and N, A."""
     parts = []
     kind = c.check.bound.kind if c.check.bound else None
+    quadratic = c.check.rule.order == 2
+    relative = {
+        "yardstick": f"{_fmt(c.factor)}{'²' if quadratic else ''}×yardstick {_fmt(u.yardstick)}",
+        "base": f"(√base {_fmt(u.base)} + {_fmt(c.factor)}×√yardstick {_fmt(u.yardstick)})²" if quadratic else
+                f"base {_fmt(u.base)} + {_fmt(c.factor)}×yardstick {_fmt(u.yardstick)}",
+        "twin": f"{_fmt(c.factor)}×twin {_fmt(u.twin)}"}
     if kind == "absolute":
         parts.append(f"{_fmt(u.limit)} (absolute)")
-    elif kind == "yardstick" and c.check.rule.order == 2:
-        parts.append(f"{_fmt(u.limit)} = {_fmt(c.factor)}²×yardstick {_fmt(u.yardstick)} + floor {_fmt(u.floor)}")
-    elif kind == "yardstick":
-        parts.append(f"{_fmt(u.limit)} = {_fmt(c.factor)}×yardstick {_fmt(u.yardstick)} + floor {_fmt(u.floor)}")
-    elif kind == "base" and c.check.rule.order == 2:
-        parts.append(f"{_fmt(u.limit)} = (√base {_fmt(u.base)} + {_fmt(c.factor)}×√yardstick {_fmt(u.yardstick)})² "
-                     f"+ floor {_fmt(u.floor)}")
-    elif kind == "base":
-        parts.append(f"{_fmt(u.limit)} = base {_fmt(u.base)} + {_fmt(c.factor)}×yardstick {_fmt(u.yardstick)} + "
-                     f"floor {_fmt(u.floor)}")
+    elif kind in relative and u.allowance is not None:
+        n, allowed = u.decisions, (u.limit - u.allowance - u.floor) * u.decisions
+        parts.append(f"{_fmt(u.limit)} = {relative[kind]} + count noise (z = {_fmt(c.poisson_z)}) "
+                     f"{_fmt(u.allowance)} + floor {_fmt(u.floor)} (N = {n:.0f} decisions, A = {allowed:.3g})")
+    elif kind in relative:
+        parts.append(f"{_fmt(u.limit)} = {relative[kind]} + floor {_fmt(u.floor)}")
     if u.baseline_limit is not None:
         parts.append(f"{_fmt(u.baseline_limit)} = baseline {_fmt(u.baseline)}×(1+{_fmt(c.slack)}) + floor "
                      f"{_fmt(u.floor)}")
@@ -301,7 +358,7 @@ def nonfinite_message(f: Mapping[str, Any]) -> str:
 
 
 def _unit_order(u: Unit) -> tuple:
-    return (u.layer, PHASE_ORDER.get(u.phase, 9), MODE_ORDER.get(u.mode, 9), u.tap)
+    return (u.layer, PHASE_ORDER.get(u.phase, 9), MODE_ORDER.get(u.mode, 9), u.tap, u.span[0])
 
 
 def _num(x: float | None) -> float | str | None:
@@ -326,14 +383,15 @@ def _fmt(x: float | None) -> str:
 
 
 class Baseline:
-    """Observed losses per (check, variant, mode, tap, layer, phase), from a baseline JSON or another run."""
+    """Observed losses per (check, variant, mode, tap, layer, phase, scope, group), from a baseline JSON or another
+    run."""
 
     def __init__(self, values: Mapping[tuple, float], source: str) -> None:
         self.values = dict(values)
         self.source = source
 
-    def get(self, check: str, unit: Mapping[str, Any]) -> float | None:
-        return self.values.get((check, unit["variant"], unit["mode"], unit["tap"], int(unit["layer"]), unit["phase"]))
+    def get(self, check: str, unit: Unit) -> float | None:
+        return self.values.get((check, *unit.key))
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -383,49 +441,98 @@ def loss_columns(frame: pd.DataFrame, direction: str) -> pd.DataFrame:
     return frame
 
 
-def aggregate_units(frame: pd.DataFrame, how: str, direction: str) -> pd.Series:
-    """Aggregate a metric's bin rows into one loss per unit; any NaN in a unit makes its aggregate NaN."""
+def scoped(frame: pd.DataFrame, scope: str) -> pd.DataFrame:
+    """The rows with a `group` column naming each row's group in `scope`: one group per layer and phase (layer),
+    per prefill chunk (chunk: the decode rows, chunk −1, are one group of their own), turn, decode step (step:
+    prefill rows are not in this scope) or position bin (bin: its first position)."""
+    if scope == "step":
+        frame = frame[frame["phase"] == "decode"]
+    return frame.assign(group=frame[SCOPE_COLUMN[scope]] if scope in SCOPE_COLUMN else 0)
+
+
+def aggregate_units(frame: pd.DataFrame, how: str, direction: str) -> pd.DataFrame:
+    """Aggregate a metric's bin rows (with their `group`, see `scoped`) into one row per unit: its loss (NaN when
+    any of its bins is NaN), positions (Σ count) and span [start, end) of positions."""
     if frame.empty:
-        return pd.Series(dtype=float)
+        return pd.DataFrame({"loss": [], "positions": [], "start": [], "end": []},
+                            index=pd.MultiIndex.from_tuples([], names=UNIT_KEYS))
     use_peak = how == "max" and direction == "upper"
     col = "loss_peak" if use_peak else "loss_value"
     frame = frame.assign(_nan=frame[col].isna() | (frame["loss_value"].isna() if use_peak else False))
     g = frame.groupby(UNIT_KEYS, sort=False)
     if how == "max":
-        out = g[col].max()
+        loss = g[col].max()
     elif how == "min":
-        out = g[col].min()
+        loss = g[col].min()
     elif how == "p99":
-        out = g[col].quantile(0.99)
+        loss = g[col].quantile(0.99)
     elif how == "mean":
         weighted = (frame[col] * frame["count"]).groupby([frame[k] for k in UNIT_KEYS], sort=False).sum()
-        out = weighted / g["count"].sum()
+        loss = weighted / g["count"].sum()
     else:
         raise ValueError(how)
-    out = out.astype(float)
-    out[g["_nan"].any()] = math.nan
-    return out
+    loss = loss.astype(float)
+    loss[g["_nan"].any()] = math.nan
+    return pd.DataFrame({"loss": loss, "positions": g["count"].sum(), "start": g["pos_bin"].min(),
+                         "end": g["pos_end"].max()})
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """What one check's units are held to, evaluated once per check: the relative kind and its factor, the floor
+    (a number, or the expression when it reads the unit's positions or pick share) and, for counted bounds, the
+    decisions per position."""
+
+    kind: str | None
+    factor: float | None
+    floor: float | Expr | None
+    slack: float | None
+    decisions: Expr | None
+    poisson_z: float
+    names: Mapping[str, float]
+    file: str
+
+    def floor_at(self, unit_names: Mapping[str, float]) -> float | None:
+        if isinstance(self.floor, Expr):
+            return self.floor.evaluate({**self.names, **unit_names}, self.file)
+        return self.floor
+
+    def decisions_at(self, positions: int, unit_names: Mapping[str, float]) -> float | None:
+        """N = positions × decisions per position, for a counted bound."""
+        if self.decisions is None:
+            return None
+        return positions * self.decisions.evaluate({**self.names, **unit_names}, self.file)
 
 
 def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baseline | None) -> CheckResult:
     rule = check.rule
     names = config_names(run.config)
     floor_expr = policy.floor_of(check)
-    per_unit_floor = floor_expr is not None and PICK_SHARE in floor_expr.names()
-    if per_unit_floor and check.rule.pick_share is None:
+    decisions = Expr(rule.decisions, check.line, f"{check.path} (decisions of {check.metric})") \
+        if check.counted else None
+    unit_names = set().union(*(e.names() for e in (floor_expr, decisions) if e is not None)) & UNIT_VARIABLES
+    if PICK_SHARE in unit_names and check.rule.pick_share is None:
         raise UsageError(f"{policy.file}:{check.line}: {check.path}.floor: `{PICK_SHARE}` is defined only for recalls "
                          f"over a subset of the picks ({', '.join(sorted(PICK_SHARE_METRICS))}), not {check.metric}")
-    floor = floor_expr.evaluate(names, policy.file) if floor_expr is not None and not per_unit_floor else None
     kind = check.bound.kind if check.bound else None
-    if kind in ("yardstick", "base") and floor_expr is None:
+    if kind in RELATIVE_KINDS and floor_expr is None:
         raise UsageError(f"{policy.file}:{check.line}: {check.path}.floor: {check.metric} has no built-in rounding "
                          "floor (its unit depends on the tensor's magnitude); give `floor:` for a relative bound")
+    floor = None if floor_expr is None else floor_expr if unit_names & floor_expr.names() else \
+        floor_expr.evaluate(names, policy.file)
     factor = check.bound.value.evaluate(names, policy.file) if check.bound else None
     slack = check.baseline_slack.evaluate(names, policy.file) if check.baseline_slack is not None else None
+    z = policy.poisson_z.evaluate(names, policy.file) if check.counted else None
+    bound = _Bound(kind, factor, floor, slack, decisions, z or 0.0, names, policy.file)
+    fixed_floor = None if isinstance(floor, Expr) else floor
+
+    def result(variants: list[VariantResult]) -> CheckResult:
+        return CheckResult(check, variants, factor, fixed_floor, slack, z)
+
     variants = policy.variants_for(check, run.variants)
     if not variants:
         reason = f"no variant of the run matches {list(check.variants)}" if check.variants else "no variant to check"
-        return CheckResult(check, [VariantResult("*", "no_data", reason=reason)], factor, floor, slack)
+        return result([VariantResult("*", "no_data", reason=reason)])
     if kind in ("yardstick", "base") and YARDSTICK not in run.variants:
         raise UsageError(f"{policy.file}:{check.line}: check {check.name!r} is bounded relative to the yardstick, but "
                          f"run {run.dir} has none (scenario stacks.yardstick: false); rerun with the yardstick or "
@@ -436,38 +543,35 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
                          f"{', '.join(v for v in run.variants if v != YARDSTICK)}); set base_variant: in the policy")
 
     layers = select_layers(check, run, policy.file)
-    rows = _check_rows(run, check.metric, check, layers)
-    wanted = set(variants) | {YARDSTICK, policy.base_variant}
-    rows = loss_columns(rows[rows["variant"].isin(wanted)], rule.direction)
-    agg = aggregate_units(rows, check.aggregate, rule.direction)
-    shares = _pick_shares(run, check, layers) if per_unit_floor else None
-    ref_keys = ["mode", "tap", "layer", "phase"]
-    ref_values: dict[str, dict[tuple, float]] = {}
-    for ref in (YARDSTICK, policy.base_variant):
-        part = agg[agg.index.get_level_values("variant") == ref] if len(agg) else agg
-        ref_values[ref] = {k[1:]: float(v) for k, v in part.items()}
+    agg = _aggregated(run, check.metric, check, layers, set(variants) | {YARDSTICK, policy.base_variant},
+                      check.aggregate, rule.direction)
+    refs = {ref: {key[1:]: float(v) for key, v in _of(agg, ref)["loss"].items()}
+            for ref in (YARDSTICK, policy.base_variant)}
+    twins = _aggregated(run, rule.twin, check, layers, set(variants), check.aggregate, rule.direction)["loss"] \
+        if kind == "twin" else None
+    shares = _aggregated(run, rule.pick_share, check, layers, set(variants), "mean", "upper")["loss"] \
+        if PICK_SHARE in unit_names else None  # "upper": the share as it is
 
     results = []
     for variant in variants:
-        part = agg[agg.index.get_level_values("variant") == variant] if len(agg) else agg
+        part = _of(agg, variant)
         if part.empty:
             results.append(VariantResult(variant, "no_data", reason=f"no {check.metric} rows for {variant} at the "
                                                                     "selected layers, phases and modes"))
             continue
         units = []
-        for key, value in part.items():
-            unit = dict(zip(UNIT_KEYS, key))
-            ref_key = tuple(unit[k] for k in ref_keys)
-            unit_floor = floor
+        for key, row in zip(part.index, part.itertuples(index=False)):
+            at = {POSITIONS: float(row.positions)}
             if shares is not None:
                 if key not in shares.index:
-                    raise UsageError(f"{run.dir}: no {rule.pick_share} rows for {variant} at layer {unit['layer']} "
-                                     f"{unit['phase']}: the run predates that metric, which the floor of check "
-                                     f"{check.name!r} reads; rerun it")
-                unit_floor = floor_expr.evaluate({**names, PICK_SHARE: float(shares[key])}, policy.file)
-            units.append(_evaluate_unit(check, unit, float(value), kind, factor, unit_floor, slack, baseline,
-                                        ref_values[YARDSTICK].get(ref_key),
-                                        ref_values[policy.base_variant].get(ref_key)))
+                    raise UsageError(f"{run.dir}: no {rule.pick_share} rows for {variant} at layer {key[3]} {key[4]}: "
+                                     f"the run predates that metric, which the floor of check {check.name!r} reads; "
+                                     "rerun it")
+                at[PICK_SHARE] = float(shares[key])
+            unit = _unit(check.scope, key, row)
+            refs_at = (refs[YARDSTICK].get(key[1:]), refs[policy.base_variant].get(key[1:]),
+                       None if twins is None else _value(twins, key))
+            units.append(_evaluate_unit(check, unit, bound, at, refs_at, baseline))
         units.sort(key=_unit_order)
         if check.bound is None and (baseline is None or all(u.baseline is None for u in units)):
             results.append(VariantResult(variant, "skipped", units, reason="baseline-only check and no baseline value"))
@@ -475,62 +579,101 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
         failed = any(not u.passed for u in units)
         status = ("warn" if check.severity == "warn" else "fail") if failed else "pass"
         results.append(VariantResult(variant, status, units))
-    return CheckResult(check, results, factor, floor, slack)
+    return result(results)
 
 
-def _check_rows(run: RunData, metric: str, check: Check, layers: Sequence[int]) -> pd.DataFrame:
-    """The rows of `metric` at the check's taps, modes, phases and layers."""
+def _aggregated(run: RunData, metric: str, check: Check, layers: Sequence[int], variants: set[str], how: str,
+                direction: str) -> pd.DataFrame:
+    """`metric`'s rows of `variants` at the check's taps, modes, phases and layers, aggregated per unit of the
+    check's scope."""
     m = run.rows_of(metric)
-    return m[m["tap"].isin(check.taps) & m["mode"].isin(check.modes) & m["phase"].isin(check.phases)
-             & m["layer"].isin(layers)]
+    rows = m[m["tap"].isin(check.taps) & m["mode"].isin(check.modes) & m["phase"].isin(check.phases)
+             & m["layer"].isin(layers) & m["variant"].isin(variants)]
+    return aggregate_units(scoped(loss_columns(rows, direction), check.scope), how, direction)
 
 
-def _pick_shares(run: RunData, check: Check, layers: Sequence[int]) -> pd.Series:
-    """Per unit, the count-weighted mean of the metric's pick share 1/|subset| over the unit's queries: the
-    recall loss of one pick lost at every query, the subset-recall analogue of 1/k for indexer.recall."""
-    shares = _check_rows(run, check.rule.pick_share, check, layers)
-    return aggregate_units(loss_columns(shares, "upper"), "mean", "upper")  # "upper": the value as it is
+def _of(agg: pd.DataFrame, variant: str) -> pd.DataFrame:
+    return agg[agg.index.get_level_values("variant") == variant]
 
 
-def _evaluate_unit(check: Check, unit: dict, value: float, kind: str | None, factor: float | None,
-                   floor: float | None, slack: float | None, baseline: Baseline | None,
-                   yard: float | None, base: float | None) -> Unit:
-    notes = []
-    if kind in ("yardstick", "base"):
-        if yard is None or not math.isfinite(yard):
-            notes.append(f"yardstick value {'missing' if yard is None else yard} at this unit: taken as 0")
-            yard_used = 0.0
-        else:
-            yard_used = max(yard, 0.0)
-    limit = None
-    quadratic = check.rule.order == 2  # bound √loss: the factor is on the error amplitude
+def _value(series: pd.Series, key: tuple) -> float | None:
+    return float(series[key]) if key in series.index else None
+
+
+def _unit(scope: str, key: tuple, row: Any) -> Unit:
+    """A unit's identity from its aggregated row: the group is None for the whole layer and phase (layer scope,
+    and the decode rows of chunk scope)."""
+    unit = dict(zip(UNIT_KEYS, key))
+    whole = scope == "layer" or (scope == "chunk" and unit["phase"] == "decode")
+    return Unit(unit["variant"], unit["mode"], unit["tap"], int(unit["layer"]), unit["phase"], float(row.loss),
+                None, True, scope=scope, group=None if whole else int(unit["group"]),
+                span=(int(row.start), int(row.end)), positions=int(row.positions))
+
+
+def _evaluate_unit(check: Check, unit: Unit, bound: _Bound, at: Mapping[str, float],
+                   refs: tuple[float | None, float | None, float | None], baseline: Baseline | None) -> Unit:
+    """Fill in the unit's limit and verdict from the bound and the yardstick's, base's and twin's losses there."""
+    kind, factor = bound.kind, bound.factor
+    yard, base, twin = refs
+    floor = bound.floor_at(at)
+
+    def used(name: str, value: float | None) -> float:
+        if value is None or not math.isfinite(value):
+            unit.notes.append(f"{name} value {'missing' if value is None else value} at this unit: taken as 0")
+            return 0.0
+        return max(value, 0.0)
+
     if kind == "absolute":
-        limit = factor
-    elif kind == "yardstick":
-        limit = (factor ** 2 if quadratic else factor) * yard_used + floor
-    elif kind == "base":
-        if base is None or not math.isfinite(base):
-            notes.append(f"base value {'missing' if base is None else base} at this unit: taken as 0")
-            base_used = 0.0
+        unit.limit = factor
+    elif kind in RELATIVE_KINDS:
+        # (coefficient, reference loss) of the bound's right-hand side R = Σ c·r; for metrics quadratic in the
+        # error amplitude the triangle inequality is on square roots: R = (Σ c·√r)²
+        if kind == "yardstick":
+            terms = [(factor, used("yardstick", yard))]
+        elif kind == "base":
+            terms = [(1.0, used("base", base)), (factor, used("yardstick", yard))]
         else:
-            base_used = max(base, 0.0)
-        if quadratic:
-            limit = (math.sqrt(base_used) + factor * math.sqrt(yard_used)) ** 2 + floor
+            terms = [(factor, used("twin", twin))]
+        if check.rule.order == 2:
+            relative = sum(c * math.sqrt(r) for c, r in terms) ** 2
         else:
-            limit = base_used + factor * yard_used + floor
-    passed = _within(value, limit) if limit is not None else True
-    bl = bl_limit = None
-    if slack is not None and baseline is not None:
-        bl = baseline.get(check.name, unit)
-        if bl is None:
-            notes.append("no baseline value at this unit")
+            relative = sum(c * r for c, r in terms)
+        n = bound.decisions_at(unit.positions, at)
+        if n is not None and n > 0:  # counted (module docstring)
+            allowed = allowed_count([(c, r * n) for c, r in terms], bound.poisson_z)
+            unit.decisions, unit.allowance = n, allowed / n - relative
+        unit.limit = relative + (unit.allowance or 0.0) + floor
+    unit.passed = _within(unit.value, unit.limit) if unit.limit is not None else True
+    if kind in ("yardstick", "base"):
+        unit.yardstick = yard
+    unit.base = base if kind == "base" else None
+    unit.twin = twin if kind == "twin" else None
+    if bound.slack is not None and baseline is not None:
+        unit.baseline = baseline.get(check.name, unit)
+        if unit.baseline is None:
+            unit.notes.append("no baseline value at this unit")
         else:
-            bl_limit = bl * (1 + slack) + (floor or 0.0)
-            passed = passed and _within(value, bl_limit)
-    return Unit(unit["variant"], unit["mode"], unit["tap"], int(unit["layer"]), unit["phase"], value, limit, passed,
-                yardstick=yard if kind in ("yardstick", "base") else None, base=base if kind == "base" else None,
-                floor=floor if kind in ("yardstick", "base") or bl is not None else None,
-                baseline=bl, baseline_limit=bl_limit, notes=notes)
+            unit.baseline_limit = unit.baseline * (1 + bound.slack) + (floor or 0.0)
+            unit.passed = unit.passed and _within(unit.value, unit.baseline_limit)
+    if kind in RELATIVE_KINDS or unit.baseline is not None:
+        unit.floor = floor
+    return unit
+
+
+ANSCOMBE = 3 / 8
+"""√(X + 3/8) of a Poisson count X has variance 1/4 + O(1/mean) whatever its mean, and little skew (Anscombe 1948)."""
+
+
+def allowed_count(references: Sequence[tuple[float, float]], z: float) -> float:
+    """The lost decisions a counted bound allows before its floor. `references`: (coefficient c, count n) of each
+    reference in the relative part (yardstick F, base 1, twin F), which allows A = Σ c·n. Every count is a
+    Poisson draw, so the variant may exceed A by z standard deviations of the difference, taken on the
+    square-root scale where they are nearly Gaussian: √(V + 3/8) ≤ √(Σ c·(n + 3/8)) + z·s with
+    s² = 1/4 + Σ c²·(n + 3/8) / (4·Σ c·(n + 3/8)) — the variant's 1/4 and the references' by the delta method.
+    Works on numpy arrays too (tests check its false-failure rate by sampling)."""
+    shifted = sum(c * (n + ANSCOMBE) for c, n in references)
+    spread2 = 0.25 + sum(c * c * (n + ANSCOMBE) for c, n in references) / (4 * shifted)
+    return (shifted ** 0.5 + z * spread2 ** 0.5) ** 2 - ANSCOMBE
 
 
 def _within(value: float, limit: float) -> bool:
@@ -584,9 +727,10 @@ def _ranges(values: list[int]) -> str:
 
 
 def observed_values(result: GateResult) -> Iterable[tuple[tuple, float]]:
-    """(check, variant, mode, tap, layer, phase) -> loss for every finite evaluated unit (what a baseline records)."""
+    """(check, variant, mode, tap, layer, phase, scope, group) -> loss for every finite evaluated unit (what a
+    baseline records)."""
     for c in result.checks:
         for v in c.variants:
             for u in v.units:
                 if math.isfinite(u.value):
-                    yield (c.check.name, u.variant, u.mode, u.tap, u.layer, u.phase), u.value
+                    yield (c.check.name, *u.key), u.value

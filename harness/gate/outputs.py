@@ -1,6 +1,6 @@
 """What the gate writes: a console table, gate.json (also in the run directory, for the report's verdict
 banner and colours), JUnit XML (one testcase per check × variant, one for the run's completeness) and a markdown
-summary for $GITHUB_STEP_SUMMARY.
+summary for $GITHUB_STEP_SUMMARY (which links the figures `dsv4-drift report --figures` left in RUN_DIR/figures).
 
 gate.json (format "dsv4-drift-gate/1"):
 
@@ -12,16 +12,22 @@ gate.json (format "dsv4-drift-gate/1"):
     counts:   {checks, testcases, pass, fail, warn, no_data, skipped, nonfinite}
     failures: one line per failure (NaN/Inf findings first), what the console and banner print
     nonfinite: the run's NaN/Inf findings, each with a `message`
-    checks:   [{name, description, metric, taps, layers, phases, modes, aggregate, direction, order, severity,
-                bound: {kind, expression, value} | null, floor, baseline_slack, bound_text, status,
-                variants: [{variant, status, reason, first_failure, worst,
-                            phases: {prefill|decode: {status, first_failing_layer, first_failure, worst}},
-                            units: [unit, …]}]}]
+    checks:   [{name, description, metric, taps, layers, phases, modes, scope, aggregate, direction, order,
+                severity, bound: {kind, expression, value} | null, floor, baseline_slack, poisson_z, bound_text,
+                status, variants: [{variant, status, reason, first_failure, worst,
+                                    phases: {prefill|decode: {status, first_failing_layer, first_failure, worst}},
+                                    units_total, units: [unit, …]}]}]
     notes
 
-A unit is {variant, mode, tap, layer, phase, value, limit, status, yardstick, base, floor, baseline,
-baseline_limit, notes}: value is the aggregated loss (1 − x for recalls), limit the policy bound there;
-NaN and infinities are written as the strings "nan", "inf".
+A unit is {variant, mode, tap, layer, phase, scope, group, span, positions, value, limit, status, yardstick, base,
+twin, floor, decisions, allowance, baseline, baseline_limit, notes}: value is the aggregated loss (1 − x for
+recalls), limit the policy bound there; group is the chunk, turn, decode step or bin's first position (null: the
+whole layer and phase), span the unit's positions [first, end); decisions (N) and allowance (the count noise allowed
+above the relative part) are set for counted bounds. NaN and infinities are written as the strings "nan", "inf".
+
+`units` holds every unit of a layer-scope check. A group scope has up to one unit per bin (a 27K-token run:
+~10⁴ per check and variant), so for it `units` keeps the failing units and, per (mode, tap, layer, phase), the
+group nearest its limit — the report's per-layer cell is that worst ratio either way; `units_total` counts all.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from harness.gate.evaluate import (CheckResult, GateResult, Unit, VariantResult, _fmt, _num, explain_limit,
                                nonfinite_message)
@@ -38,6 +45,10 @@ from harness.gate.evaluate import (CheckResult, GateResult, Unit, VariantResult,
 GATE_FORMAT = "dsv4-drift-gate/1"
 STATUS_STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "no_data": "dim", "skipped": "dim"}
 STATUS_MARK = {"pass": "✅ pass", "fail": "❌ FAIL", "warn": "⚠️ warn", "no_data": "➖ no data", "skipped": "⏭️ skipped"}
+FIGURES_DIR = "figures"
+"""RUN_DIR/figures: where `dsv4-drift report RUN_DIR --figures` writes its PNG and SVG figures by default. The
+markdown summary links the ones it finds there by file name (the gate reads numbers, never pages: it does not
+import harness.report)."""
 
 
 def _layers_text(layers: tuple) -> list[Any]:
@@ -70,16 +81,19 @@ def to_dict(result: GateResult) -> dict[str, Any]:
                 first = v.first_failure(phase)
                 phases[phase] = {"status": v.phase_status(phase), "first_failing_layer": first.layer if first else None,
                                  "first_failure": _unit(first), "worst": _unit(v.worst(phase))}
+            units = v.units if ch.scope == "layer" else _kept_units(v.units)
             variants.append({"variant": v.variant, "status": v.status, "reason": v.reason,
                              "first_failure": _unit(v.first_failure()), "worst": _unit(v.worst()), "phases": phases,
-                             "units": [u.to_dict() for u in v.units]})
+                             "units_total": len(v.units), "units": [u.to_dict() for u in units]})
         checks.append({
             "name": ch.name, "description": ch.description, "metric": ch.metric, "taps": list(ch.taps),
             "layers": _layers_text(ch.layers), "phases": list(ch.phases), "modes": list(ch.modes),
-            "aggregate": ch.aggregate, "direction": ch.direction, "order": ch.rule.order, "severity": ch.severity,
+            "scope": ch.scope, "aggregate": ch.aggregate, "direction": ch.direction, "order": ch.rule.order,
+            "severity": ch.severity,
             "bound": {"kind": ch.bound.kind, "expression": ch.bound.value.text, "value": _num(c.factor)}
             if ch.bound else None,
-            "floor": _num(c.floor), "baseline_slack": _num(c.slack), "bound_text": ch.bound_text(),
+            "floor": _num(c.floor), "baseline_slack": _num(c.slack), "poisson_z": _num(c.poisson_z),
+            "bound_text": ch.bound_text(poisson_z=_fmt(c.poisson_z) if c.poisson_z is not None else "z"),
             "status": c.status, "variants": variants})
     return {
         "format": GATE_FORMAT, "verdict": result.verdict, "exit_code": result.exit_code, "created": result.created,
@@ -95,6 +109,18 @@ def to_dict(result: GateResult) -> dict[str, Any]:
         "checks": checks,
         "notes": result.notes,
     }
+
+
+def _kept_units(units: list[Unit]) -> list[Unit]:
+    """A group scope's units worth writing: the failing ones and, per (mode, tap, layer, phase), the group
+    nearest its limit (module docstring)."""
+    worst: dict[tuple, Unit] = {}
+    for u in units:
+        cell = (u.mode, u.tap, u.layer, u.phase)
+        if cell not in worst or u.rank > worst[cell].rank:
+            worst[cell] = u
+    kept = {id(u) for u in worst.values()} | {id(u) for u in units if not u.passed}
+    return [u for u in units if id(u) in kept]
 
 
 def write_json(result: GateResult, path: str | Path) -> Path:
@@ -122,10 +148,16 @@ def _rows(result: GateResult) -> list[dict[str, str]]:
                 first = v.first_failure(phase)
                 rows.append({"check": c.check.name, "metric": c.check.metric, "variant": v.variant, "phase": phase,
                              "status": v.phase_status(phase),
-                             "first": (f"{first.layer}" + (f" ({first.mode}, {first.tap})" if first.mode != "global"
-                                                           or len(c.check.taps) > 1 else "")) if first else "—",
+                             "first": _first_text(first, len(c.check.taps) > 1) if first else "—",
                              "worst": _worst_text(v.worst(phase))})
     return rows
+
+
+def _first_text(u: Unit, many_taps: bool) -> str:
+    """`4`, `4 chunk 1`, `4 step 3 (local, attn.out)`: the first failing layer, its group, and the mode and tap
+    when they are not obvious."""
+    group = f" {u.group_text}" if u.group_text else ""
+    return f"{u.layer}{group}" + (f" ({u.mode}, {u.tap})" if u.mode != "global" or many_taps else "")
 
 
 def _worst_text(u: Unit | None) -> str:
@@ -133,9 +165,11 @@ def _worst_text(u: Unit | None) -> str:
     if u is None:
         return "—"
     op = "≤" if u.passed else ">"
-    terms = [f"{name} {_fmt(x)}" for name, x in (("base", u.base), ("yd", u.yardstick), ("baseline", u.baseline))
-             if x is not None]
-    return f"{_fmt(u.value)} {op} {_fmt(u.effective_limit)} at L{u.layer}" + (f" ({', '.join(terms)})" if terms else "")
+    terms = [f"{name} {_fmt(x)}" for name, x in (("base", u.base), ("yd", u.yardstick), ("twin", u.twin),
+                                                  ("baseline", u.baseline)) if x is not None]
+    group = f" {u.group_text}" if u.group_text else ""
+    return (f"{_fmt(u.value)} {op} {_fmt(u.effective_limit)} at L{u.layer}{group}"
+            + (f" ({', '.join(terms)})" if terms else ""))
 
 
 def console_table(result: GateResult):
@@ -223,9 +257,25 @@ def markdown(result: GateResult) -> str:
         lines += ["#### Failing checks", ""] + header + [row(r) for r in failing] + [""]
     lines += [f"<details><summary>All checks ({len(rows)} rows)</summary>", ""] + header + [row(r) for r in rows]
     lines += ["", "</details>", ""]
+    figures = figure_links(run.dir)
+    if figures:
+        lines += ["#### Figures", "", f"In `{_md(run.dir)}` (links relative to it):", ""] + figures + [""]
     for note in result.notes:
         lines.append(f"> note: {_md(note)}")
     return "\n".join(lines) + "\n"
+
+
+def figure_links(run_dir: Path) -> list[str]:
+    """A markdown list item per RUN_DIR/figures/*.png, linked relative to the run directory, with its SVG
+    beside it where there is one."""
+    items = []
+    for png in sorted((Path(run_dir) / FIGURES_DIR).glob("*.png")):
+        name = _md(png.stem).replace("[", "\\[").replace("]", "\\]")
+        item = f"- [{name}]({quote(f'{FIGURES_DIR}/{png.name}')})"
+        if png.with_suffix(".svg").is_file():
+            item += f" ([SVG]({quote(f'{FIGURES_DIR}/{png.stem}.svg')}))"
+        items.append(item)
+    return items
 
 
 # --------------------------------------------------------------------------- JUnit XML

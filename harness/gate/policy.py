@@ -1,15 +1,17 @@
 """Gate policies: which drift metric, where, aggregated how, bounded by what (DESIGN §5) — a policy is data.
 
 A policy is a YAML file with a list of checks. Each check names one metric of harness.run.metrics, the
-layers, phases, modes and variants it covers, how the bins of one layer and phase are aggregated, and a
-bound. Checks are evaluated per (variant, mode, tap, layer, phase) — a *unit* — so the gate can name the
-first layer where a check fails (harness.gate.evaluate). The models below describe the file; their field
+layers, phases, modes and variants it covers, its scope (the whole layer, or each prefill chunk, turn, decode
+step or position bin of it), how the bins of one group are aggregated, and a bound. Checks are evaluated per
+(variant, mode, tap, layer, phase, group) — a *unit* — so the gate can name the first layer, and the chunk,
+turn, step or bin, where a check fails (harness.gate.evaluate). The models below describe the file; their field
 descriptions are its documentation and land in the JSON Schema (`dsv4-drift gate --schema`, shipped as
 policies/policy.schema.json). Problems are reported as `file:line: field: problem` (harness.scenario.validation).
 
 Numbers (bound factors, floors, slack) may be arithmetic expressions over numbers and the run's model
 config fields, e.g. `2**-4 / 2**-8` or `1/index_topk`, evaluated against each run's config (`Expr.evaluate`):
-the same policy holds for every model size.
+the same policy holds for every model size. Floors may also read the unit's `positions` (and, for subset
+recalls, `pick_share`), so a discrete floor is one decision of what the unit holds.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ PHASES = ("prefill", "decode")
 MODES = ("global", "local", "forced")
 SEVERITIES = ("error", "warn")
 LAYER_SELECTORS = ("all", "swa", "csa", "hca", "hash", "learned", "logits")
-BOUND_KINDS = ("absolute", "yardstick", "base")
+BOUND_KINDS = ("absolute", "yardstick", "base", "twin")
+RELATIVE_KINDS = ("yardstick", "base", "twin")
+SCOPES = ("layer", "chunk", "turn", "step", "bin")
 LAYER_RANGE = r"\s*(\d+)\s*-\s*(\d+)\s*"  # "2-10": layers 2 to 10, both included
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -60,8 +64,8 @@ def _known_metric(metric: str) -> str:
 
 def _gateable(metric: str) -> str:
     if not METRICS[metric].gateable:
-        raise problem(f"{metric} is a measurement, not a drift (it is the same kind of number for the reference and "
-                      "the variant); gate a recall or an error metric instead")
+        raise problem(f"{metric} is a measurement, not a drift (one side's value, a pick share or a benign twin's "
+                      "noise, which the gate reads beside a drift); gate a recall or an error metric instead")
     return metric
 
 
@@ -113,6 +117,8 @@ class Bound(Model):
     yardstick: ExprValue | None = Field(None, description="loss ≤ F × yardstick loss (same layer, phase, mode, tap) "
                                                           "+ floor")
     base: ExprValue | None = Field(None, description="loss ≤ base loss + F × yardstick loss + floor")
+    twin: ExprValue | None = Field(None, description="fp32 decision sites: loss ≤ F × the same variant's benign-twin "
+                                                     "loss at the same unit + floor")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Bound:
@@ -156,10 +162,16 @@ class Check(Model):
     variants: _one_or_many(Annotated[Str, Field(min_length=1)]) | None = Field(
         None, description="[every variant but the yardstick (and but base_variant for base: bounds)] names or shell "
                           "globs")
+    scope: Literal[SCOPES] | None = Field(
+        None, description="[layer] the group one unit aggregates: layer (all its positions in the phase), chunk "
+                          "(each prefill chunk; decode rows are one group), turn (each scenario turn), step (each "
+                          "decode step; prefill rows are not in this scope), bin (each position bin). The "
+                          "yardstick's, base's and twin's values are aggregated over the same group")
     aggregate: Literal[AGGREGATES] | None = Field(
-        None, description="[max] over the bins of one layer and phase, taken on the loss (larger = worse): max (the "
-                          "worst position for error metrics, the worst bin for higher-is-better ones), p99 (of the "
-                          "bins), mean (count-weighted), min")
+        None, description="[max; mean for discrete metrics] over the bins of one group, taken on the loss (larger = "
+                          "worse): max (the worst position for error metrics, the worst bin for higher-is-better "
+                          "ones), p99 (of the bins), mean (count-weighted), min. A discrete metric (picks, experts, "
+                          "answers) is bounded relatively as a count of lost decisions, which needs mean")
     direction: Literal["upper", "lower"] | None = Field(
         None, description="[inferred] upper (an error: larger is worse) | lower (a recall or agreement: smaller is "
                           "worse; bounded as the loss 1 − x); must match the metric")
@@ -185,6 +197,10 @@ class Check(Model):
             better = "higher" if rule.policy_direction == "lower" else "lower"
             raise problem(f"{self.metric} is {better}-is-better, so its direction is {rule.policy_direction!r}, not "
                           f"{self.direction!r}", at=("direction",))
+        if self.bound is not None and self.bound.kind == "twin" and rule.twin is None:
+            with_twin = [m for m, r in METRICS.items() if r.twin]
+            raise problem(f"{self.metric} has no benign twin (twin bounds apply to the fp32 decision sites: "
+                          f"{', '.join(with_twin)})", at=("bound", "twin"))
         return self
 
     @property
@@ -209,17 +225,25 @@ class Check(Model):
     def baseline_slack(self) -> Expr | None:
         return self.baseline.slack if self.baseline is not None else None
 
-    def bound_text(self, with_baseline: bool = True) -> str:
-        """The bound as one line, e.g. `≤ 16×yardstick + floor`."""
+    @property
+    def counted(self) -> bool:
+        """Bounded as a count of lost decisions: a relative bound on a discrete metric (harness.gate.evaluate)."""
+        return self.rule.discrete and self.bound is not None and self.bound.kind in RELATIVE_KINDS
+
+    def bound_text(self, with_baseline: bool = True, poisson_z: str = "z") -> str:
+        """The bound as one line, e.g. `≤ 16×yardstick + floor`; a counted bound adds the noise of its counts,
+        `count noise (z = 4)` (harness.gate.evaluate.allowed_count)."""
         parts = []
         if self.bound is not None:
             v = self.bound.value.text
             if self.rule.order == 2:
-                parts.append({"absolute": f"≤ {v}", "yardstick": f"≤ ({v})²×yardstick + floor",
-                              "base": f"≤ (√base + ({v})×√yardstick)² + floor"}[self.bound.kind])
+                text = {"absolute": f"≤ {v}", "yardstick": f"≤ ({v})²×yardstick + floor",
+                        "base": f"≤ (√base + ({v})×√yardstick)² + floor"}[self.bound.kind]
             else:
-                parts.append({"absolute": f"≤ {v}", "yardstick": f"≤ {v}×yardstick + floor",
-                              "base": f"≤ base + {v}×yardstick + floor"}[self.bound.kind])
+                text = {"absolute": f"≤ {v}", "yardstick": f"≤ {v}×yardstick + floor",
+                        "base": f"≤ base + {v}×yardstick + floor", "twin": f"≤ {v}×twin + floor"}[self.bound.kind]
+            parts.append(text.replace(" + floor", f" + count noise (z = {poisson_z}) + floor") if self.counted
+                         else text)
         if self.baseline_slack is not None and with_baseline:
             parts.append(f"≤ baseline×(1+{self.baseline_slack.text}) + floor")
         return "; ".join(parts)
@@ -246,8 +270,14 @@ class Policy(FileModel):
     description: Str = ""
     base_variant: Str = Field("base", description="the variant `base:` bounds are relative to (the stock engine)")
     floors: dict[MetricName, ExprValue] = Field(
-        {}, description="metric → rounding floor, overriding the metric's built-in floor; subset recalls may also use "
-                        "`pick_share`")
+        {}, description="metric → rounding floor, overriding the metric's built-in floor; expressions may use the "
+                        "unit's `positions` and, for subset recalls, `pick_share`")
+    poisson_z: ExprValue = Field(
+        Expr("4"), json_schema_extra={"default": 4},
+        description="[4] counted bounds (relative bounds on discrete metrics) allow the lost decisions A of a unit's "
+                    "N that their relative part allows, plus z standard deviations of the Poisson noise of the "
+                    "variant's count and of the counts A is built from (harness.gate.evaluate.allowed_count), plus "
+                    "the floor")
     defaults: CheckDefaults = Field(default_factory=CheckDefaults)
     checks: tuple[Check, ...] = Field(min_length=1)
     _sha256: str = PrivateAttr("")
@@ -262,6 +292,7 @@ class Policy(FileModel):
                 raise problem(f"duplicate check name {name!r}", at=("checks", index, "name"),
                               first=("checks", names.index(name)))
         self.floors = {metric: expr.at(f"floors.{metric}", self.line_of) for metric, expr in self.floors.items()}
+        self.poisson_z = self.poisson_z.at("poisson_z", self.line_of)
         self.checks = tuple(self._resolved(check, index) for index, check in enumerate(self.checks))
         return self
 
@@ -283,10 +314,21 @@ class Policy(FileModel):
         bound = check.bound
         if bound is not None:
             bound = bound.model_copy(update={bound.kind: bound.value.at(f"{path}.bound.{bound.kind}", self.line_of)})
+        phases = given("phases")[0] or PHASES
+        scope = check.scope or "layer"
+        if scope == "step" and "decode" not in phases:
+            raise problem("scope step groups decode steps, and this check's phases have none (add decode)",
+                          at=("checks", index, "scope"))
+        aggregate, aggregate_at = given("aggregate")
+        aggregate = aggregate or ("mean" if check.rule.discrete else "max")
+        if check.rule.discrete and bound is not None and bound.kind in RELATIVE_KINDS and aggregate != "mean":
+            raise problem(f"{check.metric} is discrete: a relative bound counts the decisions a unit lost, which needs "
+                          f"aggregate: mean (got {aggregate!r}); for the worst group use scope: bin, step, chunk or "
+                          "turn", at=("checks", index, "aggregate") if aggregate_at == path else ("defaults",
+                                                                                                 "aggregate"))
         resolved = check.model_copy(update=dict(
-            taps=check.taps or check.rule.taps, layers=given("layers")[0] or ("all",),
-            phases=given("phases")[0] or PHASES, modes=given("modes")[0] or ("global",),
-            variants=given("variants")[0], aggregate=given("aggregate")[0] or "max",
+            taps=check.taps or check.rule.taps, layers=given("layers")[0] or ("all",), phases=phases, scope=scope,
+            modes=given("modes")[0] or ("global",), variants=given("variants")[0], aggregate=aggregate,
             severity=given("severity")[0] or "error", direction=check.rule.policy_direction, bound=bound,
             floor=check.floor.at(f"{path}.floor", self.line_of) if check.floor else None, baseline=baseline))
         resolved._line, resolved._index = self.line_of(path), index
@@ -307,7 +349,7 @@ class Policy(FileModel):
 
     def variants_for(self, check: Check, run_variants: Sequence[str]) -> list[str]:
         """The run's variants a check covers, in run order."""
-        candidates = [v for v in run_variants if v != YARDSTICK]
+        candidates = [v for v in run_variants if v != YARDSTICK]  # the yardstick has no fp32 sites, so no twin
         if check.bound is not None and check.bound.kind == "base":
             candidates = [v for v in candidates if v != self.base_variant]
         if check.variants is None:

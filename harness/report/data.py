@@ -94,6 +94,22 @@ def metric_info(metric: str) -> MetricInfo:
     return MetricInfo(metric.split(".")[0], metric, "lower", "log")
 
 
+def badness(metric: str, value: float) -> float | None:
+    """The metric as an error (0 = perfect, larger = worse), as the page's heatmap draws it: 1 − v for
+    recall-like metrics, the amplitude noise ratio 10^(−dB/20) for SQNR, None for neutral ones. A magnitude, not a
+    verdict: pass/fail colours come from the gate only."""
+    better = metric_info(metric).better
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if better == "lower":
+        return abs(value) if metric.endswith((".bias", "_delta")) else value
+    if better == "higher":
+        return 1.0 - value
+    if better == "sqnr":
+        return 10.0 ** (-value / 20.0)
+    return None
+
+
 # ----------------------------------------------------------------------------------------------
 # number encoding
 # ----------------------------------------------------------------------------------------------
@@ -152,6 +168,27 @@ def pack_row(values: np.ndarray, present: np.ndarray) -> list[Any] | None:
             t = (f - lo) / (hi - lo) if hi > lo else np.zeros_like(f)
         codes[finite] = np.rint(np.clip(t, 0, 1) * (CODE_LEVELS - 1)).astype(np.int64)
     return [num_exact(lo), num_exact(hi), int(use_log), "".join(_PAIRS[codes].tolist())]
+
+
+def unpack_row(row: list[Any] | None, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """pack_row's inverse, read as the page's unpackRow reads it: (values, measured). values holds a float per
+    bin (NaN where missing, NaN and ±inf as measured); measured is False where the bin has no value, so a
+    measured NaN can be told from a gap. An empty row (None) is all missing."""
+    values, measured = np.full(n_bins, np.nan), np.zeros(n_bins, bool)
+    if row is None:
+        return values, measured
+    lo, hi, use_log, chars = row
+    index = {c: i for i, c in enumerate(CODE_ALPHABET)}
+    codes = np.array([index[a] * len(CODE_ALPHABET) + index[b] for a, b in zip(chars[0::2], chars[1::2])],
+                     dtype=np.int64)[:n_bins]
+    t = np.minimum(codes, CODE_LEVELS - 1) / (CODE_LEVELS - 1)
+    decoded = np.exp(np.log(lo) + t * (np.log(hi) - np.log(lo))) if use_log else lo + t * (hi - lo)
+    decoded[codes == CODE_POS_INF] = np.inf
+    decoded[codes == CODE_NEG_INF] = -np.inf
+    decoded[(codes == CODE_NAN) | (codes == CODE_MISSING)] = np.nan
+    values[:len(codes)] = decoded
+    measured[:len(codes)] = codes != CODE_MISSING
+    return values, measured
 
 
 def num_exact(x: float) -> float | int:
