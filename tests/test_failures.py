@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -442,18 +443,33 @@ BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 BROWSER = os.environ.get("CHROMIUM") or next((b for b in map(shutil.which, BROWSERS) if b), None)
 
 
-def summary_cells(page: Path, tmp: Path) -> list[tuple[str, str, str, str]]:
-    """(variant, phase, class, data-gated) of every gated cell of the drawn summary table (headless Chromium)."""
+SUMMARY_COLUMNS = {"stream rel L2": ("streams.rel_l2", "layer.out"), "attention TV": ("attn.tv", "attn.probs"),
+                   "indexer recall": ("indexer.recall", "indexer.selected"),
+                   "mass recall": ("indexer.mass_recall", "attn.probs"),
+                   "needle recall": ("ctx.needle_recall", "indexer.selected"),
+                   "expert flip rate": ("moe.flip_rate", "moe.router"), "logits KL": ("logits.kl", "logits"),
+                   "top-1 agree": ("logits.top1_agree", "logits")}
+"""The summary's columns (their headers on the page) and the metric and tap each shows."""
+
+
+def summary_cells(page: Path, tmp: Path) -> list[dict[str, str]]:
+    """Every value cell of the drawn summary table (headless Chromium): variant, phase, column header, class,
+    data-gated (pass/fail, or None where the gate did not judge it) and text."""
     dom = subprocess.run([BROWSER, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp}",
                           "--virtual-time-budget=15000", "--dump-dom", page.as_uri()],
                          capture_output=True, text=True, timeout=180).stdout
     assert 'data-rendered="ok"' in dom
     table = dom[dom.index('id="summary-table"'):]
     table = table[:table.index("</table>")]
+    rows = re.findall(r"<tr>(.*?)</tr>", table)
+    headers = re.findall(r"<th[^>]*>([^<]*)</th>", rows[0])[2:]
     cells = []
-    for row in re.findall(r"<tr>(.*?)</tr>", table)[1:]:
+    for row in rows[1:]:
         variant, phase = re.findall(r'<td class="left">(?:<span[^>]*>)?([^<]*)', row)[:2]
-        cells += [(variant, phase, cls, gated) for cls, gated in re.findall(r'<td class="([^"]*)" data-gated="(\w+)"', row)]
+        values = [m for m in re.findall(r'<td class="([^"]*)"(?: data-gated="(\w+)")?[^>]*>([^<]*)</td>', row)
+                  if m[0] != "left"]
+        cells += [{"variant": variant, "phase": phase, "column": header, "class": cls, "gated": gated or None,
+                   "text": text} for header, (cls, gated, text) in zip(headers, values)]
     return cells
 
 
@@ -466,22 +482,38 @@ def test_a_stock_engine_the_policy_passes_is_not_painted_red(tmp_path):
     assert main(["gate", str(run), "--policy", str(policy), "--quiet"]) == 0
     assert main(["report", str(run)]) == 0
     cells = summary_cells(run / "report.html", tmp_path / "profile")
-    base = [c for c in cells if c[0] == "base"]
-    assert base and all(gated == "pass" and "bad" not in cls for _, _, cls, gated in base), base
+    base = [c for c in cells if c["variant"] == "base" and c["gated"]]
+    assert base and all(c["gated"] == "pass" and "bad" not in c["class"] for c in base), base
 
 
 @pytest.mark.skipif(BROWSER is None, reason="headless Chromium not installed")
 def test_the_drawn_summary_agrees_with_the_gate(nan_run, tmp_path):
+    """Each gated summary cell shows the layer the gate holds closest to its limit, the metric there as the gate
+    aggregated it (its unit's loss; 1 − loss for recalls and agreement) and is red exactly when that unit failed."""
     out, _, _ = nan_run
     gate = json.loads((out / "gate.json").read_text())
-    failed = {(u["variant"], u["phase"], c["metric"]) for c in gate["checks"] for v in c["variants"] for u in v["units"]
-              if u["status"] == "fail" and u["mode"] == "global"}
-    cells = summary_cells(out / "report.html", tmp_path / "profile")
-    assert cells
-    for variant, phase, cls, gated in cells:
-        assert (gated == "fail") == ("bad" in cls), (variant, phase, cls, gated)
-    red = {(v, p) for v, p, _, g in cells if g == "fail"}
-    assert red <= {(v, p) for v, p, _ in failed}, "red only where the gate failed a unit"
+    worst: dict[tuple, tuple[float, int, float, str]] = {}  # (metric, tap, variant, phase) -> ratio, layer, loss
+    for check in gate["checks"]:
+        for variant in check["variants"]:
+            for u in variant["units"]:
+                if u["mode"] != "global" or u["value"] in (None, "nan") or u["limit"] in (None, "inf"):
+                    continue
+                limit = min(x for x in (u["limit"], u["baseline_limit"]) if isinstance(x, (int, float)))
+                ratio = u["value"] / limit if limit > 0 else (math.inf if u["value"] > 0 else 0.0)
+                key = (check["metric"], u["tap"], u["variant"], u["phase"])
+                if key not in worst or ratio > worst[key][0] or (ratio == worst[key][0] and u["layer"] < worst[key][1]):
+                    worst[key] = (ratio, u["layer"], u["value"], u["status"])
+    cells = [c for c in summary_cells(out / "report.html", tmp_path / "profile") if c["gated"]]
+    assert len(cells) >= 8
+    n_layers = RunStore(out).read_manifest()["model"]["config"]["num_hidden_layers"]
+    for c in cells:
+        metric, tap = SUMMARY_COLUMNS[c["column"]]
+        ratio, layer, loss, status = worst[(metric, tap, c["variant"], c["phase"])]
+        text, where = c["text"].split(" @")
+        assert where == ("logits" if layer == n_layers else f"L{layer}"), (c, layer)
+        shown = 1 - loss if metric.endswith(("recall", "agree")) else loss
+        assert float(text) == pytest.approx(shown, rel=2e-3, abs=1e-3), (c, shown)
+        assert (c["gated"] == "fail") == (ratio > 1) == ("bad" in c["class"]), (c, ratio, status)
 
 
 def test_gate_redraws_the_report_of_the_run_directory(tmp_path, capsys):
