@@ -1,8 +1,12 @@
 """Patches: switchable overrides of the engine's named ops, built in or loaded from user plugins.
 
-A patch has an id, the phases it touches, a one-line description, default options and, per op name,
-an implementation `fn(ctx, **inputs)`. Inside, `ctx.base(**inputs)` runs whatever the patch replaced
-(the stock engine op, or an earlier patch), so a plugin can wrap an op as easily as replace it.
+A patch has an id, the phases it touches, a one-line description, default options (with the values each
+accepts) and, per op name, an implementation `fn(ctx, **inputs)`. Inside, `ctx.base(**inputs)` runs whatever
+the patch replaced (the stock engine op, or an earlier patch), so a plugin can wrap an op as easily as replace it.
+
+Order rule: patches stack in the order they are listed, each later one on top of the earlier ones. A later
+patch whose op never calls `ctx.base` replaces everything beneath it on that op, so an earlier patch there
+never runs; `shadowed_patches` finds such pairs before any compute, and run/attribute/forward print them.
 
     from optimized.patching import Patch
 
@@ -25,6 +29,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import CodeType, FunctionType
 from typing import Any, Callable
 
 from optimized.op_specs import OP_SPECS
@@ -46,6 +51,10 @@ class Patch:
     phases: tuple[str, ...]
     description: str
     defaults: dict[str, Any] = field(default_factory=dict)
+    choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    """Per option, the values it accepts: literal values, types (`float` admits integers) and `range`s of
+    integers. An option without an entry accepts values of its default's type (bool, int, float or str), so a
+    bad value is refused when the patch is chosen, before any compute, rather than layers into a run."""
     spec: str = ""  # the spec section it implements (optimized-stack §…)
     source: str = "built-in"
     ops: dict[str, Callable[..., Any]] = field(default_factory=dict)
@@ -59,6 +68,13 @@ class Patch:
             raise PatchError(f"patch id must be a non-empty string, got {self.id!r}")
         if bad or not self.phases:
             raise PatchError(f"patch '{self.id}': phases must be a non-empty subset of {PHASES}, got {self.phases}")
+        undeclared = sorted(set(self.choices) - set(self.defaults))
+        if undeclared:
+            raise PatchError(f"patch '{self.id}': choices for option(s) {undeclared} that have no default")
+        for name, default in self.defaults.items():
+            problem = self.option_problem(name, default)
+            if problem:
+                raise PatchError(f"patch '{self.id}': the default {problem}")
 
     def op(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator registering `fn(ctx, **inputs)` as this patch's implementation of op `name`."""
@@ -71,15 +87,63 @@ class Patch:
 
         return register
 
+    def option_problem(self, name: str, value: Any) -> str | None:
+        """None when option `name` (a declared one) accepts `value`, else what is wrong, e.g.
+        `option dot_precision='fp99' is not one of 'bf16', 'fp32', 'tf32'`."""
+        accepted = self.choices.get(name) or _type_of(self.defaults[name])
+        if not accepted or any(_accepts(choice, value) for choice in accepted):
+            return None
+        return f"option {name}={value!r} is not {_describe_choices(accepted)}"
+
     def resolve_options(self, given: dict[str, Any] | None) -> dict[str, Any]:
+        """The defaults overridden by `given`; unknown options and values outside an option's choices raise."""
         given = dict(given or {})
         unknown = sorted(set(given) - set(self.defaults))
         if unknown:
             raise PatchError(f"patch '{self.id}': unknown option(s) {unknown}; options: {sorted(self.defaults) or 'none'}")
+        problems = [p for p in (self.option_problem(k, v) for k, v in given.items()) if p]
+        if problems:
+            raise PatchError(f"patch '{self.id}': " + "; ".join(problems))
         return {**self.defaults, **given}
 
     def active_phases(self, options: dict[str, Any]) -> tuple[str, ...]:
         return self.phases_for(options) if self.phases_for else self.phases
+
+
+def _type_of(default: Any) -> tuple[type, ...]:
+    """The values an option accepts when it declares no choices: its default's type (none for a None default)."""
+    for kind in (bool, int, float, str):
+        if isinstance(default, kind):
+            return (kind,)
+    return ()
+
+
+def _accepts(choice: Any, value: Any) -> bool:
+    """One entry of an option's choices: a type (bool is not a number; float admits int), a range of integers,
+    or a literal value of the same type (so True is not 1)."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(choice, type):
+        if choice is float:
+            return is_int or isinstance(value, float)
+        if choice is int:
+            return is_int
+        return isinstance(value, choice)
+    if isinstance(choice, range):
+        return is_int and value in choice
+    return type(value) is type(choice) and value == choice
+
+
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _describe_choices(accepted: tuple[Any, ...]) -> str:
+    """`one of 'bf16', 'fp32', 'tf32'`, `'-inf' or a number`, `an integer from 1 to 4096`."""
+    words = [_TYPE_WORDS.get(c, f"a {c.__name__}") if isinstance(c, type)
+             else f"an integer from {c.start} to {c.stop - 1}" if isinstance(c, range) else repr(c) for c in accepted]
+    literals = [c for c in accepted if not isinstance(c, (type, range))]
+    if len(literals) == len(accepted) and len(accepted) > 1:
+        return "one of " + ", ".join(words)
+    return " or ".join(words) if len(words) <= 2 else ", ".join(words[:-1]) + " or " + words[-1]
 
 
 @dataclass(frozen=True)
@@ -96,6 +160,66 @@ class PatchChoice:
     def label(self) -> str:
         changed = {k: v for k, v in self.options.items() if self.patch.defaults.get(k) != v}
         return self.id + ("" if not changed else "{" + ",".join(f"{k}={v}" for k, v in sorted(changed.items())) + "}")
+
+
+@dataclass(frozen=True)
+class Shadowing:
+    """Patch `hidden` never runs on `op` in `phases`: `by`, listed after it, replaces the op without `ctx.base`."""
+
+    op: str
+    hidden: str
+    by: str
+    phases: tuple[str, ...]
+
+    def message(self) -> str:
+        return (f"patch '{self.by}' replaces op '{self.op}' without calling ctx.base, so '{self.hidden}' (listed "
+                f"before it) never runs on that op in {' and '.join(self.phases)}; later patches wrap earlier "
+                f"ones: list '{self.hidden}' after '{self.by}' to wrap it")
+
+
+def may_call_base(fn: Callable[..., Any]) -> bool:
+    """Whether an op implementation can reach `ctx.base`, read statically: code that never names `base` (as an
+    attribute, a global or a string constant) cannot call it. Nested functions, closures and functions of the
+    implementation's own module that it names are read too; a callable without Python code counts as calling it."""
+    functions: list[Any] = [fn]
+    seen: set[CodeType] = set()
+    while functions:
+        f = functions.pop()
+        if not isinstance(getattr(f, "__code__", None), CodeType):
+            return True
+        codes = [f.__code__]
+        while codes:
+            code = codes.pop()
+            if code in seen:
+                continue
+            seen.add(code)
+            if "base" in code.co_names or "base" in code.co_consts:
+                return True
+            codes += [c for c in code.co_consts if isinstance(c, CodeType)]
+            named = (f.__globals__.get(n) for n in code.co_names)
+            functions += [g for g in named if isinstance(g, FunctionType) and g.__module__ == f.__module__]
+        for cell in f.__closure__ or ():
+            try:
+                if isinstance(cell.cell_contents, FunctionType):
+                    functions.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+    return False
+
+
+def shadowed_patches(choices: list[PatchChoice]) -> list[Shadowing]:
+    """Every patch of a variant that never runs on some op because a later one replaces that op without calling
+    `ctx.base` (the order rule: each patch wraps the ones listed before it), per op, in the phases both are on."""
+    found: dict[tuple[str, str, str], list[str]] = {}
+    for phase in PHASES:
+        active = [c for c in choices if phase in c.patch.active_phases(c.options)]
+        for op in OP_SPECS:
+            chain = [c for c in active if op in c.patch.ops]
+            for i, lower in enumerate(chain):
+                replacer = next((c for c in chain[i + 1:] if not may_call_base(c.patch.ops[op])), None)
+                if replacer is not None:
+                    found.setdefault((op, lower.id, replacer.id), []).append(phase)
+    return [Shadowing(op, hidden, by, tuple(phases)) for (op, hidden, by), phases in found.items()]
 
 
 class PatchRegistry:

@@ -62,11 +62,11 @@ def rows_for(metric: str, per_variant: dict[str, list[float]], phases=("prefill"
 
 
 def make_run(run_dir: Path, rows: list[dict], variants=("base", "patched"), yardstick: bool = True,
-             findings: list[dict] | None = None, policy: str = "default") -> Path:
-    """A run directory as `dsv4-drift run` writes it, holding only `rows`."""
+             findings: list[dict] | None = None, policy: str = "default", status: str = "complete") -> Path:
+    """A run directory as `dsv4-drift run` writes it, holding only `rows` (`status`: how far the run got)."""
     store = RunStore(run_dir)
     store.create({
-        "format": "dsv4-drift-run/1", "status": "complete", "scenario": {"name": "synthetic", "file": "<test>"},
+        "format": "dsv4-drift-run/1", "status": status, "scenario": {"name": "synthetic", "file": "<test>"},
         "model": {"config": CONFIG}, "layers_total": CONFIG["num_hidden_layers"],
         "stacks": {"yardstick": yardstick, "variants": [{"name": v, "patches": []} for v in variants]},
         "gate": {"policy": policy},
@@ -368,8 +368,8 @@ def test_junit_xml_has_one_testcase_per_check_and_variant_and_the_failures(tmp_p
     root = ET.parse(tmp_path / "out" / "gate.xml").getroot()
     (suite,) = root.iter("testsuite")
     cases = list(suite.iter("testcase"))
-    # streams × {base, patched} + streams-patch × {patched} + nonfinite × {yardstick, base, patched}
-    assert len(cases) == int(suite.get("tests")) == 6
+    # streams × {base, patched} + streams-patch × {patched} + nonfinite × {yardstick, base, patched} + run complete
+    assert len(cases) == int(suite.get("tests")) == 7
     failures = {(c.get("classname"), c.get("name")): c.find("failure") for c in cases if c.find("failure") is not None}
     assert sorted(failures) == [("dsv4-drift.streams", "base"), ("dsv4-drift.streams", "patched"),
                                 ("dsv4-drift.streams-patch", "patched")]

@@ -87,8 +87,8 @@ def test_run_passes_the_scenario_and_overrides_to_dsv4_drift_run(tmp_path, monke
     run_dir = drift.run("tiny-smoke", out=tmp_path / "r", device="cpu", patches="all", patch_modules=["p.py"])
     assert run_dir == tmp_path / "r"
     (args,) = seen
-    assert (args.scenario, args.out, args.device, args.patches, args.patch_module, args.no_report) == \
-        ("tiny-smoke", tmp_path / "r", "cpu", "all", ["p.py"], True)
+    assert (args.scenario, args.out, args.device, args.patches, args.patch_module, args.no_report, args.no_gate) == \
+        ("tiny-smoke", tmp_path / "r", "cpu", "all", ["p.py"], True, True)
     assert drift.assert_gate(run_dir).passed
 
     scenario = {"name": "inline", "model": {"preset": "tiny"}}

@@ -64,7 +64,7 @@ def test_page_renders_every_section_without_console_errors(hostile_report: Path,
     assert re.search(r'<canvas[^>]*data-rows="43"', dom), "the heatmap canvas is drawn for 43 layers"
     for verdict in ("GATE FAILED", "Top suspect", "triton-indexer", "NaN/Inf"):
         assert verdict in dom, f"verdict text {verdict!r} missing"
-    for section in ("summary-table", "attribution-matrix", "gate-table", "crossing-table", "context-table"):
+    for section in ("summary-table", "attribution-matrix", "gate-table", "context-table"):
         assert f'id="{section}"' in dom, f"section element #{section} missing"
     assert dom.count("<svg") >= 12, "drift-vs-layer, indexer, context and mHC charts are drawn"
     assert "<div class=\"error-box\"" not in dom, "a section failed to draw"

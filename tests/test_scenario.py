@@ -453,8 +453,8 @@ WRONG_SCENARIOS = {
         "s.yaml:12: stacks.variants[1].options.triton-indexer.prefill_row: variant 'indexer-prefill': patch "
         "'triton-indexer' has no option 'prefill_row'; did you mean 'prefill_rows'? (options: dot_precision, impl, "
         "masked_value, prefill_rows)",
-        "s.yaml:13: stacks.variants[2].options.triton-indexer.prefill_rows: variant 'b': option 'prefill_rows' of "
-        "'triton-indexer' is true or false; got a string ('false')",
+        "s.yaml:13: stacks.variants[2].options.triton-indexer.prefill_rows: variant 'b': patch 'triton-indexer': "
+        "option prefill_rows='false' is not true or false",
         "s.yaml:14: stacks.variants[3].options.triton-indexer: variant 'c': options for patch 'triton-indexer', "
         "which this variant does not select (selected: hash-topk)",
     ]),

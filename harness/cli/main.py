@@ -1,13 +1,25 @@
-"""`dsv4-drift`: one verb per job over one shared argument model (see README, CLI)."""
+"""`dsv4-drift`: one verb per job over one shared argument model (see README, CLI).
+
+Exit codes, the same for every command (CI tells a regression from a broken pipeline by them):
+0 success / the gate passes, 1 a regression (the gate fails), 2 a usage or input error (a file, flag, field or
+tensor is wrong, an output cannot be written, an incomplete run is gated), 3 a patch's op raised (a fault inside a
+plugin or built-in patch; the run is marked failed), 4 an internal error of dsv4-drift itself (with its
+traceback), 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 import torch
 
 from harness.errors import UsageError
+from optimized.patching import PluginOpError
+
+EXIT_CODES = {0: "success (the gate passes)", 1: "regression (the gate fails)", 2: "usage or input error",
+              3: "a patch's op raised (plugin fault)", 4: "internal error", 130: "interrupted"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dsv4-drift",
         description="Differential numerical-correctness harness for DeepSeek-V4: a pure-fp32 reference and an "
                     "optimized low-precision stack, compared layer by layer.",
+        epilog="exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()),
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run.add_parser(sub)
@@ -46,9 +59,21 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"dsv4-drift {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except PluginOpError as e:
+        print(f"dsv4-drift {args.command}: plugin fault: {e}", file=sys.stderr)
+        return 3
+    except OSError as e:  # a file or directory the command reads or writes (disk full, permissions)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"dsv4-drift {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - a bug of ours must not read as a regression (exit 1) in CI
+        traceback.print_exc()
+        print(f"dsv4-drift {args.command}: internal error (a bug in dsv4-drift, please report it with the traceback "
+              f"above): {type(e).__name__}: {e}", file=sys.stderr)
+        return 4
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ fixture, `dsv4_drift`:
         dsv4_drift.assert_gate(run_dir, policy="ci/drift-policy.yaml", baseline="ci/drift-baseline.json")
 
 `run(scenario, out=None, *, device=None, patches=None, patch_modules=())` runs a scenario (a shipped name, a
-YAML path, or a dict/YAML text written to a temporary file) exactly like `dsv4-drift run --no-report` and
+YAML path, or a dict/YAML text written to a temporary file) exactly like `dsv4-drift run --no-report --no-gate`
+(the test gates it with `assert_gate`) and
 returns the run directory (by default a fresh directory under pytest's tmp_path_factory). `patches`
 replaces the scenario's variants by `base` plus one variant with these patches (comma list, `all`,
 `id:key=value` options), as `--patches` does.
@@ -65,7 +66,7 @@ class DriftHarness:
 
     def run(self, scenario: str | Path | dict[str, Any], out: str | Path | None = None, *, device: str | None = None,
             patches: str | None = None, patch_modules: tuple[str, ...] | list[str] = (), **unknown: Any) -> Path:
-        """Run a scenario like `dsv4-drift run SCENARIO --out OUT --no-report`; returns the run directory."""
+        """Run a scenario like `dsv4-drift run SCENARIO --out OUT --no-report --no-gate`; returns the run directory."""
         if unknown:
             raise TypeError(f"dsv4_drift.run: unknown override(s) {sorted(unknown)}; known: device, patches, "
                             "patch_modules (other settings belong in the scenario)")
@@ -81,7 +82,7 @@ class DriftHarness:
             path.write_text(text)
             scenario = path
         out_dir = Path(out) if out is not None else self._fresh_dir("dsv4-drift") / "run"
-        argv = ["run", str(scenario), "--out", str(out_dir), "--no-report"]
+        argv = ["run", str(scenario), "--out", str(out_dir), "--no-report", "--no-gate"]
         if device:
             argv += ["--device", device]
         if patches is not None:

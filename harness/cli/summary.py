@@ -9,12 +9,14 @@ from harness.run.runner import YARDSTICK
 
 SUMMARY_METRICS = [
     ("streams.rel_l2", "layer.out", "final-layer stream rel L2", "last"),
-    ("attn.tv", "attn.probs", "max attention TV", "max"),
-    ("indexer.recall", "indexer.selected", "min indexer recall", "min"),
-    ("ctx.needle_recall", "indexer.selected", "min needle recall", "min"),
-    ("logits.kl", "logits", "mean logits KL", "mean"),
-    ("logits.top1_agree", "logits", "top-1 agree", "mean"),
+    ("attn.tv", "attn.probs", "attention TV, worst layer", "max"),
+    ("indexer.recall", "indexer.selected", "indexer recall, worst layer", "min"),
+    ("ctx.needle_recall", "indexer.selected", "needle recall, worst layer", "min"),
+    ("logits.kl", "logits", "logits KL", "last"),
+    ("logits.top1_agree", "logits", "top-1 agree", "last"),
 ]
+"""(metric, tap, column, which layer): every value is a layer's count-weighted mean over its positions — what the
+default gate judges — at the last layer (the logits row for logits metrics) or the worst layer."""
 
 
 def summarize(metrics: pd.DataFrame) -> pd.DataFrame:
@@ -23,19 +25,13 @@ def summarize(metrics: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for (variant, phase), part in g.groupby(["variant", "phase"], sort=False):
         row = {"variant": variant, "phase": phase}
-        for metric, tap, label, how in SUMMARY_METRICS:
+        for metric, tap, label, which in SUMMARY_METRICS:
             m = part[(part["metric"] == metric) & (part["tap"] == tap)]
             if m.empty:
                 row[label] = float("nan")
-            elif how == "last":
-                last = m[m["layer"] == m["layer"].max()]
-                row[label] = float((last["value"] * last["count"]).sum() / last["count"].sum())
-            elif how == "max":
-                row[label] = float(m["max"].max())
-            elif how == "min":
-                row[label] = float(m["value"].min())
-            else:
-                row[label] = float((m["value"] * m["count"]).sum() / m["count"].sum())
+                continue
+            weighted = (m["value"] * m["count"]).groupby(m["layer"]).sum() / m["count"].groupby(m["layer"]).sum()
+            row[label] = float({"last": weighted.iloc[-1], "max": weighted.max(), "min": weighted.min()}[which])
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -51,7 +47,7 @@ def summary_table(metrics: pd.DataFrame, title: str = "drift summary (global)") 
         for col in df.columns[2:]:
             v = r[col]
             text = "—" if pd.isna(v) else f"{v:.3g}"
-            if yard is not None and r["variant"] != YARDSTICK and col.startswith(("final", "max")) \
+            if yard is not None and r["variant"] != YARDSTICK and col.startswith(("final", "attention")) \
                     and r["phase"] in yard.index and yard.loc[r["phase"], col] > 0:
                 text += f" ({v / yard.loc[r['phase'], col]:.1f}× yd)"
             cells.append(text)

@@ -31,7 +31,9 @@ of a discrete metric is one decision of the unit's N (a tie broken the other way
 
 A NaN loss fails every bound. Comparisons allow a 1e-9 relative tolerance, so a loss computed as
 1 − 2/3 still equals a floor of 1/3. Any NaN/Inf finding of the run (findings.json) fails the gate,
-whatever the policy says.
+whatever the policy says. An incomplete run (manifest status other than `complete`: killed, interrupted, failed,
+still running) never passes (DESIGN §5): it exits 2 unless a check already fails (1), and only
+`allow_incomplete` (`gate --allow-incomplete`, named in every output) gates the layers it has.
 """
 
 from __future__ import annotations
@@ -107,6 +109,9 @@ def load_run(run_dir: str | Path) -> RunData:
     import pyarrow.parquet as pq
 
     d = Path(run_dir)
+    if d.exists() and not d.is_dir():
+        raise UsageError(f"RUN_DIR {d} is a file, not a run directory: give the directory `dsv4-drift run` wrote "
+                         "(a policy file goes to --policy, a baseline to --baseline)")
     if not d.is_dir():
         raise UsageError(f"run directory {d} does not exist")
     manifest_path = d / "manifest.json"
@@ -277,26 +282,41 @@ class GateResult:
     baseline_source: str | None = None
     notes: list[str] = field(default_factory=list)
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    incomplete: str | None = None  # why the run is not complete (see incompleteness), None when it is
+    allow_incomplete: bool = False  # gate --allow-incomplete: judge the layers an incomplete run has
+    gate_json: Path | None = None  # where gate_run wrote gate.json into the run directory (None: not written)
 
     @property
     def failed_checks(self) -> list[tuple[CheckResult, VariantResult]]:
         return [(c, v) for c in self.checks for v in c.variants if v.status == "fail"]
 
     @property
+    def regressed(self) -> bool:
+        return bool(self.failed_checks or self.nonfinite)
+
+    @property
+    def blocked_as_incomplete(self) -> bool:
+        return self.incomplete is not None and not self.allow_incomplete
+
+    @property
     def passed(self) -> bool:
-        return not self.failed_checks and not self.nonfinite
+        return not self.regressed and not self.blocked_as_incomplete
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.passed else 1
+        """0 pass, 1 regression (a failing check or NaN/Inf, also in an incomplete run), 2 an incomplete run."""
+        return 1 if self.regressed else 2 if self.blocked_as_incomplete else 0
 
     @property
     def verdict(self) -> str:
-        return "pass" if self.passed else "fail"
+        return "fail" if self.regressed else "incomplete" if self.blocked_as_incomplete else "pass"
 
     def failure_lines(self) -> list[str]:
         """One line per failure: what failed, where first, by how much."""
         lines = []
+        if self.blocked_as_incomplete:
+            lines.append(f"{self.incomplete}: an incomplete run never passes; finish it with `dsv4-drift run "
+                         f"--resume {self.run.dir}`, or judge the layers it has with `gate --allow-incomplete`")
         for f in self.nonfinite:
             lines.append(nonfinite_message(f))
         for c, v in self.failed_checks:
@@ -662,19 +682,36 @@ def _within(value: float, limit: float) -> bool:
     return value <= limit + REL_TOL * abs(limit)
 
 
-def evaluate(policy: Policy, run: RunData, baseline: Baseline | None = None) -> GateResult:
+def incompleteness(run: RunData) -> str | None:
+    """Why a run cannot be judged whole — its manifest status is not `complete` (killed or still running,
+    interrupted, failed) — with the error that stopped it and the layers it has metrics for; None when complete."""
+    status = run.manifest.get("status")
+    if status == "complete":
+        return None
+    error = (run.manifest.get("failure") or {}).get("error")
+    present = sorted(int(x) for x in run.metrics["layer"].unique())
+    return (f"run {run.dir} is incomplete (status {status or 'missing'}{': ' + str(error) if error else ''}): it "
+            f"has metrics for layer(s) {_ranges(present) or 'none'} of 0-{run.n_layers - 1} and the logits row "
+            f"{run.n_layers}")
+
+
+def evaluate(policy: Policy, run: RunData, baseline: Baseline | None = None,
+             allow_incomplete: bool = False) -> GateResult:
     checks = [evaluate_check(c, policy, run, baseline) for c in policy.checks]
     notes = []
     if baseline is not None and not any(c.baseline_slack is not None for c in policy.checks):
         notes.append("a baseline was given but no check of the policy has `baseline: {slack: …}`")
+    incomplete = incompleteness(run)
     present = set(run.metrics["layer"].unique().tolist())
     missing = [layer for layer in range(run.n_layers + 1) if layer not in present]
-    if missing:
+    if incomplete is not None and allow_incomplete:
+        notes.append(f"gated with --allow-incomplete: {incomplete}; layers without metrics are not gated")
+    elif incomplete is None and missing:
         notes.append(f"the run has no metrics for layer(s) {_ranges(missing)} (layer {run.n_layers} is the final "
-                     "logits row): an unfinished run (`dsv4-drift run --resume`) or a partial one; those layers "
-                     "are not gated")
+                     "logits row): a partial run; those layers are not gated")
     nonfinite = sorted(run.findings, key=lambda f: (int(f.get("layer", 0)), str(f.get("variant"))))
-    return GateResult(run, policy, checks, nonfinite, baseline.source if baseline else None, notes)
+    return GateResult(run, policy, checks, nonfinite, baseline.source if baseline else None, notes,
+                      incomplete=incomplete, allow_incomplete=allow_incomplete)
 
 
 def _ranges(values: list[int]) -> str:

@@ -25,17 +25,18 @@ GATE_FILE = "gate.json"
 
 
 def gate_run(run_dir: str | Path, policy: str | Path | None = None, baseline: str | Path | None = None,
-             write_gate_json: bool = True) -> GateResult:
-    """Evaluate `policy` (a file, "default", or None: the scenario's gate.policy) on a run directory.
+             write_gate_json: bool = True, allow_incomplete: bool = False) -> GateResult:
+    """Evaluate `policy` (a file, "default", or None: the scenario's gate.policy) on a run directory. An
+    incomplete run does not pass unless `allow_incomplete` (then judged on the layers it has, and said so).
 
     Raises harness.errors.UsageError for a bad policy, a missing run directory or an unreadable baseline."""
     run = load_run(run_dir)
     policy_obj = load_policy(resolve_policy(policy, run.manifest))
     baseline_obj = load_baseline(baseline, policy_obj) if baseline is not None else None
-    result = evaluate(policy_obj, run, baseline_obj)
+    result = evaluate(policy_obj, run, baseline_obj, allow_incomplete)
     if write_gate_json:
         try:
-            write_json(result, run.dir / GATE_FILE)
+            result.gate_json = write_json(result, run.dir / GATE_FILE)
         except OSError as e:  # a read-only run directory must not hide the verdict
             result.notes.append(f"could not write {run.dir / GATE_FILE}: {e}")
     return result

@@ -1,10 +1,11 @@
 """What the gate writes: a console table, gate.json (also in the run directory, for the report's verdict
-banner), JUnit XML (one testcase per check × variant) and a markdown summary for $GITHUB_STEP_SUMMARY (which
-links the figures `dsv4-drift report --figures` left in RUN_DIR/figures).
+banner and colours), JUnit XML (one testcase per check × variant, one for the run's completeness) and a markdown
+summary for $GITHUB_STEP_SUMMARY (which links the figures `dsv4-drift report --figures` left in RUN_DIR/figures).
 
 gate.json (format "dsv4-drift-gate/1"):
 
-    verdict, exit_code, created
+    verdict, exit_code, created   verdict: pass | fail | incomplete (an incomplete run, exit code 2)
+    incomplete: why the run is not complete, or null; allow_incomplete: gated anyway (--allow-incomplete)
     run:      {dir, scenario, status, layers, variants}
     policy:   {file, sha256, description, base_variant}
     baseline: the baseline's source or null
@@ -96,6 +97,7 @@ def to_dict(result: GateResult) -> dict[str, Any]:
             "status": c.status, "variants": variants})
     return {
         "format": GATE_FORMAT, "verdict": result.verdict, "exit_code": result.exit_code, "created": result.created,
+        "incomplete": result.incomplete, "allow_incomplete": result.allow_incomplete,
         "run": {"dir": str(run.dir), "scenario": run.scenario, "status": run.manifest.get("status"),
                 "layers": run.n_layers, "variants": run.variants},
         "policy": {"file": policy.file, "sha256": policy.sha256, "description": policy.description,
@@ -191,21 +193,33 @@ def console_table(result: GateResult):
 
 def print_console(result: GateResult, console=None) -> None:
     from rich.console import Console
-    from rich.text import Text
 
     if console is None:
         console = Console(highlight=False)
         if not console.is_terminal:  # CI logs: do not wrap the table at 80 columns
             console = Console(highlight=False, width=160)
     console.print(console_table(result))
+    print_verdict(result, console)
+
+
+def print_verdict(result: GateResult, console, max_failures: int | None = None) -> None:
+    """The notes, the verdict with its counts, and one line per failure (what `gate --quiet` and `run` print;
+    `run` shows the first `max_failures` and points at `gate` for the rest)."""
+    from rich.text import Text
+
     for note in result.notes:
-        console.print(Text(f"note: {note}", style="dim"))
+        console.print(Text(f"note: {note}", style="dim"), soft_wrap=True)
     c = counts(result)
-    head = Text("PASS" if result.passed else "FAIL", style="bold green" if result.passed else "bold red")
+    head = Text(result.verdict.upper(), style="bold green" if result.passed else "bold red")
     console.print(Text.assemble("gate: ", head, f" — {c['pass']} passed, {c['fail']} failed, {c['warn']} warned, "
                                 f"{c['no_data'] + c['skipped']} without data, {c['nonfinite']} NaN/Inf finding(s)"))
-    for line in result.failure_lines():
+    lines = result.failure_lines()
+    shown = lines if max_failures is None else lines[:max_failures]
+    for line in shown:
         console.print(Text(f"  {line}", style="red"), soft_wrap=True)
+    if len(shown) < len(lines):
+        console.print(Text(f"  … and {len(lines) - len(shown)} more (`dsv4-drift gate {result.run.dir}` lists them)"),
+                      soft_wrap=True)
 
 
 # --------------------------------------------------------------------------- markdown
@@ -217,7 +231,7 @@ def _md(text: Any) -> str:
 
 def markdown(result: GateResult) -> str:
     run, c = result.run, counts(result)
-    mark = "✅ PASS" if result.passed else "❌ FAIL"
+    mark = "✅ PASS" if result.passed else f"❌ {result.verdict.upper()}"
     lines = [f"### dsv4-drift gate: {mark}", "",
              f"**{_md(run.scenario)}** (`{_md(run.dir)}`) · policy `{_md(Path(result.policy.file).name)}`"
              + (f" · baseline `{_md(result.baseline_source)}`" if result.baseline_source else ""), "",
@@ -273,8 +287,8 @@ def junit_xml(result: GateResult) -> str:
     c = counts(result)
     suites = ET.Element("testsuites", name="dsv4-drift gate")
     stacks = result.run.variants
-    n_tests = c["testcases"] + len(stacks)
-    n_fail = c["fail"] + len({f.get("variant") for f in result.nonfinite})
+    n_tests = c["testcases"] + len(stacks) + 1
+    n_fail = c["fail"] + len({f.get("variant") for f in result.nonfinite}) + int(result.blocked_as_incomplete)
     suite = ET.SubElement(suites, "testsuite", name=f"dsv4-drift gate: {result.run.scenario}", tests=str(n_tests),
                           failures=str(n_fail), errors="0", skipped=str(c["no_data"] + c["skipped"]),
                           timestamp=result.created)
@@ -284,6 +298,11 @@ def junit_xml(result: GateResult) -> str:
     for name, value in (("run_dir", str(result.run.dir)), ("policy", result.policy.file),
                         ("baseline", result.baseline_source or "")):
         ET.SubElement(props, "property", name=name, value=value)
+    complete = ET.SubElement(suite, "testcase", classname="dsv4-drift.run", name="complete", time="0")
+    if result.blocked_as_incomplete:
+        ET.SubElement(complete, "failure", type="incomplete", message=result.failure_lines()[0])
+    elif result.incomplete:
+        ET.SubElement(complete, "system-out").text = f"gated with --allow-incomplete: {result.incomplete}"
     for stack in stacks:
         case = ET.SubElement(suite, "testcase", classname="dsv4-drift.nonfinite", name=stack, time="0")
         found = [f for f in result.nonfinite if f.get("variant") == stack]

@@ -376,7 +376,7 @@ def parse_policy(text: str, file: str = "<string>") -> Policy:
     if not text.strip():
         raise PolicyError([Issue(file, 1, "", "the policy file is empty; it needs at least `checks:`")])
     try:
-        root = load_located(text, file)
+        root = load_located(text, file, "policy")
     except ScenarioError as e:
         raise PolicyError(e.issues) from None
     return validate_located(Policy, root, file, error=PolicyError,

@@ -24,15 +24,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from harness.errors import UsageError
 from harness.run.store import RunStore
 
 YARDSTICK = "yardstick"  # harness.run.runner.YARDSTICK (not imported: the runner pulls in torch models)
 SIGNIFICANT_DIGITS = 3
 NONFINITE = {"nan": "__nan__", "inf": "__inf__", "-inf": "__-inf__"}
-CROSSING_FACTOR = 2.0
-"""Without a gate, a metric 'crosses' at the first layer where its error exceeds 2× the yardstick's."""
-CROSSING_FLOOR = 1e-9
-"""…plus this absolute floor, so a yardstick error of exactly zero is not crossed by rounding dust."""
 
 
 @dataclass(frozen=True)
@@ -87,13 +84,6 @@ HEATMAP_METRICS = (
 )
 """Metrics kept per (layer, position bin) in global mode: one or two per family, so the page stays small."""
 
-CROSSING_METRICS = (
-    "streams.rel_l2", "attn.tv", "attn.out_rel_l2", "indexer.recall", "indexer.mass_recall",
-    "indexer.boundary_recall", "mhc.comb_rel_err", "moe.flip_rate", "moe.out_rel_l2", "ctx.earlier_turn_recall",
-    "ctx.needle_recall", "logits.kl", "logits.top1_agree",
-)
-"""Metrics whose first crossing of 2× yardstick is listed when the run has no gate.json."""
-
 GROUP_KEYS = ["variant", "mode", "layer", "phase", "tap", "metric"]
 
 
@@ -105,8 +95,9 @@ def metric_info(metric: str) -> MetricInfo:
 
 
 def badness(metric: str, value: float) -> float | None:
-    """The metric as an error (0 = perfect, larger = worse), so it can be compared with the yardstick's:
-    1 − v for recall-like metrics, the amplitude noise ratio 10^(−dB/20) for SQNR, None for neutral ones."""
+    """The metric as an error (0 = perfect, larger = worse), as the page's heatmap draws it: 1 − v for
+    recall-like metrics, the amplitude noise ratio 10^(−dB/20) for SQNR, None for neutral ones. A magnitude, not a
+    verdict: pass/fail colours come from the gate only."""
     better = metric_info(metric).better
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
@@ -377,64 +368,6 @@ def heatmaps(frame: pd.DataFrame, bins: pd.DataFrame, keys: dict[tuple[str, str]
     return out
 
 
-def first_crossings(table: dict[str, Any], n_layers: int, logits: dict[str, Any]) -> list[dict[str, Any]]:
-    """Without a gate: per variant, metric and phase, the first layer whose mean error exceeds
-    CROSSING_FACTOR × the yardstick's at that layer (+ CROSSING_FLOOR)."""
-    g = table.get("global", {})
-    yard = g.get(YARDSTICK)
-    out: list[dict[str, Any]] = []
-    if yard is None:
-        return out
-    for variant, series in g.items():
-        if variant == YARDSTICK:
-            continue
-        for key in CROSSING_METRICS:
-            if key.startswith("logits."):
-                for phase, vals in logits.get(variant, {}).items():
-                    y = logits.get(YARDSTICK, {}).get(phase, {}).get(key)
-                    v = vals.get(key)
-                    if v is None or y is None:
-                        continue
-                    row = _crossing_row(variant, key, phase, [v["mean"]], [y["mean"]], n_layers)
-                    if row:
-                        out.append(row)
-                continue
-            for phase, vals in series.get(key, {}).items():
-                ys = yard.get(key, {}).get(phase)
-                if ys is None:
-                    continue
-                row = _crossing_row(variant, key, phase, vals["mean"], ys["mean"], 0)
-                if row:
-                    out.append(row)
-    return out
-
-
-def _crossing_row(variant: str, metric: str, phase: str, values: list, yard: list, layer_offset: int
-                  ) -> dict[str, Any] | None:
-    worst_ratio, worst_layer, first = None, None, None
-    measured = 0
-    for layer, (v, y) in enumerate(zip(values, yard)):
-        bv, by = _as_float(v), _as_float(y)
-        if bv is None or by is None:
-            continue
-        bv, by = badness(metric, bv), badness(metric, by)
-        if bv is None or by is None:
-            continue
-        measured += 1
-        bound = CROSSING_FACTOR * by + CROSSING_FLOOR
-        ratio = bv / (by + CROSSING_FLOOR / CROSSING_FACTOR) if not math.isnan(bv) else math.inf
-        if worst_ratio is None or ratio > worst_ratio:
-            worst_ratio, worst_layer = ratio, layer + layer_offset
-        if first is None and (math.isnan(bv) or bv > bound):
-            first = {"layer": layer + layer_offset, "value": v, "yardstick": y}
-    if not measured:
-        return None
-    return {"variant": variant, "metric": metric, "phase": phase,
-            "first_layer": first["layer"] if first else None,
-            "value": first["value"] if first else None, "yardstick": first["yardstick"] if first else None,
-            "worst_ratio": num(worst_ratio), "worst_layer": worst_layer}
-
-
 def _as_float(v: Any) -> float | None:
     if v is None:
         return None
@@ -500,9 +433,12 @@ def gate_view(raw: Any, keys: dict[tuple[str, str], str], n_layers: int) -> dict
     - a flat one: {"passed", "policy", "checks": [{name, metric, variant, phase, status, first_failing_layer,
       worst_value, bound}], "findings"}.
 
-    rows: one per check × variant × phase (check_info: each check's description, bound text, aggregate);
-    cells: {series key: {variant: {mode: {phase: {"ratio": [per layer], "check": [index into check_names]}}}}},
-    the most binding check's value/limit at each layer."""
+    rows: one per check × variant × phase (check_info: each check's description, bound text, aggregate,
+    direction);
+    cells: {series key: {variant: {mode: {phase: {"ratio", "check", "value", "limit": [per layer 0 … n_layers]}}}}}
+    (the last entry: the final logits row): at each layer the most binding check's loss over its limit, the
+    check (an index into check_names), its loss and the limit it was held to. These are the page's only colours:
+    a cell the gate did not judge is not coloured."""
     if not isinstance(raw, dict):
         return None
     verdict = raw.get("verdict")
@@ -517,7 +453,7 @@ def gate_view(raw: Any, keys: dict[tuple[str, str], str], n_layers: int) -> dict
     rows: list[dict[str, Any]] = []
     check_names: list[str] = []
     check_info: dict[str, dict[str, Any]] = {}
-    best: dict[tuple, tuple[float, int]] = {}
+    best: dict[tuple, tuple[float, int, Any, Any]] = {}
     checks = raw.get("checks") if isinstance(raw.get("checks"), list) else []
     for check in checks:
         if not isinstance(check, dict):
@@ -535,7 +471,8 @@ def gate_view(raw: Any, keys: dict[tuple[str, str], str], n_layers: int) -> dict
         check_names.append(name)
         check_info[name] = _compact({"description": check.get("description"), "bound_text": check.get("bound_text"),
                                      "aggregate": check.get("aggregate"), "taps": check.get("taps"),
-                                     "modes": check.get("modes"), "severity": check.get("severity")})
+                                     "modes": check.get("modes"), "severity": check.get("severity"),
+                                     "metric": check.get("metric"), "direction": check.get("direction")})
         for vr in variants:
             if not isinstance(vr, dict):
                 continue
@@ -562,7 +499,7 @@ def gate_view(raw: Any, keys: dict[tuple[str, str], str], n_layers: int) -> dict
                 if not isinstance(unit, dict) or not isinstance(unit.get("layer"), int):
                     continue
                 layer = unit["layer"]
-                if not 0 <= layer < n_layers:
+                if not 0 <= layer <= n_layers:
                     continue
                 key = _key_for(keys, check.get("metric"), unit.get("tap"))
                 ratio = _unit_ratio(unit)
@@ -571,16 +508,20 @@ def gate_view(raw: Any, keys: dict[tuple[str, str], str], n_layers: int) -> dict
                 cell = (key, str(unit.get("variant", vr.get("variant"))), str(unit.get("mode", "global")),
                         str(unit.get("phase")), layer)
                 if cell not in best or ratio > best[cell][0]:
-                    best[cell] = (ratio, check_index)
+                    limits = [x for x in (_float(unit.get("limit")), _float(unit.get("baseline_limit"))) if x is not None]
+                    best[cell] = (ratio, check_index, _rounded(unit.get("value")), num(min(limits)) if limits else None)
     cells: dict[str, Any] = {}
-    for (key, variant, mode, phase, layer), (ratio, index) in best.items():
-        slot = cells.setdefault(key, {}).setdefault(variant, {}).setdefault(mode, {}).setdefault(phase, {
-            "ratio": [None] * n_layers, "check": [None] * n_layers})
+    for (key, variant, mode, phase, layer), (ratio, index, value, limit) in best.items():
+        slot = cells.setdefault(key, {}).setdefault(variant, {}).setdefault(mode, {}).setdefault(
+            phase, {field: [None] * (n_layers + 1) for field in ("ratio", "check", "value", "limit")})
         slot["ratio"][layer] = num(ratio)
         slot["check"][layer] = index
+        slot["value"][layer] = value
+        slot["limit"][layer] = limit
     findings = raw.get("nonfinite") if isinstance(raw.get("nonfinite"), list) else raw.get("findings")
     failures = raw.get("failures") if isinstance(raw.get("failures"), list) else None
     return {"format": raw.get("format"), "passed": passed, "verdict": verdict, "exit_code": raw.get("exit_code"),
+            "incomplete": raw.get("incomplete"), "allow_incomplete": raw.get("allow_incomplete"),
             "created": raw.get("created"), "policy": policy_text, "policy_description": policy_description,
             "baseline": raw.get("baseline"),
             "counts": raw.get("counts") if isinstance(raw.get("counts"), dict) else None,
@@ -667,7 +608,7 @@ def build_payload(run_dir: str | Path) -> dict[str, Any]:
     problems += [problem] if problem else []
     try:
         findings = store.read_findings()
-    except (OSError, ValueError) as e:
+    except (OSError, UsageError) as e:
         findings, problems = [], problems + [f"findings.json could not be read: {e}"]
     variants = [str(v) for v in frame["variant"].cat.remove_unused_categories().cat.categories] \
         if not frame.empty else []
@@ -691,8 +632,6 @@ def build_payload(run_dir: str | Path) -> dict[str, Any]:
         "bins": {c: (bins[c].astype(str).tolist() if c == "phase" else [int(x) for x in bins[c].tolist()])
                  for c in bins.columns},
         "heat": heatmaps(frame, bins, keys, n_layers),
-        "crossings": first_crossings(table, n_layers, logits),
-        "crossing_rule": {"factor": CROSSING_FACTOR, "floor": CROSSING_FLOOR},
         "findings": findings,
         "gate": gate_view(gate, keys, n_layers),
         "attribution": attribution_view(attribution, n_layers),

@@ -20,8 +20,9 @@ from harness.run.metrics import COMPARATORS, SITE_COMPARATORS, CompareContext, M
 DENSE_TAPS = ("attn.out", "moe.out", "attn.hc", "ffn.hc", "attn.lse", "moe.router", "indexer.selected", "layer.out")
 ROW_TAPS = ("compressor.rows", "indexer.rows")
 SAMPLED_TAPS = ("attn.probs", "indexer.scores")
-FINITE_CHECKED_TAPS = ("attn.hc", "attn.lse", "attn.out", "ffn.hc", "moe.router", "moe.out", "layer.out")
-"""Taps checked for NaN/Inf, in data-flow order (none of them carries −inf as a mask value)."""
+MASKED_FIELDS = {("indexer.scores", "scores")}
+"""(tap, field) pairs where −inf is the value of a row the query cannot see, not a fault: only NaN and +inf
+count there. Every other floating field of every tap a stack emits to a ComparingSink must be finite."""
 
 
 @dataclass
@@ -158,9 +159,12 @@ class ComparingSink:
     a batch's temporaries near 0.5 GB."""
 
     def wants(self, tap: str) -> bool:
+        """The taps compared with the reference's, and indexer.scores (at sampled positions) for its NaN/Inf
+        check: an indexer fault that poisons the scores changes selections without a non-finite value reaching
+        attn.out, so it is checked where it happens."""
         return (tap in COMPARATORS and (tap in self.record.dense or tap in self.record.rows or tap == "attn.probs"
                                         or tap in SITE_COMPARATORS)) \
-            or (self.dump is not None and self.dump.wants(tap))
+            or tap == "indexer.scores" or (self.dump is not None and self.dump.wants(tap))
 
     def sampled(self, positions: torch.Tensor) -> torch.Tensor:
         return self.record.sampled(positions)
@@ -224,10 +228,8 @@ class ComparingSink:
             self.acc.add(tap, mv)
 
     def _check_finite(self, tap: str, positions: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
-        """Record the first tap (in emission order: the data flow) where this stack produced NaN/Inf. Taps off
-        the main path are skipped: a non-finite value there reaches attn.out or moe.out in the same layer."""
-        if tap not in FINITE_CHECKED_TAPS:
-            return
+        """Record the first tap (in emission order: the data flow) where this stack produced NaN/Inf, in any
+        floating field of any tap it emits (−inf allowed only as a mask value: MASKED_FIELDS)."""
         if any(f.variant == self.variant and f.mode == self.mode for f in self.findings):
             return
         for name, v in values.items():
@@ -235,7 +237,7 @@ class ComparingSink:
                 continue
             if bool(torch.isfinite(v.sum(dtype=torch.float64))):  # one reduction; NaN/Inf anywhere poisons it
                 continue
-            bad = ~torch.isfinite(v)
+            bad = (torch.isnan(v) | (v == float("inf"))) if (tap, name) in MASKED_FIELDS else ~torch.isfinite(v)
             if bool(bad.any()):
                 first = int(torch.nonzero(bad.flatten(1).any(1) if bad.dim() > 1 else bad).flatten()[0])
                 pos = int(positions[first]) if positions.numel() > first else -1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Callable
 
 import torch
@@ -153,11 +154,16 @@ class LockstepRunner:
         self.yardstick = ReferenceModel(spec.source, torch.bfloat16, self.device)
         self.engines = {v.name: OptimizedModel(spec.source, v.choices, self.device, spec.engine) for v in spec.variants}
         self.findings: list[Finding] = []
+        self.where: dict[str, Any] = {"layer": 0, "stack": "reference", "mode": "global"}
+        """The layer, stack and mode running now: recorded in the manifest when the run stops on an error."""
         names = spec.needle_names or [f"needle-{i}" for i in range(len(spec.needle_spans))]
         self.lens = AnswerLens(needle_queries(spec.prompt_ids, spec.decode_ids, dict(zip(names, spec.needle_spans))))
 
     # ------------------------------------------------------------------------------------------
     def run(self, start_layer: int = 0, streams: dict[str, torch.Tensor] | None = None) -> None:
+        """Layers start_layer … n−1, then the logits. The manifest's status ends `complete`, or `failed` /
+        `interrupted` with where and why (`failure`) when the run stops on an exception: the layers already
+        written stay, and `run --resume` continues from the last saved state."""
         ensure_no_tf32()
         n_layers = self.cfg.num_hidden_layers
         if streams is None:
@@ -165,17 +171,35 @@ class LockstepRunner:
         streams = {k: v.to(self.device) for k, v in streams.items()}
         self.findings = [Finding(**f) for f in self.store.read_findings() if f["layer"] < start_layer]
         last_save = time.perf_counter()
-        for layer in range(start_layer, n_layers):
-            t0 = time.perf_counter()
-            streams = self.run_layer(layer, streams)
-            self.store.write_findings([f.to_dict() for f in self.findings])
-            if self._should_save_streams(streams, layer, last_save):
-                self.store.save_streams(layer, streams)
-                last_save = time.perf_counter()
-            self.progress({"event": "layer_done", "layer": layer, "layers": n_layers,
-                           "seconds": time.perf_counter() - t0})
-        self.compare_logits(streams)
+        try:
+            for layer in range(start_layer, n_layers):
+                t0 = time.perf_counter()
+                streams = self.run_layer(layer, streams)
+                self.store.write_findings([f.to_dict() for f in self.findings])
+                if self._should_save_streams(streams, layer, last_save):
+                    self.store.save_streams(layer, streams)
+                    last_save = time.perf_counter()
+                self.progress({"event": "layer_done", "layer": layer, "layers": n_layers,
+                               "seconds": time.perf_counter() - t0})
+            self.where = {"layer": n_layers, "stack": "logits", "mode": "global"}
+            self.compare_logits(streams)
+        except BaseException as e:
+            self._record_stop(e)
+            raise
+        self.store.update_manifest(status="complete", failure=None,
+                                   finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
         self.progress({"event": "done"})
+
+    def _record_stop(self, error: BaseException) -> None:
+        """Mark the manifest `interrupted` (Ctrl-C, SIGTERM) or `failed`, with the layer and stack that stopped
+        and the error, unless the run directory itself cannot be written (that error is the one to report)."""
+        status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+        try:
+            saved = self.store.read_manifest().get("state_layer") if self.store.state_path.is_file() else None
+            self.store.update_manifest(status=status, failure={**self.where, "error": f"{type(error).__name__}: "
+                                                                                       f"{error}", "state_layer": saved})
+        except (OSError, ValueError):
+            pass
 
     def initial_streams(self) -> dict[str, torch.Tensor]:
         """Every stack's input to layer 0: the embedding, fp32 for the reference and bf16 for the others."""
@@ -206,7 +230,7 @@ class LockstepRunner:
         record = RecordingSink(spec.n_total, self.sampled, dump)
         if dump:
             dump.prefix = "reference/"
-        self.progress({"event": "stack", "layer": layer, "stack": "reference", "mode": "global"})
+        self._enter(layer, "reference", "global")
         ref_in = streams["reference"]
         ref_out = self.reference.run_layer(ReferenceLayer(cfg, layer, weights, spec.reference_dtype, spec.parity,
                                                           self.device),
@@ -220,7 +244,7 @@ class LockstepRunner:
             if spec.yardstick else None
         engine_layers: dict[str, OptimizedLayer] = {}
         for name, mode in spec.stacks():
-            self.progress({"event": "stack", "layer": layer, "stack": name, "mode": mode})
+            self._enter(layer, name, mode)
             acc = LayerAccumulator(self.plan)
             if dump:
                 dump.prefix = f"{name}.{mode}/"
@@ -249,6 +273,10 @@ class LockstepRunner:
         if dump and dump.tensors:
             self.store.write_dump(f"layer-{layer:03d}", dump.tensors)
         return new_streams
+
+    def _enter(self, layer: int, stack: str, mode: str) -> None:
+        self.where = {"layer": layer, "stack": stack, "mode": mode}
+        self.progress({"event": "stack", **self.where})
 
     def _choices(self, name: str) -> list[PatchChoice]:
         return next(v.choices for v in self.spec.variants if v.name == name)

@@ -17,7 +17,7 @@ from harness.run.greedy import greedy_decode_ids
 from harness.run.runner import RunSpec, VariantSpec
 from harness.scenario import Scenario
 from harness.scenario.prompt import PromptPlan, resolve_prompt
-from optimized.patching import PatchError
+from optimized.patching import PatchChoice, PatchError, PatchRegistry, shadowed_patches
 from optimized.registry import default_registry
 from reference.model import ReferenceModel
 
@@ -30,32 +30,74 @@ class Overrides:
     patches: str | None = None  # replaces the variants with `base` and one variant with these patches
     patch_modules: tuple[str, ...] = ()
     local: bool | None = None  # replaces the scenario's measure.local
+    threads: int | None = None  # torch CPU threads asked for (None: the available cores); a resume reuses them
 
 
 def prompt_digest(ids: list[int]) -> str:
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
+def check_device(device: str | None, flag: str = "--device") -> str:
+    """The device a command runs on ('cpu' when none is given). Anything but cpu, cuda or an existing cuda:N is a
+    usage error naming the flag, found before any compute."""
+    device = device or "cpu"
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"{flag} {device!r}: not a device; expected cpu, cuda or cuda:N") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise UsageError(f"{flag} {device!r}: expected cpu, cuda or cuda:N")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"{flag} {device}: no CUDA device is available")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise UsageError(f"{flag} {device}: there are {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def choose_patches(registry: PatchRegistry, patches: str) -> list[PatchChoice]:
+    """`--patches` parsed against a registry; a problem (unknown id, bad option value) names the flag."""
+    try:
+        return registry.choose(patches)
+    except PatchError as e:
+        raise UsageError(f"--patches {patches}: {e}") from None
+
+
+def load_registry(modules: list[str]) -> PatchRegistry:
+    """The built-in patches plus plugin modules; a module that fails to load names the flag."""
+    try:
+        return default_registry(modules)
+    except PatchError as e:
+        raise UsageError(f"--patch-module: {e}") from None
+
+
+def shadowing_warnings(variants: list[VariantSpec]) -> list[str]:
+    """One line per patch that never runs on an op because a later patch of the same variant replaces that op
+    without calling ctx.base (optimized.patching.shadowed_patches), naming the variants, both patches and the op."""
+    variants_of: dict[str, list[str]] = {}
+    for v in variants:
+        for shadowing in shadowed_patches(v.choices):
+            variants_of.setdefault(shadowing.message(), []).append(v.name)
+    return [f"variant{'s' if len(names) > 1 else ''} {', '.join(repr(n) for n in names)}: {message}"
+            for message, names in variants_of.items()]
+
+
 def build_run_spec(scenario: Scenario, overrides: Overrides, decode_ids: list[int] | None = None
                    ) -> tuple[RunSpec, PromptPlan]:
     """Resolve the prompt, open the weights, choose the patches. `decode_ids` (from a manifest) skips greedy."""
-    device = overrides.device or "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
+    device = check_device(overrides.device)
     plan = resolve_prompt(scenario)
     source = scenario.model.open_weights()
-    modules = list(scenario.stacks.patch_modules) + list(overrides.patch_modules)
-    try:
-        registry = default_registry(modules)
-        if overrides.patches is not None:
-            variants = [VariantSpec("base", [])]
-            chosen = registry.choose(overrides.patches)
-            if chosen:
-                variants.append(VariantSpec("+".join(c.id for c in chosen) if len(chosen) < 4 else "patched", chosen))
-        else:
+    registry = load_registry(list(scenario.stacks.patch_modules) + list(overrides.patch_modules))
+    if overrides.patches is not None:
+        variants = [VariantSpec("base", [])]
+        chosen = choose_patches(registry, overrides.patches)
+        if chosen:
+            variants.append(VariantSpec("+".join(c.id for c in chosen) if len(chosen) < 4 else "patched", chosen))
+    else:
+        try:  # checked when the scenario was loaded; a plugin edited since (a resumed run) may disagree
             variants = [VariantSpec(v.name, v.choices(registry)) for v in scenario.stacks.variants]
-    except PatchError as e:
-        raise UsageError(str(e)) from None
+        except PatchError as e:
+            raise UsageError(f"{scenario.file}: stacks.variants: {e}") from None
     parity = scenario.stacks.reference.parity_options()
     dtype = getattr(torch, scenario.stacks.reference.dtype)
     if decode_ids is None:
@@ -96,7 +138,8 @@ def manifest_for(scenario: Scenario, scenario_text: str, overrides: Overrides, s
         "scenario": {"name": scenario.name, "file": scenario.file, "text": scenario_text,
                      "description": scenario.description},
         "overrides": {"device": overrides.device, "patches": overrides.patches,
-                      "patch_modules": list(overrides.patch_modules), "local": overrides.local},
+                      "patch_modules": list(overrides.patch_modules), "local": overrides.local,
+                      "threads": overrides.threads},
         "model": {"config": cfg.to_dict(), "weights": spec.source.describe()},
         "prompt": {"n_prompt": spec.n_prompt, "n_decode": len(spec.decode_ids), "digest": prompt_digest(spec.prompt_ids),
                    "decode_ids": spec.decode_ids, "decode_source": plan.decode_source,

@@ -5,7 +5,8 @@
       metrics.parquet        long format, one row per (variant, mode, layer, bin, tap, metric)
       parts/layer-NNN.parquet  the same rows per layer (metrics.parquet is their concatenation)
       findings.json          first NaN/Inf per stack (layer, tap, phase, position)
-      state/streams.pt       every stack's streams after the last completed layer (for --resume)
+      state/streams.pt       every stack's streams after the last saved layer (for --resume; deleted when the
+                             run completes, unless `run --keep-state`)
       dumps/*.safetensors    raw tensors asked for by the scenario's probes.dump
 
 Every file is written to a temporary name and renamed, so a crash leaves either the old or the new file.
@@ -21,6 +22,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+
+from harness.errors import UsageError
 
 METRICS_SCHEMA = pa.schema([
     ("variant", pa.string()), ("mode", pa.string()), ("layer", pa.int32()), ("phase", pa.string()),
@@ -65,6 +68,8 @@ class RunStore:
             return json.loads(self.manifest_path.read_text())
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.dir} is not a run directory (no manifest.json)") from None
+        except ValueError as e:
+            raise UsageError(f"{self.manifest_path}: not valid JSON ({e}); the file is damaged") from None
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         _atomic_write_bytes(self.manifest_path, json.dumps(manifest, indent=2, sort_keys=False, default=str).encode())
@@ -104,20 +109,35 @@ class RunStore:
     def read_metrics(self) -> pa.Table:
         if not self.metrics_path.is_file():
             raise FileNotFoundError(f"{self.dir}: no metrics.parquet (the run has not finished a layer)")
-        return pq.read_table(self.metrics_path)
+        try:
+            return pq.read_table(self.metrics_path)
+        except pa.ArrowException as e:  # ArrowInvalid for a truncated file: the message names what is wrong
+            raise UsageError(f"{self.metrics_path}: not a readable parquet file, truncated or damaged ({e})") from None
 
     # --- findings, resume state, dumps -------------------------------------------------------------
     def write_findings(self, findings: list[dict[str, Any]]) -> None:
         _atomic_write_bytes(self.findings_path, json.dumps(findings, indent=2).encode())
 
     def read_findings(self) -> list[dict[str, Any]]:
-        return json.loads(self.findings_path.read_text()) if self.findings_path.is_file() else []
+        if not self.findings_path.is_file():
+            return []
+        try:
+            return json.loads(self.findings_path.read_text())
+        except ValueError as e:
+            raise UsageError(f"{self.findings_path}: not valid JSON ({e}); the file is damaged") from None
 
     def save_streams(self, layer: int, streams: dict[str, torch.Tensor]) -> None:
         self.state_path.parent.mkdir(exist_ok=True)
         tmp = self.state_path.with_suffix(".pt.tmp")
         torch.save({"layer": layer, "streams": {k: v.cpu() for k, v in streams.items()}}, tmp)
         os.replace(tmp, self.state_path)
+        self.update_manifest(state_layer=layer)  # where a resume starts, readable without loading the streams
+
+    def delete_state(self) -> None:
+        """Remove the resume state (a finished run needs none; the demo's is 20 MB, Flash at 27K 3.5 GB)."""
+        self.state_path.unlink(missing_ok=True)
+        if self.state_path.parent.is_dir() and not any(self.state_path.parent.iterdir()):
+            self.state_path.parent.rmdir()
 
     def load_streams(self) -> tuple[int, dict[str, torch.Tensor]]:
         saved = torch.load(self.state_path, weights_only=True)

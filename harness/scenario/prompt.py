@@ -33,6 +33,7 @@ from harness.errors import UsageError
 from harness.scenario.token_files import read_token_file
 from harness.scenario.schema import Scenario
 from harness.scenario.tokenizer import SPECIAL_TOKEN_IDS, FallbackTokenizer, Tokenizer
+from reference.config import ModelConfig
 
 
 class NeedleLocation(NamedTuple):
@@ -123,7 +124,8 @@ class PromptPlan:
         """One paragraph: sizes per turn, needles, decode and chunking."""
         turns = ", ".join(("preamble" if turn == PREAMBLE_TURN else f"turn {turn}") + f" {count:,}"
                           for turn, count in self.turn_token_counts.items())
-        needles = ", ".join(f"{name} @{loc.start}-{loc.end} (turn {loc.turn})" for name, loc in self.needles.items())
+        needles = ", ".join(f"{name} {span_text(loc.start, loc.end)} (turn {loc.turn})"
+                            for name, loc in self.needles.items())
         folded = f", ids folded into the {self.vocab_size}-id vocabulary" if self.vocab_folded else ""
         reference = ("whole prompt" if self.reference_chunk_size is None
                      else f"chunks of {self.reference_chunk_size:,}")
@@ -177,6 +179,18 @@ def load_scenario_tokenizer(scenario: Scenario) -> tuple[Tokenizer, str]:
     return tokenizer, str(tokenizer.path) if isinstance(tokenizer, HFTokenizer) else "fallback"
 
 
+def span_text(start: int, end: int) -> str:
+    """A token span as every output prints it: half-open, `[start, end)` (end is the first position after it)."""
+    return f"[{start:,}, {end:,})"
+
+
+def shortest_prompt(cfg: ModelConfig) -> int:
+    """The fewest prompt tokens a run can measure: one compressed row at the last prompt position of every CSA
+    layer (its compression ratio), whose indexer selection the metrics compare; 1 for a model without CSA."""
+    return min((cfg.compress_ratio(layer) for layer in range(cfg.num_hidden_layers) if cfg.layer_kind(layer) == "csa"),
+               default=1)
+
+
 def resolve_prompt(scenario: Scenario, tokenizer: Tokenizer | None = None) -> PromptPlan:
     """Token ids, decode ids, turns and needles of a scenario's prompt (deterministic).
 
@@ -224,8 +238,12 @@ def resolve_prompt(scenario: Scenario, tokenizer: Tokenizer | None = None) -> Pr
         raise scenario.error("decode.steps", f"{len(decode_ids)} decode ids for {scenario.decode.steps} steps")
 
     prompt_ids = [fold_token_id(t, cfg.vocab_size) for t in tokenizer_ids] if fold else list(tokenizer_ids)
-    if not prompt_ids:
-        raise scenario.error("prompt", "the prompt resolves to no tokens")
+    shortest = shortest_prompt(cfg)
+    if len(prompt_ids) < shortest:
+        raise scenario.error(f"prompt.{prompt.source}",
+                             f"the prompt is {len(prompt_ids)} token(s); this model needs at least {shortest}, the "
+                             "CSA compression ratio, so that the last prompt position has a compressed row for the "
+                             "indexer to select")
     outside = next((i for i, t in enumerate(prompt_ids) if t >= cfg.vocab_size), None)
     if outside is not None:
         raise scenario.error("prompt", f"prompt position {outside} has id {prompt_ids[outside]}, outside the model's "
@@ -346,10 +364,12 @@ def _from_messages(scenario: Scenario, tokenizer: Tokenizer) -> _Parts:
 def _from_token_file(scenario: Scenario, tokenizer: Tokenizer, vocab_size: int) -> _Parts:
     prompt = scenario.prompt
     try:
-        ids = read_token_file(prompt.token_file, vocab_size, "prompt.token_file")
+        ids = read_token_file(prompt.token_file, vocab_size)
     except UsageError as e:
         raise scenario.error("prompt.token_file", str(e)) from None
     n = len(ids)
+    if not n:  # before the turn starts, which would otherwise report the empty file as a turn past its end
+        raise scenario.error("prompt.token_file", f"token file {prompt.token_file} holds no token ids")
     starts = list(prompt.turn_starts) or [0]
     for index, start in enumerate(starts):
         if start >= n:
@@ -368,7 +388,7 @@ def _from_token_file(scenario: Scenario, tokenizer: Tokenizer, vocab_size: int) 
     decode_ids = decode_text = None
     if scenario.decode.source == "continuation" and scenario.decode.steps > 0:
         try:
-            decode_all = read_token_file(prompt.decode_token_file, vocab_size, "prompt.decode_token_file")
+            decode_all = read_token_file(prompt.decode_token_file, vocab_size)
         except UsageError as e:
             raise scenario.error("prompt.decode_token_file", str(e)) from None
         if len(decode_all) < scenario.decode.steps:

@@ -386,10 +386,9 @@ class VariantSpec(Model):
             if key not in patch.defaults:
                 raise problem(f"{where}: patch {patch.id!r} has no option {key!r}{suggest(key, known)} "
                               f"(options: {', '.join(known) or 'none'})", at=at)
-            # a string "false" for a boolean option would be truthy: insist on a real boolean
-            if isinstance(patch.defaults[key], bool) and not isinstance(value, bool):
-                raise problem(f"{where}: option {key!r} of {patch.id!r} is true or false; got {describe(value)}",
-                              at=at)
+            complaint = patch.option_problem(key, value)  # the patch's own choices (a string "false" is not false)
+            if complaint:
+                raise problem(f"{where}: patch {patch.id!r}: {complaint}", at=at)
 
     @property
     def patch_ids(self) -> tuple[str, ...]:

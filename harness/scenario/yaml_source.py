@@ -68,8 +68,9 @@ def _tag_label(tag: str) -> str:
 
 
 class _Converter:
-    def __init__(self, file: str):
+    def __init__(self, file: str, kind: str):
         self.file = file
+        self.kind = kind
         self.issues: list[Issue] = []
         self.nodes_seen = 0
         self._constructor = SafeConstructor()
@@ -122,7 +123,7 @@ class _Converter:
 
     def _bad_tag(self, node: yaml.Node, path: str) -> None:
         self.fail(node.start_mark.line + 1, path,
-                  f"YAML tag {_tag_label(node.tag)!r} is not allowed: scenario files are plain data (mappings, "
+                  f"YAML tag {_tag_label(node.tag)!r} is not allowed: {self.kind} files are plain data (mappings, "
                   "lists, strings, numbers, booleans, null) and tags never execute")
         return None
 
@@ -155,8 +156,13 @@ class _Converter:
         return Located(entries, node.start_mark.line + 1, key_line) if ok else None
 
 
-def load_located(text: str, file: str) -> Located:
-    """Parse one YAML document into `Located` values; raises ScenarioError naming file and line."""
+NEEDS = {"scenario": "at least name, model and prompt", "policy": "a list of checks"}
+"""What a file of each kind must hold at least (the message for an empty file)."""
+
+
+def load_located(text: str, file: str, kind: str = "scenario") -> Located:
+    """Parse one YAML document into `Located` values; raises ScenarioError naming file and line. `kind` (a key of
+    NEEDS) names what the file is in messages: a policy file is not called a scenario file."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as e:
@@ -167,9 +173,8 @@ def load_located(text: str, file: str) -> Located:
     except yaml.YAMLError as e:
         raise ScenarioError([Issue(file, 1, "", f"YAML error: {e}")]) from None
     if node is None:
-        raise ScenarioError([Issue(file, 1, "", "the file is empty; a scenario is a mapping with at least "
-                                                "name, model and prompt")])
-    converter = _Converter(file)
+        raise ScenarioError([Issue(file, 1, "", f"the file is empty; a {kind} is a mapping with {NEEDS[kind]}")])
+    converter = _Converter(file, kind)
     located = converter.convert(node, "", node.start_mark.line + 1)
     if converter.issues or located is None:
         raise ScenarioError(converter.issues)

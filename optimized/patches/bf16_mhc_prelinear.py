@@ -7,7 +7,7 @@ and comb (the stream mixing) — 2 calls per layer, 86 per token through 43 laye
 
 Options:
   precision: "bf16" (default) or "tf32" (DeepGEMM's tf32_hc_prenorm_gemm: operands rounded to 10-bit mantissas)
-  split_k:   number of K partitions summed as separate fp32 partials (split-K order; 1 = none)
+  split_k:   number of K partitions (1 to 4096) summed as separate fp32 partials (split-K order; 1 = none)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ PATCH = Patch(
     phases=("prefill", "decode"),
     description="mHC pre-linear fn (24×(hc·D)) in bf16 (or tf32) with fp32 accumulation",
     defaults={"precision": "bf16", "split_k": 1},
+    choices={"precision": ("bf16", "tf32"), "split_k": (range(1, 4097),)},
     spec="optimized-stack §4.1 (O3)",
 )
 
@@ -36,9 +37,7 @@ def round_tf32(x: torch.Tensor) -> torch.Tensor:
 
 @PATCH.op("hc_prelinear")
 def hc_prelinear(ctx: OpContext, streams: torch.Tensor, site: str) -> torch.Tensor:
-    precision, split_k = ctx.options["precision"], int(ctx.options["split_k"])
-    if precision not in ("bf16", "tf32") or split_k < 1:
-        raise ValueError(f"options precision={precision!r} (bf16|tf32), split_k={split_k} (>= 1)")
+    precision, split_k = ctx.options["precision"], ctx.options["split_k"]
     rnd = (lambda t: t.to(torch.bfloat16).float()) if precision == "bf16" else round_tf32
     flat = streams.float().flatten(-2)  # the streams are bf16 already
     fn = rnd(ctx.weight(f"hc_{site}_fn"))

@@ -26,6 +26,7 @@ PATCH = Patch(
     phases=("prefill", "decode"),
     description="fused hash routing on hash layers: stable softplus, renormalise with a floor, 1.5 on the MoE output",
     defaults={"scale_on": "output", "floor": 1e-20, "weights_dtype": "fp32"},
+    choices={"scale_on": ("output", "weights", "none"), "weights_dtype": ("fp32", "bf16")},
     spec="optimized-stack §5 (O4)",
 )
 
@@ -39,8 +40,6 @@ def router(ctx: OpContext, y: torch.Tensor, token_ids: torch.Tensor) -> Routing:
     if not ctx.cfg.is_hash_layer(ctx.layer):
         return ctx.base(y=y, token_ids=token_ids)
     scale_on, floor, wdt = ctx.options["scale_on"], float(ctx.options["floor"]), ctx.options["weights_dtype"]
-    if scale_on not in ("output", "weights", "none") or wdt not in ("fp32", "bf16"):
-        raise ValueError(f"options scale_on={scale_on!r} (output|weights|none), weights_dtype={wdt!r} (fp32|bf16)")
     logits = ctx.call("linear", x=y, site="ffn.gate").float()
     scores = torch.sqrt(stable_softplus(logits))
     expert_ids = ctx.weights.stored("ffn.gate.tid2eid").to(ctx.device)[token_ids]

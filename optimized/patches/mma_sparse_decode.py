@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from optimized.kernels.sparse_decode import PagedLatentRows, sparse_decode_splitk
+from optimized.kernels import IMPLS
+from optimized.kernels.sparse_decode import SPLIT_SIZES, PagedLatentRows, sparse_decode_splitk
 from optimized.ops import OpContext
 from optimized.patching import Patch
 
@@ -26,6 +27,7 @@ PATCH = Patch(
     description="split-K MMA sparse attention decode: bf16 QK/PV, 64-candidate splits with bf16 partials, "
                 "LSE merge, sink once",
     defaults={"split": 64, "impl": "auto"},
+    choices={"split": SPLIT_SIZES, "impl": IMPLS},
     spec="optimized-stack §2 (O1)",
 )
 

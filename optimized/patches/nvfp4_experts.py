@@ -31,6 +31,8 @@ PATCH = Patch(
     phases=("prefill", "decode"),
     description="routed experts as NVFP4 (e2m1 + e4m3/16 + fp32 global) with W4A4 activation quantization",
     defaults={"activations": "w4a4", "input_scale": "checkpoint", "global_scale": "modelopt"},
+    choices={"activations": ("w4a4", "w4a16"), "input_scale": ("checkpoint", float),
+             "global_scale": ("modelopt", "pow2")},
     spec="optimized-stack §6 (O5)",
 )
 
@@ -49,8 +51,6 @@ def _nvfp4_weight(ctx: OpContext, name: str) -> tuple[torch.Tensor, float | None
     if not isinstance(stored, QuantizedTensor):
         raise ValueError(f"expert weight '{name}' is not quantized; nvfp4-experts needs FP4 or NVFP4 storage")
     rule = ctx.options["global_scale"]
-    if rule not in ("modelopt", "pow2"):
-        raise ValueError(f"option global_scale={rule!r}: expected 'modelopt' or 'pow2'")
     w = ctx.call("load_weight", name=name, fmt="nvfp4" if rule == "modelopt" else "nvfp4-pow2")
     return w, None if stored.input_scale is None else float(stored.input_scale)
 
@@ -58,8 +58,6 @@ def _nvfp4_weight(ctx: OpContext, name: str) -> tuple[torch.Tensor, float | None
 @PATCH.op("experts")
 def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
     mode, opt_scale = ctx.options["activations"], ctx.options["input_scale"]
-    if mode not in ("w4a4", "w4a16"):
-        raise ValueError(f"option activations={mode!r}: expected 'w4a4' or 'w4a16'")
 
     def act(x: torch.Tensor, stored_scale: float | None) -> torch.Tensor:
         if mode == "w4a16":

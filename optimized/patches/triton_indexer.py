@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from optimized.base_ops import quantize_indexer_q
-from optimized.kernels.indexer_logits import fp8_paged_mqa_logits
+from optimized.kernels import IMPLS
+from optimized.kernels.indexer_logits import DOT_PRECISIONS, fp8_paged_mqa_logits
 from optimized.ops import OpContext
 from optimized.patching import Patch
 from reference.ops.compressor import visible_rows
@@ -35,6 +36,7 @@ PATCH = Patch(
     phases=("decode",),
     description="Triton FP8 paged MQA indexer logits (64-token pages, early exit, per-head dot precision), then top-k",
     defaults={"dot_precision": "bf16", "masked_value": "-inf", "prefill_rows": False, "impl": "auto"},
+    choices={"dot_precision": DOT_PRECISIONS, "masked_value": ("-inf", float), "impl": IMPLS},
     spec="optimized-stack §3 (O2)",
     phases_for=_phases,
 )

@@ -71,11 +71,12 @@ class CheckpointWeights:
         problems = self.check.fatal(require_data=True)
         if not problems:
             return
+        head = f"checkpoint {self.path} ({self.layout} layout) does not match config '{self.config.name}': "
+        if len(problems) == 1:
+            raise WeightError(head + problems[0])
         listed = "\n  ".join(problems[:MAX_LISTED_PROBLEMS])
         more = len(problems) - MAX_LISTED_PROBLEMS
-        raise WeightError(
-            f"checkpoint {self.path} ({self.layout} layout) does not match config '{self.config.name}': "
-            f"{len(problems)} problem(s):\n  {listed}" + (f"\n  ... and {more} more" if more > 0 else ""))
+        raise WeightError(f"{head}{len(problems)} problem(s):\n  {listed}" + (f"\n  ... and {more} more" if more > 0 else ""))
 
     def describe(self) -> dict[str, object]:
         return {

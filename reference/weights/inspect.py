@@ -8,6 +8,8 @@ the stored bytes (FP8/FP4 codes plus scales).
 
 Layers absent from the files are reported in `missing_layers` (a partial download of the first layers shows the
 rest there, not as tens of thousands of missing tensors); `layers=` restricts the check to chosen layers.
+`stops_a_run` lists what `run` would refuse the checkpoint for (the same check), shards whose data region is
+cut short (`truncated`) included; `checkpoint inspect` exits 2 when it is not empty.
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ def inspect_checkpoint(path: str | Path, config: ModelConfig | None = None,
         "unexpected": check.unexpected,
         "mtp_tensors": len(check.mtp),
         "tensors_without_data": sum(len(shard.truncated()) for shard in files.shards.values()),
+        "truncated": check.truncated,
+        "stops_a_run": check.fatal(require_data=True),
         "memory": {
             "per_layer": per_layer,
             "per_type": per_type,
@@ -139,6 +143,8 @@ def format_inspection(report: dict[str, Any], width: int = 110) -> str:
             console.print(_listing(key, report[key]))
     if report["tensors_without_data"]:
         console.print(f"tensors whose data is absent from their shard: {report['tensors_without_data']}")
+        for line in report["truncated"]:
+            console.print(f"[red]truncated[/red]: {line}")
 
     mem = report["memory"]
     table = Table(title="weight memory of one resident layer")

@@ -259,7 +259,7 @@ class CheckpointCheck:
     `plans[layer][name]` (layer None = top level, names without the `layers.{L}.` prefix) for each tensor
     that resolved; `missing[layer]` the tensors not found; `absent_layers` the checked layers of which no
     tensor at all is present (a partial download); `errors` fatal problems (dtype, shape, schedule
-    mismatch); `unexpected` stored names nothing claims (listed, not fatal); `mtp` the skipped MTP tensors;
+    mismatch, layers beyond the config's num_hidden_layers); `unexpected` stored names nothing claims (listed, not fatal); `mtp` the skipped MTP tensors;
     `truncated` one message per shard whose data region ends before its header says.
     """
 
@@ -313,6 +313,7 @@ def check_checkpoint(files: CheckpointFiles, config: ModelConfig, layout: str | 
 
     present = {layer_index(official_name(stored, layout)) for stored in files.tensors}
     out.absent_layers = [L for L in checked if L not in present]
+    beyond: list[str] = []  # tensors of layers the config does not have: the model would silently lose them
     for stored in files.tensors:
         if stored in claimed:
             continue
@@ -321,6 +322,9 @@ def check_checkpoint(files: CheckpointFiles, config: ModelConfig, layout: str | 
             out.mtp.append(stored)
             continue
         L = layer_index(official)
+        if L is not None and L >= config.num_hidden_layers:
+            beyond.append(stored)
+            continue
         if L is not None and L < config.num_hidden_layers and L not in checked:
             continue  # outside the requested layer filter: not examined
         if L is not None and L < config.num_hidden_layers and _SCHEDULE_DEPENDENT.match(
@@ -332,6 +336,12 @@ def check_checkpoint(files: CheckpointFiles, config: ModelConfig, layout: str | 
                 "experts, which has no such tensor: the config does not describe this checkpoint")
             continue
         out.unexpected.append(stored)
+    if beyond:
+        layers = sorted({layer_index(official_name(stored, layout)) for stored in beyond})
+        out.errors.append(
+            f"tensor {files.tensors[beyond[0]].where()} and {len(beyond) - 1} more belong to layer(s) "
+            f"{format_ranges(layers)}, beyond the config's num_hidden_layers = {config.num_hidden_layers} (layers "
+            f"0-{config.num_hidden_layers - 1}): the config does not describe this checkpoint")
 
     for shard in files.shards.values():
         cut = shard.truncated()

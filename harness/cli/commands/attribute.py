@@ -9,8 +9,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from harness.attribution.attribute import run_attribution
+from harness.attribution.plan import attribution_variants
+from harness.cli.paths import new_output_dir
+from harness.cli.threads import add_threads_argument, torch_threads
 from harness.errors import UsageError
-from harness.run.setup import Overrides, build_run_spec, default_out_dir, manifest_for
+from harness.run.setup import Overrides, build_run_spec, default_out_dir, manifest_for, shadowing_warnings
 from harness.run.runner import RunSpec
 from harness.scenario import find_scenario, load_scenario
 from harness.run.store import RunStore
@@ -22,17 +25,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "attribute", help="blame matrix and verdict: base, each patch alone, all but one, all — one pass",
         description="Runs the reference once and, beside it, the base stack, each patch alone, all but one and "
                     "all; writes attribution.json (patch × layer blame per metric and phase, first divergence per "
-                    "patch, ranked verdict), gate.json and report.html into the run directory.")
+                    "patch, ranked verdict), gate.json and report.html into the run directory. Exit codes: 0 "
+                    "done (whatever the verdict), 2 usage or input error, 3 a patch's op raised, 4 internal error.")
     p.add_argument("scenario", help="scenario file or shipped name")
-    p.add_argument("--patches", help="the patches to attribute (default: every patch any scenario variant uses)")
+    p.add_argument("--patches", help="the patches to attribute (default: every patch any scenario variant uses; "
+                                     "later patches wrap earlier ones in the all and all-but-one variants)")
     p.add_argument("--patch-module", action="append", default=[], metavar="FILE_OR_MODULE",
                    help="plugin module with Patch objects (repeatable)")
-    p.add_argument("--policy", help="gate policy file (default: the scenario's gate.policy)")
+    p.add_argument("--policy", metavar="FILE", help="gate policy file (default: the scenario's gate.policy)")
     p.add_argument("--interactions", choices=["auto", "always", "never"], default="auto",
                    help="run every pair of patches in a second pass: when needed (auto), always, or never")
-    p.add_argument("--device", help="cpu or cuda (default: cpu)")
-    p.add_argument("--out", type=Path, help="run directory (default: reports/<scenario>-<UTC time>)")
-    p.add_argument("--no-report", action="store_true")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cpu)")
+    add_threads_argument(p)
+    p.add_argument("--out", type=Path, metavar="RUN_DIR", help="run directory (default: reports/<scenario>-<UTC time>)")
+    p.add_argument("--no-report", action="store_true", help="do not write report.html")
     p.set_defaults(func=run)
 
 
@@ -52,24 +58,30 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
 
     path = find_scenario(scenario_ref)
     scenario = load_scenario(path)
-    overrides = Overrides(device, patches, patch_modules)
-    spec, plan = build_run_spec(scenario, overrides)
-    choices = patches_of(spec)
-    if not choices:
-        raise UsageError("nothing to attribute: no patches selected (give --patches or a scenario with patched variants)")
-    spec.variants = [VariantSpec("patches", choices)]
-    store = RunStore(out or default_out_dir(scenario))
-    if store.exists():
-        raise UsageError(f"{store.dir} already holds a run; choose another --out")
-    manifest = manifest_for(scenario, path.read_text(), overrides, spec, plan)
+    with new_output_dir(out or default_out_dir(scenario), "--out") as run_dir:
+        store = RunStore(run_dir)
+        if store.exists():
+            raise UsageError(f"--out {store.dir} already holds a run; choose another --out")
+        overrides = Overrides(device, patches, patch_modules)
+        spec, plan = build_run_spec(scenario, overrides)
+        choices = patches_of(spec)
+        if not choices:
+            raise UsageError("nothing to attribute: no patches selected (give --patches or a scenario with patched "
+                             "variants)")
+        for warning in shadowing_warnings(attribution_variants(choices)):
+            console(stderr=True).print(f"[yellow]warning[/]: {warning}", soft_wrap=True)
+        spec.variants = [VariantSpec("patches", choices)]
+        manifest = manifest_for(scenario, path.read_text(), overrides, spec, plan)
     result = run_attribution(spec, store, manifest, policy, progress, interactions)
     return result, store.dir
 
 
 def run(args: argparse.Namespace) -> int:
     out = console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with torch_threads(args.threads) as note, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=out, transient=True) as bar:
+        if note:
+            out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
         task = bar.add_task("attribution", total=None)
 
         def progress(event: dict) -> None:

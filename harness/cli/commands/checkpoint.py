@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from harness.cli.console import console
+from harness.cli.paths import writable_dir
 from reference.weights.profiles import DEFAULT_PROFILE, PROFILES
 
 from harness.errors import UsageError
@@ -22,6 +23,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ins.add_argument("dir", type=Path)
     ins.add_argument("--layers", help="only these layers, e.g. '0-3' or '0,2,5'")
     ins.add_argument("--json", action="store_true", help="print the full report as JSON")
+    ins.add_argument("--headers-only", action="store_true",
+                     help="the shards hold headers without tensor data (a fixture, a header download): do not count "
+                          "the missing data as a problem")
+    ins.epilog = "Exit code 2 when the checkpoint has a problem that would stop `dsv4-drift run` (listed)."
     ins.set_defaults(func=run_inspect)
     syn = verbs.add_parser("synth", help="write synthetic weights as a checkpoint in the hf, official or nvfp4 layout")
     syn.add_argument("--format", choices=["hf", "official", "nvfp4"], required=True)
@@ -60,6 +65,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, default=str))
     else:
         console().print(format_inspection(report))
+    problems = [p for p in report["stops_a_run"] if not (args.headers_only and p in report["truncated"])]
+    if problems:
+        raise UsageError(f"checkpoint {args.dir}: {len(problems)} problem(s) would stop a run on it (listed above); "
+                         f"the first: {problems[0]}")
     return 0
 
 
@@ -70,6 +79,7 @@ def run_synth(args: argparse.Namespace) -> int:
         config = get_preset(args.model)
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    writable_dir(args.out, "--out")
     path = write_synthetic_checkpoint(config, args.seed, args.out, fmt=args.format, profile=args.profile)
     print(f"wrote {args.format} checkpoint of {args.model} (seed {args.seed}) to {path}")
     return 0

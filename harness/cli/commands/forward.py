@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from harness.cli.paths import writable_file
+from harness.cli.threads import add_threads_argument, torch_threads
 from harness.run.environment import environment_record
+from harness.run.setup import check_device, choose_patches, load_registry
 from harness.errors import UsageError
 from harness.run.safetensors_stream import write_streamed
 from harness.scenario.weights import open_weights
@@ -31,15 +35,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "layers.{L}.out [T, hc_mult, hidden] for every layer.",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="model preset for synthetic weights: flash, flash-mini (default), tiny")
-    src.add_argument("--checkpoint", type=Path, help="checkpoint directory (config.json + safetensors)")
-    p.add_argument("--seed", type=int, default=0, help="synthetic weight seed (default 0)")
+    src.add_argument("--model", metavar="PRESET", help="model preset for synthetic weights: flash, flash-mini (default), "
+                                                         "tiny")
+    src.add_argument("--checkpoint", type=Path, metavar="DIR", help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="synthetic weight seed (default 0)")
     p.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE,
                    help=f"synthetic weight statistics (default {DEFAULT_PROFILE}; uncalibrated reproduces runs before "
                         "2026-12-01)")
-    p.add_argument("--tokens", type=Path, required=True, help="JSON list of prompt token ids")
-    p.add_argument("--decode-tokens", type=Path, help="JSON list of decode token ids, fed one at a time")
-    p.add_argument("--chunk-size", type=int, help="prefill chunk size in tokens (default: the whole prompt at once "
+    p.add_argument("--tokens", type=Path, required=True, metavar="FILE", help="JSON list of prompt token ids")
+    p.add_argument("--decode-tokens", type=Path, metavar="FILE", help="JSON list of decode token ids, fed one at a time")
+    p.add_argument("--chunk-size", type=int, metavar="N", help="prefill chunk size in tokens (default: the whole prompt at once "
                                                  "for the reference and yardstick, 8192 for the optimized stack)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="reference precision")
     p.add_argument("--parity", default="", help="official QAT simulation steps to switch on, comma separated: "
@@ -51,9 +56,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                      "(inline options as id:key=value)")
     p.add_argument("--patch-module", action="append", default=[], metavar="FILE_OR_MODULE",
                    help="optimized stack: plugin module with Patch objects (repeatable)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    add_threads_argument(p)
     p.add_argument("--dump-layers", action="store_true", help="also write layers.{L}.out for every layer")
-    p.add_argument("--out", type=Path, required=True, help="output .safetensors file")
+    p.add_argument("--out", type=Path, required=True, metavar="FILE", help="output .safetensors file")
     p.set_defaults(func=run)
 
 
@@ -78,20 +84,25 @@ def build_stack(args: argparse.Namespace, source) -> tuple[object, int | None, s
     if args.stack == "yardstick":
         return ReferenceModel(source, torch.bfloat16, args.device), args.chunk_size, "yardstick bf16"
     from optimized.engine import DEFAULT_CHUNK_SIZE, OptimizedModel
-    from optimized.patching import PatchError
-    from optimized.registry import default_registry
+    from optimized.patching import shadowed_patches
 
-    try:
-        choices = default_registry(args.patch_module).choose(args.patches)
-    except PatchError as e:
-        raise UsageError(str(e)) from None
+    choices = choose_patches(load_registry(args.patch_module), args.patches)
+    for shadowing in shadowed_patches(choices):
+        print(f"warning: {shadowing.message()}", file=sys.stderr)
     label = "optimized " + ("+".join(c.id for c in choices) or "base")
     return OptimizedModel(source, choices, args.device), args.chunk_size or DEFAULT_CHUNK_SIZE, label
 
 
 def run(args: argparse.Namespace) -> int:
+    with torch_threads(args.threads) as note:
+        return _forward(args, note)
+
+
+def _forward(args: argparse.Namespace, note: str | None) -> int:
     from rich.progress import Progress
 
+    writable_file(args.out, "--out")
+    check_device(args.device)
     source = open_weights(args.model, args.seed, args.checkpoint, args.profile)
     cfg = source.config
     prompt = read_token_file(args.tokens, cfg.vocab_size, "--tokens file")
@@ -100,9 +111,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--tokens file {args.tokens} holds no tokens")
     if args.chunk_size is not None and args.chunk_size <= 0:
         raise UsageError(f"--chunk-size must be positive, got {args.chunk_size}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
     model, chunk_size, label = build_stack(args, source)
+    if note:  # once, when the inputs are known to be good
+        print(f"note: {note}", file=sys.stderr)
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -132,7 +143,6 @@ def run(args: argparse.Namespace) -> int:
         "config": json.dumps(cfg.to_dict()),
         "environment": json.dumps(environment_record(args.device)),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_streamed(args.out, entries, meta)
     seconds = time.perf_counter() - started
     peak = f", peak device memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if args.device.startswith("cuda") else ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from harness.cli.paths import writable_file
 from harness.errors import UsageError
 from harness.run.store import RunStore
 
@@ -18,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Reads RUN_DIR (manifest.json, metrics.parquet, findings.json, and gate.json / attribution.json "
                     "when present) and writes one HTML file that opens offline: verdict, run metadata, per-layer "
                     "table, drift-vs-layer charts, layer × position heatmap, indexer recall by position, the "
-                    "context-loss lens, mHC accumulation, the attribution matrix, first crossings and NaN/Inf "
+                    "context-loss lens, mHC accumulation, the attribution matrix, the first failing layers and NaN/Inf "
                     "findings. --figures also draws the key views with matplotlib, as PNG and SVG: drift vs layer "
                     "per metric family (variants, yardstick, gate bound), the layer × position heatmap, the "
                     "context-loss lens and the attribution matrix. Run `dsv4-drift gate` first for the bounds; "
@@ -42,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not RunStore(args.run_dir).exists():
         raise UsageError(f"{args.run_dir} is not a run directory (no manifest.json)")
+    if args.out is not None:
+        writable_file(args.out, "--out")
     if args.figures is None and (args.figure_variants or args.heatmap_metric):
         raise UsageError("--figure-variants and --heatmap-metric apply only with --figures")
     if args.figures is not None:

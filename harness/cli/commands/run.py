@@ -1,4 +1,5 @@
-"""`dsv4-drift run`: the main job — a scenario through the reference, yardstick and variants, layer by layer."""
+"""`dsv4-drift run`: the main job — a scenario through the reference, yardstick and variants, layer by layer,
+then judged by the scenario's gate policy (one verdict for the console, gate.json and report.html)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from harness.errors import UsageError
-from harness.run.setup import Overrides, build_run_spec, default_out_dir, manifest_for, prompt_digest
-from harness.run.runner import LockstepRunner
+from harness.run.setup import Overrides, build_run_spec, default_out_dir, manifest_for, prompt_digest, shadowing_warnings
+from harness.run.runner import LockstepRunner, RunSpec
 from harness.scenario import find_scenario, load_scenario, parse_scenario
 from harness.run.store import RunStore
+from harness.cli.paths import new_output_dir
 from harness.cli.summary import summary_table
 from harness.cli.console import console
+from harness.cli.threads import add_threads_argument, torch_threads
+from optimized.patching import PluginOpError
 
 DEFAULT_SCENARIO = "demo-cpu"
 
@@ -26,18 +31,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run", help="run a scenario: reference vs yardstick vs optimized variants, per-layer drift to a run directory",
         description="Runs the scenario layer-major (reference, yardstick and every variant in lockstep), writing "
-                    "manifest.json and metrics.parquet (layer by layer) to the run directory, then prints a summary.")
+                    "manifest.json and metrics.parquet (layer by layer) to the run directory, prints a summary, "
+                    "gates the run with the scenario's policy (gate.json) and writes report.html from that verdict. "
+                    "Exit codes: 0 the gate passes (or --no-gate), 1 it fails, 2 usage or input error, 3 a patch's "
+                    "op raised (the run is marked failed and can be resumed), 4 an internal error.")
     p.add_argument("scenario", nargs="?", default=None,
                    help=f"scenario file or shipped name (default: {DEFAULT_SCENARIO}); omit with --resume")
-    p.add_argument("--out", type=Path, help="run directory (default: reports/<scenario>-<UTC time>)")
-    p.add_argument("--device", help="cpu or cuda (default: cpu)")
+    p.add_argument("--out", type=Path, metavar="RUN_DIR", help="run directory (default: reports/<scenario>-<UTC time>)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--patches", help="replace the scenario's variants by 'base' and one variant with these patches "
-                                     "(comma list, 'all'; inline options as id:key=value)")
+                                     "(comma list, 'all'; inline options as id:key=value; later patches wrap earlier "
+                                     "ones)")
     p.add_argument("--patch-module", action="append", default=[], metavar="FILE_OR_MODULE",
                    help="plugin module with Patch objects (repeatable)")
     p.add_argument("--local", action=argparse.BooleanOptionalAction, default=None,
                    help="override the scenario's measure.local (shadow runs of every layer on the reference's input)")
-    p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="complete an interrupted run with identical numbers")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                   help="complete an interrupted or failed run with identical numbers (its scenario, options and "
+                        "thread count come from its manifest)")
+    add_threads_argument(p)
+    p.add_argument("--no-gate", action="store_true",
+                   help="do not gate the run (no gate.json; the report is then not gated and not coloured)")
+    p.add_argument("--keep-state", action="store_true",
+                   help="keep state/streams.pt, the streams --resume restarts from, after the run completes")
     p.add_argument("--no-report", action="store_true", help="do not write report.html")
     p.set_defaults(func=run)
 
@@ -52,34 +68,90 @@ def run(args: argparse.Namespace) -> int:
             manifest = store.read_manifest()
         except FileNotFoundError as e:
             raise UsageError(str(e)) from None
-        sc = manifest["scenario"]
-        scenario = parse_scenario(sc["text"], sc["file"], Path(sc["file"]).parent if sc["file"] != "<string>" else None)
-        ov = manifest["overrides"]
-        overrides = Overrides(args.device or ov["device"], ov["patches"], tuple(ov["patch_modules"]), ov.get("local"))
-        spec, plan = build_run_spec(scenario, overrides, decode_ids=manifest["prompt"]["decode_ids"])
-        if prompt_digest(spec.prompt_ids) != manifest["prompt"]["digest"]:
-            raise UsageError(f"{args.resume}: the scenario now resolves to a different prompt; cannot resume")
-        start = 0
-        streams = None
-        if store.state_path.is_file():
-            done, streams = store.load_streams()
-            start = done + 1
-        out.print(f"resuming {args.resume} at layer {start}")
+        if manifest.get("status") == "complete":
+            raise UsageError(f"--resume {args.resume}: the run is complete; there is nothing to resume")
+        threads = args.threads or manifest["overrides"].get("threads") or manifest["environment"].get("torch_threads")
     else:
-        path = find_scenario(args.scenario or DEFAULT_SCENARIO)
-        scenario = load_scenario(path)
-        overrides = Overrides(args.device, args.patches, tuple(args.patch_module), args.local)
-        spec, plan = build_run_spec(scenario, overrides)
-        store = RunStore(args.out or default_out_dir(scenario))
+        threads = args.threads
+    with torch_threads(threads) as note:
+        if args.resume:
+            spec, store, start, streams = _resume(store, manifest, args)
+        else:
+            spec, store = _start(args, torch.get_num_threads())
+            start, streams = 0, None
+        if note:  # once, when the inputs are known to be good and the layers start
+            out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
         try:
-            store.create(manifest_for(scenario, path.read_text(), overrides, spec, plan))
-        except FileExistsError as e:
-            raise UsageError(str(e)) from None
-        start, streams = 0, None
-        out.print(f"[bold]{scenario.name}[/]: {spec.n_prompt} prompt + {len(spec.decode_ids)} decode tokens, "
-                      f"{spec.source.config.num_hidden_layers} layers, variants "
-                      f"{', '.join(v.name for v in spec.variants)} → {store.dir}")
+            segments, seconds, peaks = _run_layers(spec, store, start, streams, out)
+        except PluginOpError as e:
+            raise PluginOpError(f"{e} — {store.dir} is marked failed and keeps the layers it finished; fix the "
+                                f"patch and continue with `dsv4-drift run --resume {store.dir}`") from e
+    if not args.keep_state:
+        store.delete_state()
+    out.print(summary_table(store.read_metrics().to_pandas()))
+    for f in store.read_findings():
+        out.print(f"[red]non-finite values[/]: {f['variant']} ({f['mode']}) first at layer {f['layer']}, "
+                  f"tap {f['tap']}.{f['field']}, {f['phase']} position {f['position']}")
+    exit_code = 0 if args.no_gate else _gate(store, out)
+    if not args.no_report:
+        from harness.report.write import write_report
 
+        out.print(f"report: {write_report(store.dir)}")
+    resumed = f" this segment, {len(segments)} segments" if len(segments) > 1 else ""
+    out.print(f"run directory: {store.dir}  ({seconds:.1f} s{resumed}, "
+              + ", ".join(f"{k} {v}" for k, v in peaks.items()) + ")")
+    return exit_code
+
+
+def _start(args: argparse.Namespace, threads: int) -> tuple[RunSpec, RunStore]:
+    """A new run: the scenario and overrides resolved, the run directory created (and proven writable before the
+    prompt is built, as that may already compute: a greedy decode)."""
+    out = console(stderr=True)
+    path = find_scenario(args.scenario or DEFAULT_SCENARIO)
+    scenario = load_scenario(path)
+    with new_output_dir(args.out or default_out_dir(scenario), "--out") as run_dir:
+        store = RunStore(run_dir)
+        if store.exists():
+            raise UsageError(f"--out {store.dir} already holds a run (use --resume to continue it, or another --out)")
+        overrides = Overrides(args.device, args.patches, tuple(args.patch_module), args.local, args.threads)
+        spec, plan = build_run_spec(scenario, overrides)
+        for warning in shadowing_warnings(spec.variants):
+            out.print(f"[yellow]warning[/]: {warning}", soft_wrap=True)
+        store.create(manifest_for(scenario, path.read_text(), overrides, spec, plan))
+    out.print(f"[bold]{scenario.name}[/]: {spec.n_prompt} prompt + {len(spec.decode_ids)} decode tokens, "
+              f"{spec.source.config.num_hidden_layers} layers, variants "
+              f"{', '.join(v.name for v in spec.variants)}, {threads} thread(s) → {store.dir}")
+    return spec, store
+
+
+def _resume(store: RunStore, manifest: dict, args: argparse.Namespace
+            ) -> tuple[RunSpec, RunStore, int, dict[str, torch.Tensor] | None]:
+    """An interrupted or failed run, rebuilt from its manifest, from the layer after its saved state."""
+    sc = manifest["scenario"]
+    scenario = parse_scenario(sc["text"], sc["file"], Path(sc["file"]).parent if sc["file"] != "<string>" else None)
+    ov = manifest["overrides"]
+    overrides = Overrides(args.device or ov["device"], ov["patches"], tuple(ov["patch_modules"]), ov.get("local"),
+                          ov.get("threads"))
+    spec, _ = build_run_spec(scenario, overrides, decode_ids=manifest["prompt"]["decode_ids"])
+    if prompt_digest(spec.prompt_ids) != manifest["prompt"]["digest"]:
+        raise UsageError(f"--resume {store.dir}: the scenario now resolves to a different prompt; cannot resume")
+    start, streams = 0, None
+    if store.state_path.is_file():
+        done, streams = store.load_streams()
+        start = done + 1
+    out = console(stderr=True)
+    out.print(f"resuming {store.dir} at layer {start} with {torch.get_num_threads()} thread(s)")
+    first = manifest["environment"].get("torch_threads")
+    if first is not None and first != torch.get_num_threads():
+        out.print(f"[yellow]note[/]: the run started with {first} thread(s): parallel sums can differ in their last "
+                  "digits, so later layers may not match an uninterrupted run exactly", soft_wrap=True)
+    return spec, store, start, streams
+
+
+def _run_layers(spec: RunSpec, store: RunStore, start: int, streams: dict[str, torch.Tensor] | None,
+                out: Console) -> tuple[list[dict], float, dict[str, float]]:
+    """The lockstep pass with a progress bar (one line per layer in logs); each segment's time and peak memory go
+    into the manifest. Returns the segments, this segment's seconds and its peaks."""
     n_layers = spec.source.config.num_hidden_layers
     stacks = 1 + len(spec.stacks())
     if spec.device.startswith("cuda"):
@@ -87,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     segments = store.read_manifest().get("segments", [])
     segments.append({"start_layer": start, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                     "seconds": 0.0, "device": spec.device})
+                     "seconds": 0.0, "device": spec.device, "threads": torch.get_num_threads()})
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=out, transient=True) as bar:
         task = bar.add_task("starting", total=(n_layers - start) * stacks)
@@ -114,26 +186,19 @@ def run(args: argparse.Namespace) -> int:
         peaks["peak_device_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     segments[-1].update(seconds=round(seconds, 2), **peaks)
     # wall_seconds: every segment of a resumed run (the layers a kill interrupted mid-way are not counted)
-    store.update_manifest(status="complete", finished=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                          segments=segments, wall_seconds=round(sum(s["seconds"] for s in segments), 2),
+    store.update_manifest(segments=segments, wall_seconds=round(sum(s["seconds"] for s in segments), 2),
                           **_max_peaks(segments))
-    metrics = store.read_metrics().to_pandas()
-    out.print(summary_table(metrics))
-    findings = store.read_findings()
-    for f in findings:
-        out.print(f"[red]non-finite values[/]: {f['variant']} ({f['mode']}) first at layer {f['layer']}, "
-                      f"tap {f['tap']}.{f['field']}, {f['phase']} position {f['position']}")
-    if not args.no_report:
-        try:
-            from harness.report.write import write_report
-        except ImportError:
-            write_report = None
-        if write_report is not None:
-            out.print(f"report: {write_report(store.dir)}")
-    resumed = f" this segment, {len(segments)} segments" if len(segments) > 1 else ""
-    out.print(f"run directory: {store.dir}  ({seconds:.1f} s{resumed}, "
-              + ", ".join(f"{k} {v}" for k, v in peaks.items()) + ")")
-    return 0
+    return segments, seconds, peaks
+
+
+def _gate(store: RunStore, out: Console) -> int:
+    """Judge the finished run with its scenario's policy, write gate.json, print the verdict; the gate's exit code."""
+    from harness.gate.gate_run import gate_run
+    from harness.gate.outputs import print_verdict
+
+    result = gate_run(store.dir)
+    print_verdict(result, out, max_failures=8)
+    return result.exit_code
 
 
 def _max_peaks(segments: list[dict]) -> dict[str, float]:

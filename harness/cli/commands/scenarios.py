@@ -81,6 +81,7 @@ def _console():
 
 
 def run_list(args: argparse.Namespace) -> int:
+    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
@@ -124,6 +125,8 @@ def run_list(args: argparse.Namespace) -> int:
             str(len(scenario.stacks.variants)),
             Text(scenario.description),
         )
+    if not console.is_terminal:  # piped or logged: as wide as the table needs, so no cell is cut
+        console = Console(highlight=False, width=max(80, Console(width=10_000).measure(table).maximum))
     console.print(table)
     return 2 if invalid else 0
 
@@ -275,6 +278,7 @@ def run_render(args: argparse.Namespace) -> int:
 
     from harness.scenario.chat_encoding import PREAMBLE_TURN
     from harness.scenario import find_scenario, load_scenario, resolve_prompt
+    from harness.scenario.prompt import span_text
 
     if args.max_chars < 0:
         raise UsageError(f"--max-chars must be 0 (everything) or positive, got {args.max_chars}")
@@ -292,8 +296,8 @@ def run_render(args: argparse.Namespace) -> int:
     for span in plan.turn_spans:
         chunks = sorted({plan.chunk_of_position(span.start), plan.chunk_of_position(span.end - 1)})
         turns.add_row("preamble" if span.turn == PREAMBLE_TURN else str(span.turn), f"{span.end - span.start:,}",
-                      f"{span.start:,}–{span.end - 1:,}", "–".join(map(str, chunks)))
-    turns.add_row("decode", str(plan.decode_steps), f"{plan.n_prompt:,}–{plan.n_total - 1:,}"
+                      span_text(span.start, span.end), "–".join(map(str, chunks)))
+    turns.add_row("decode", str(plan.decode_steps), span_text(plan.n_prompt, plan.n_total)
                   if plan.decode_steps else "", "")
     console.print(turns)
 
@@ -302,13 +306,13 @@ def run_render(args: argparse.Namespace) -> int:
         for column in ("name", "positions", "turn", "text"):
             needles.add_column(column)
         for name, loc in plan.needles.items():
-            needles.add_row(Text(name), f"{loc.start:,}–{loc.end - 1:,}", str(loc.turn),
+            needles.add_row(Text(name), span_text(loc.start, loc.end), str(loc.turn),
                             Text(plan.needle_texts.get(name, ""), style=_NEEDLE_STYLE))
         console.print(needles)
 
     for span in plan.turn_spans:
         label = "preamble (BOS, system prompt)" if span.turn == PREAMBLE_TURN else f"turn {span.turn}"
-        title = f"{label}: {span.end - span.start:,} tokens, positions {span.start:,}–{span.end - 1:,}"
+        title = f"{label}: {span.end - span.start:,} tokens, positions {span_text(span.start, span.end)}"
         console.print(Rule(Text(title), align="left"))
         console.print(_turn_text(plan, span.start, span.end, args.max_chars, specials), soft_wrap=True)
         if args.ids:

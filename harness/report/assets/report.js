@@ -218,33 +218,31 @@
     }
     return null;
   }
-  var RULE = D.crossing_rule || { factor: 2, floor: 1e-9 };
+  /** The one rule for what the gate did not judge (stated in the page's notes and legend). */
+  var UNCHECKED_RULE = 'Colours are the gate’s own verdict: its check’s loss (aggregated as the check says) over the limit it was held to. A value the gate did not judge — no check for that metric, variant, mode, phase or layer, or no gate.json — is not coloured.';
   /**
-   * How close a value is to its limit (> 1: beyond it). With gate.json: the gate's own verdict at that layer
-   * (its aggregated loss over the binding limit, per check); else a flat check's numeric bound; else
-   * RULE.factor × the yardstick at the same layer.
+   * How close a value is to its gate limit (> 1: beyond it), from gate.json only: at that layer, the most
+   * binding check's loss over its limit (a flat gate.json: the check's numeric bound). null: not judged, not
+   * coloured (UNCHECKED_RULE).
    */
-  function limitRatio(key, variant, phase, layer, value, mode, agg) {
+  function limitRatio(key, variant, phase, layer, value, mode) {
     if (variant === YARD) return null;
     var cell = get(GATE, 'cells', key, variant, mode, phase);
     if (cell && cell.ratio && cell.ratio[layer] !== null && cell.ratio[layer] !== undefined) {
-      return { r: cell.ratio[layer], source: 'gate', check: get(GATE, 'check_names', cell.check[layer]) };
+      return { r: cell.ratio[layer], source: 'gate', check: get(GATE, 'check_names', cell.check[layer]), loss: cell.value[layer], limit: cell.limit[layer] };
     }
     var b = badness(key, value);
-    if (b === null) return null;
     var check = flatCheckFor(key, variant, phase);
     var bound = check ? boundValue(check.bound, layer) : null;
-    if (bound !== null) {
-      var lb = badness(key, bound);
-      if (lb === null) return null;
-      return { r: lb > 0 ? b / lb : (b > 0 ? Infinity : 0), source: 'bound', bound: bound, check: check.check };
-    }
-    var ys = series(yardMode(mode), YARD, key, phase, agg);
-    var y = ys ? ys[layer] : null;
-    var by = badness(key, y);
-    if (by === null) return null;
-    var limit = RULE.factor * by + RULE.floor;
-    return { r: b / limit, source: 'yardstick', yd: y, xyd: by > 0 ? b / by : (b > 0 ? Infinity : 1) };
+    if (b === null || bound === null) return null;
+    var lb = badness(key, bound);
+    if (lb === null) return null;
+    return { r: lb > 0 ? b / lb : (b > 0 ? Infinity : 0), source: 'bound', bound: bound, check: check.check };
+  }
+  function gateTitle(lr) {
+    if (!lr) return 'not judged by the gate: not coloured';
+    if (lr.source === 'bound') return 'gate bound ' + fmt(lr.bound) + ' (' + fmtRatio(lr.r) + ' of the bound)';
+    return 'gate check ' + plain(lr.check) + ': loss ' + fmt(lr.loss) + ' vs limit ' + fmt(lr.limit) + ' (' + fmtRatio(lr.r) + ' of its limit: ' + (lr.r > 1 || Number.isNaN(lr.r) ? 'fails' : 'passes') + ')';
   }
   function ratioClass(r) {
     if (!isNum(r)) return r !== null && Number.isNaN(r) ? 'c-bad3' : '';
@@ -532,8 +530,9 @@
     if (GATE) {
       var passed = GATE.passed;
       var fails = failingRows();
-      var cls = passed === true ? 'pass' : passed === false ? 'fail' : 'neutral';
-      var head = passed === true ? 'GATE PASSED' : passed === false ? 'GATE FAILED' : 'GATE RESULT: ' + plain(GATE.verdict);
+      var incomplete = GATE.verdict === 'incomplete';
+      var cls = passed === true ? 'pass' : passed === false || incomplete ? 'fail' : 'neutral';
+      var head = passed === true ? 'GATE PASSED' : passed === false ? 'GATE FAILED' : incomplete ? 'GATE: INCOMPLETE RUN (never passes)' : 'GATE RESULT: ' + plain(GATE.verdict);
       var counts = GATE.counts;
       var countText = counts ? plain(counts.pass) + ' of ' + plain(counts.testcases !== undefined ? counts.testcases : counts.checks) + ' check × variant pass' +
         (counts.fail ? ', ' + counts.fail + ' fail' : '') + (counts.warn ? ', ' + counts.warn + ' warn' : '') + (counts.no_data ? ', ' + counts.no_data + ' without data' : '')
@@ -544,31 +543,21 @@
       var ul = h('ul');
       if (Array.isArray(GATE.failures) && GATE.failures.length) {
         GATE.failures.slice(0, 8).forEach(function (line) { ul.appendChild(h('li', { class: 'mono', text: line })); });
-        if (GATE.failures.length > 8) ul.appendChild(h('li', { text: 'and ' + (GATE.failures.length - 8) + ' more (see First crossings)' }));
+        if (GATE.failures.length > 8) ul.appendChild(h('li', { text: 'and ' + (GATE.failures.length - 8) + ' more (see First failing layers)' }));
       } else {
         fails.slice(0, 8).forEach(function (c) {
           ul.appendChild(h('li', null, h('b', { text: plain(c.check || c.metric) }), ' · ' + plain(c.variant) + ' · ' + plain(c.phase) + ': first failing layer ',
             layerRef(c.first_failing_layer), ', worst ' + plain(c.worst_value) + ' vs bound ' + plain(c.bound !== undefined ? c.bound : c.worst_limit)));
         });
-        if (fails.length > 8) ul.appendChild(h('li', { text: 'and ' + (fails.length - 8) + ' more (see First crossings)' }));
+        if (fails.length > 8) ul.appendChild(h('li', { text: 'and ' + (fails.length - 8) + ' more (see First failing layers)' }));
       }
       if (ul.childNodes.length) box.appendChild(ul);
+      (Array.isArray(GATE.notes) ? GATE.notes : []).forEach(function (n) { box.appendChild(h('div', { class: 'mono', text: 'note: ' + plain(n) })); });
       el.appendChild(box);
     } else {
-      var crossed = (D.crossings || []).filter(function (c) { return c.first_layer !== null && c.first_layer !== undefined; });
-      var nb = h('div', { class: 'banner neutral', id: 'gate-banner' },
+      el.appendChild(h('div', { class: 'banner neutral', id: 'gate-banner' },
         h('div', { class: 'headline', text: 'Not gated' }),
-        h('div', { text: 'No gate.json in the run directory (run `dsv4-drift gate` to judge this run against a policy). Colours compare each value with ' + RULE.factor + '× the yardstick, the bf16 noise floor.' }));
-      if (crossed.length) {
-        crossed.sort(function (a, b) { return a.first_layer - b.first_layer; });
-        var vs = new Set(crossed.map(function (c) { return c.variant; }));
-        var c0 = crossed[0];
-        nb.appendChild(h('div', null, vs.size + ' of ' + OPT.length + ' variant(s) exceed ' + RULE.factor + '× yardstick somewhere; earliest: ',
-          h('b', { text: c0.variant }), ' ' + labelOf(c0.metric) + ' (' + c0.phase + ') at ', layerRef(c0.first_layer)));
-      } else if (D.crossings && D.crossings.length) {
-        nb.appendChild(h('div', { text: 'No variant exceeds ' + RULE.factor + '× the yardstick on the tracked metrics.' }));
-      }
-      el.appendChild(nb);
+        h('div', { text: 'No gate.json in the run directory (the run used --no-gate, or predates gating): `dsv4-drift gate RUN_DIR` judges it and redraws this page. Nothing on the page is coloured as pass or fail without the gate.' })));
     }
     var att = D.attribution;
     if (att && typeof att === 'object') {
@@ -679,31 +668,46 @@
 
   // --- summary --------------------------------------------------------------------------------
   var SUMMARY = [
-    { key: 'streams.rel_l2', label: 'final stream rel L2', how: 'last' },
-    { key: 'attn.tv', label: 'max attention TV', how: 'max' },
-    { key: 'indexer.recall', label: 'min indexer recall', how: 'min' },
-    { key: 'indexer.mass_recall', label: 'min mass recall', how: 'min' },
-    { key: 'ctx.needle_recall', label: 'min needle recall', how: 'min' },
-    { key: 'moe.flip_rate', label: 'max expert flip rate', how: 'max' },
-    { key: 'logits.kl', label: 'logits KL', how: 'logits' },
-    { key: 'logits.top1_agree', label: 'top-1 agree', how: 'logits' },
+    { key: 'streams.rel_l2', label: 'stream rel L2' },
+    { key: 'attn.tv', label: 'attention TV' },
+    { key: 'indexer.recall', label: 'indexer recall' },
+    { key: 'indexer.mass_recall', label: 'mass recall' },
+    { key: 'ctx.needle_recall', label: 'needle recall' },
+    { key: 'moe.flip_rate', label: 'expert flip rate' },
+    { key: 'logits.kl', label: 'logits KL' },
+    { key: 'logits.top1_agree', label: 'top-1 agree' },
   ];
+  /** A gate loss back in the metric's own units: 1 − loss for recalls and agreement (the gate bounds 1 − x). */
+  function fromLoss(key, loss) { return isNum(loss) && info(key).better === 'higher' ? 1 - loss : loss; }
+  /**
+   * One summary cell, global mode. Judged by the gate: the layer where the gate holds the metric closest to (or
+   * furthest past) its limit, the metric there as the gate aggregates it, and that ratio (the colour). Not
+   * judged: the largest per-layer mean (the lowest for recalls and agreement; the logits row's mean), uncoloured.
+   */
   function summaryValue(variant, phase, col) {
-    if (col.how === 'logits') { var l = get(D.logits, variant, phase, col.key); return l ? { v: l.mean } : null; }
-    var agg = col.how === 'last' ? 'mean' : 'worst';
-    var vals = series('global', variant, col.key, phase, agg);
+    var cell = variant === YARD ? null : get(GATE, 'cells', col.key, variant, 'global', phase);
+    if (cell && cell.ratio) {
+      var at = null;
+      cell.ratio.forEach(function (r, i) {
+        if (r === null || r === undefined) return;
+        var score = Number.isNaN(r) ? Infinity : r, best = at === null ? null : (Number.isNaN(cell.ratio[at]) ? Infinity : cell.ratio[at]);
+        if (at === null || score > best) at = i;
+      });
+      if (at !== null) return { v: fromLoss(col.key, cell.value[at]), at: at, lr: { r: cell.ratio[at], source: 'gate', check: get(GATE, 'check_names', cell.check[at]), loss: cell.value[at], limit: cell.limit[at] } };
+    }
+    if (col.key.indexOf('logits.') === 0) { var l = get(D.logits, variant, phase, col.key); return l ? { v: l.mean, at: NL } : null; }
+    var vals = series('global', variant, col.key, phase, 'mean');
     if (!vals) return null;
-    var best = null, at = null;
+    var higher = info(col.key).better === 'higher', pick = null, where = null;
     vals.forEach(function (v, i) {
       if (v === null || v === undefined) return;
-      if (col.how === 'last') { best = v; at = i; return; }
-      if (Number.isNaN(v)) { if (best === null || !Number.isNaN(best)) { best = v; at = i; } return; }
-      if (best === null || (col.how === 'max' ? v > best : v < best)) { best = v; at = i; }
+      if (Number.isNaN(v)) { if (pick === null || !Number.isNaN(pick)) { pick = v; where = i; } return; }
+      if (pick === null || (!Number.isNaN(pick) && (higher ? v < pick : v > pick))) { pick = v; where = i; }
     });
-    return best === null ? null : { v: best, at: at };
+    return pick === null ? null : { v: pick, at: where };
   }
   section('summary', 'Summary', function (el) {
-    el.appendChild(h('p', { class: 'note', text: 'Global mode (each variant runs on its own previous-layer output). “×yd” is the ratio of errors to the yardstick’s (for recall-like metrics, of 1 − value); colours: green within the yardstick, yellow up to ' + RULE.factor + '×, red beyond.' }));
+    el.appendChild(h('p', { class: 'note', text: 'Global mode (each variant runs on its own previous-layer output). Each cell: where the gate holds the metric closest to its limit (or furthest past it), the metric there as the gate aggregates it (mean over the layer’s positions unless the check says otherwise; recalls as 1 − its loss) and the layer (@L…; @logits for the final logits). ' + UNCHECKED_RULE + ' An uncoloured cell shows the largest per-layer mean (the lowest for recalls and agreement).' }));
     var t = h('table', { class: 'data', id: 'summary-table' });
     t.appendChild(h('thead', null, h('tr', null, h('th', { class: 'left', text: 'variant' }), h('th', { class: 'left', text: 'phase' }),
       SUMMARY.map(function (c) { return h('th', { text: c.label }); }))));
@@ -712,19 +716,11 @@
       PHASES.forEach(function (phase) {
         var tr = h('tr', null, h('td', { class: 'left' }, h('span', { style: { color: colorOf(variant), fontWeight: 650 }, text: variant })), h('td', { class: 'left', text: phase }));
         SUMMARY.forEach(function (col) {
-          var me = summaryValue(variant, phase, col), yd = summaryValue(YARD, phase, col);
+          var me = summaryValue(variant, phase, col);
           if (!me) { tr.appendChild(h('td', { class: 'na', text: '·' })); return; }
-          var text = fmt(me.v), cls = '', title = me.at !== undefined && me.at !== null ? 'at layer ' + me.at : '';
-          if (variant !== YARD && yd) {
-            var b = badness(col.key, me.v), by = badness(col.key, yd.v);
-            if (b !== null && by !== null) {
-              var x = by > 0 ? b / by : (b > 0 ? Infinity : 1);
-              text += ' (' + fmtRatio(x) + ' yd)';
-              cls = ratioClass(b / (RULE.factor * by + RULE.floor));
-            }
-          }
-          if (Number.isNaN(me.v)) cls = 'c-bad3';
-          tr.appendChild(h('td', { class: cls, title: title || null, text: text }));
+          var where = me.at === NL ? 'logits' : 'L' + me.at;
+          tr.appendChild(h('td', { class: me.lr ? ratioClass(me.lr.r) : '', 'data-gated': me.lr ? (me.lr.r > 1 || Number.isNaN(me.lr.r) ? 'fail' : 'pass') : null,
+            title: where + ': ' + gateTitle(me.lr), text: fmt(me.v) + ' @' + where }));
         });
         tb.appendChild(tr);
       });
@@ -750,9 +746,9 @@
       controls.appendChild(selectBox('phase', [{ value: 'both', label: 'prefill and decode' }, { value: 'prefill', label: 'prefill' }, { value: 'decode', label: 'decode' }], st.phase, function (v) { st.phase = v; draw(); }));
     }
     rebuildControls();
-    el.appendChild(h('p', { class: 'note', text: 'One row per layer. Cells are coloured against the gate bound where gate.json has a check for that metric, variant and phase, else against ' + RULE.factor + '× the yardstick at the same layer (green: within the yardstick; yellow: up to the limit; red: beyond it; hover for the numbers). Click a column header to sort (worst first); click “layer” to restore the order. An outlined cell is the first layer beyond the limit.' }));
+    el.appendChild(h('p', { class: 'note', text: 'One row per layer, showing the chosen per-layer aggregate. ' + UNCHECKED_RULE + ' The colour is the gate’s verdict at that layer whichever aggregate is shown (hover for the check, its loss and limit). Click a column header to sort (worst first); click “layer” to restore the order. An outlined cell is the first layer the gate fails.' }));
     el.appendChild(controls);
-    el.appendChild(h('div', { class: 'legend' }, [['c-good', 'var(--ok-bg)', '≤ yardstick / ≤ ½ bound'], ['c-warn', 'var(--warn-bg)', 'up to the limit'], ['c-bad', 'var(--bad-bg)', 'beyond the limit'], ['c-bad2', 'var(--bad-bg2)', '> 2.5× limit'], ['c-bad3', 'var(--bad-bg3)', '> 6× limit or NaN']].map(function (x) {
+    el.appendChild(h('div', { class: 'legend' }, [['c-good', 'var(--ok-bg)', 'passes, ≤ ½ its limit'], ['c-warn', 'var(--warn-bg)', 'passes, up to its limit'], ['c-bad', 'var(--bad-bg)', 'fails: beyond its limit'], ['c-bad2', 'var(--bad-bg2)', '> 2.5× its limit'], ['c-bad3', 'var(--bad-bg3)', '> 6× its limit or NaN'], ['', 'transparent', 'not judged by the gate']].map(function (x) {
       return h('span', null, h('span', { class: 'sw', style: { background: x[1] } }), x[2]);
     })));
     el.appendChild(host);
@@ -788,7 +784,7 @@
         rows.sort(function (a, b) { return st.asc ? score(a) - score(b) : score(b) - score(a); });
       }
       var firstCross = colDefs.map(function (c) {
-        for (var i = 0; i < NL; i++) { var lr = limitRatio(c.key, st.variant, c.phase, i, c.vals[i], st.mode, st.agg); if (lr && (lr.r > 1 || Number.isNaN(lr.r))) return i; }
+        for (var i = 0; i < NL; i++) { var lr = limitRatio(c.key, st.variant, c.phase, i, c.vals[i], st.mode); if (lr && (lr.r > 1 || Number.isNaN(lr.r))) return i; }
         return -1;
       });
       var tb = h('tbody');
@@ -798,13 +794,10 @@
           var v = c.vals[i];
           var gl = ci === 0 || colDefs[ci - 1].key !== c.key ? ' gl' : '';
           if (v === null || v === undefined) { tr.appendChild(h('td', { class: 'na' + gl, text: '·' })); return; }
-          var lr = limitRatio(c.key, st.variant, c.phase, i, v, st.mode, st.agg);
-          var cls = (lr ? ratioClass(lr.r) : (Number.isNaN(v) ? 'c-bad3' : '')) + gl + (firstCross[ci] === i ? ' first-cross' : '');
-          var title = labelOf(c.key) + ' · ' + c.phase + ' · layer ' + i + ': ' + fmt(v);
-          if (lr && lr.source === 'gate') title += '\ngate check ' + plain(lr.check) + ': ' + fmtRatio(lr.r) + ' of its limit (' + (lr.r > 1 ? 'fails' : 'passes') + ')';
-          else if (lr && lr.source === 'bound') title += '\ngate bound ' + fmt(lr.bound) + ' (' + fmtRatio(lr.r) + ' of the bound)';
-          else if (lr) title += '\nyardstick ' + fmt(lr.yd) + ' (' + fmtRatio(lr.xyd) + ' yardstick)';
-          tr.appendChild(h('td', { class: cls, title: title, text: fmt(v) }));
+          var lr = limitRatio(c.key, st.variant, c.phase, i, v, st.mode);
+          var cls = (lr ? ratioClass(lr.r) : '') + gl + (firstCross[ci] === i ? ' first-cross' : '');
+          var title = labelOf(c.key) + ' · ' + c.phase + ' · layer ' + i + ': ' + fmt(v) + '\n' + gateTitle(lr);
+          tr.appendChild(h('td', { class: cls, title: title, text: fmt(v), 'data-gated': lr ? (lr.r > 1 || Number.isNaN(lr.r) ? 'fail' : 'pass') : null }));
         });
         tb.appendChild(tr);
       });
@@ -1217,8 +1210,8 @@
     draw();
   });
 
-  // --- first crossings -----------------------------------------------------------------------
-  section('crossings', 'First crossings', function (el) {
+  // --- first failing layers -----------------------------------------------------------------------
+  section('crossings', 'First failing layers', function (el) {
     if (CHECKS.length) {
       el.appendChild(h('p', { class: 'note', text: 'From gate.json: per check, variant and phase, the first layer where the check’s loss crosses its limit (losses are errors, or 1 − x for recall-like metrics, aggregated as the check says), the loss and limit there, and the worst layer.' }));
       var gst = { onlyFail: failingRows().length > 0 };
@@ -1255,31 +1248,7 @@
       drawGate();
     } else if (GATE) {
       el.appendChild(h('p', { class: 'note', text: 'gate.json lists no checks.' }));
-    }
-    var crossings = D.crossings || [];
-    var body = h('div');
-    var st = { onlyCrossed: true };
-    function draw() {
-      clear(body);
-      var rows = crossings.filter(function (c) { return !st.onlyCrossed || c.first_layer !== null; });
-      rows.sort(function (a, b) { return (a.first_layer === null ? 1e9 : a.first_layer) - (b.first_layer === null ? 1e9 : b.first_layer) || String(a.variant).localeCompare(String(b.variant)); });
-      var t = h('table', { class: 'data', id: 'crossing-table' });
-      t.appendChild(h('thead', null, h('tr', null, ['variant', 'metric', 'phase', 'first layer > ' + RULE.factor + '× yardstick', 'value there', 'yardstick there', 'worst error ratio', 'at'].map(function (c, i) { return h('th', { class: i < 4 ? 'left' : '', text: c }); }))));
-      var tb = h('tbody');
-      rows.forEach(function (c) {
-        tb.appendChild(h('tr', null, h('td', { class: 'left' }, h('span', { style: { color: colorOf(c.variant), fontWeight: 650 }, text: c.variant })),
-          h('td', { class: 'left', text: labelOf(c.metric) }), h('td', { class: 'left', text: c.phase }), h('td', { class: 'left' + (c.first_layer !== null ? ' status-fail' : '') }, layerRef(c.first_layer)),
-          h('td', { text: fmt(c.value) }), h('td', { text: fmt(c.yardstick) }), h('td', { class: ratioClass(c.worst_ratio / RULE.factor), text: fmtRatio(c.worst_ratio) + ' yd' }), h('td', null, layerRef(c.worst_layer))));
-      });
-      if (!rows.length) tb.appendChild(h('tr', null, h('td', { class: 'left empty', colspan: 8, text: crossings.length ? 'no metric exceeds ' + RULE.factor + '× the yardstick' : 'no yardstick in this run: nothing to compare with' })));
-      t.appendChild(tb);
-      body.appendChild(h('div', { class: 'table-wrap', style: { maxHeight: '480px' } }, t));
-    }
-    var intro = [h('p', { class: 'note', text: 'Where each metric first exceeds ' + RULE.factor + '× the yardstick (per-layer mean error, global mode; for recall-like metrics the error is 1 − value). Final logits are listed at the “logits” layer.' }),
-      h('div', { class: 'controls' }, checkBox('only metrics that cross', st.onlyCrossed, function (x) { st.onlyCrossed = x; draw(); })), body];
-    if (CHECKS.length) el.appendChild(h('details', null, h('summary', { text: 'without the gate: first layer beyond ' + RULE.factor + '× yardstick' }), intro));
-    else intro.forEach(function (x) { el.appendChild(x); });
-    draw();
+    } else el.appendChild(h('p', { class: 'note', id: 'not-gated', text: 'Not gated: there is no gate.json, so no first failing layers (`dsv4-drift gate RUN_DIR` writes one and redraws this page).' }));
   });
 
   // --- findings -------------------------------------------------------------------------------
