@@ -8,6 +8,7 @@ a ratio measured once in a real stack, a factor 1.5 on a median derived from ord
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -67,28 +68,33 @@ def _run_layers(profile: str, tokens: int, layers: range, taps: tuple[str, ...],
 # --------------------------------------------------------------------------- learned sinks
 
 
+RETRIEVAL_LAYERS = {4, 6, 8, 10}
+"""flash-mini's planted retrieval layers (reference.weights.retrieval): their head 0 gives the sink all its mass
+unless a code matches, by construction — the match threshold, not a calibrated sink."""
+
+
 def _sink_drop_rel_l2(profile: str) -> list[float]:
+    """Per ordinary layer among the first 12: ‖attn.out − attn.out without sinks‖ / ‖attn.out‖."""
     _, layers = _run_layers(profile, 1024, range(12), (), drop_sinks=True)
     return [float((s.cat("attn.out", "out") - d.cat("attn.out", "out")).norm() / s.cat("attn.out", "out").norm())
-            for _, _, s, d in layers]
+            for layer, _, s, d in layers if layer not in RETRIEVAL_LAYERS]
 
 
 def test_dropping_the_sinks_moves_attention_output_by_the_real_models_order():
     """vLLM PR #54568: dropping DeepSeek-V4's learned sinks moved the attention output by 0.23 rel L2. The
-    median over flash-mini's first 12 layers must be within a factor 2 of it; the uncalibrated sinks (1 + N(0,1)
-    against ~9 nats of keys) move it ~0.03."""
+    median over flash-mini's ordinary layers among the first 12 must be within a factor 2 of it; the uncalibrated
+    sinks (1 + N(0,1) against ~9 nats of keys) move it ~0.03."""
+    assert SyntheticWeights(CFG, 0).retrieval.layers.keys() == RETRIEVAL_LAYERS
     target = profiles.SINK_DROP_REL_L2
-    calibrated = sorted(_sink_drop_rel_l2("calibrated"))[6]
+    calibrated = statistics.median(_sink_drop_rel_l2("calibrated"))
     assert target / 2 <= calibrated <= 2 * target, f"median drop-sink rel L2 {calibrated:.3f}, target {target}"
-    uncalibrated = sorted(_sink_drop_rel_l2("uncalibrated"))[6]
-    assert uncalibrated < target / 2
+    assert statistics.median(_sink_drop_rel_l2("uncalibrated")) < target / 2
 
 
 def test_some_heads_give_the_sink_most_of_the_mass():
     _, layers = _run_layers("calibrated", 1024, range(12), ("attn.probs",))
-    retrieval = SyntheticWeights(CFG, 0).retrieval.layers
     mass = torch.stack([s.cat("attn.probs", "sink_prob").mean(0) for layer, _, s, _ in layers
-                        if layer not in retrieval]).flatten()
+                        if layer not in RETRIEVAL_LAYERS]).flatten()
     assert float(mass.max()) >= 0.5, f"no head gives the sink most of its mass (max {float(mass.max()):.2f})"
     assert float(mass.min()) <= 0.05, "light-sink heads exist too"
 

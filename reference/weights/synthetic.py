@@ -35,6 +35,12 @@ RESIDUAL_OUTPUT_PROJECTIONS = ("attn.wo_b.weight", "ffn.shared_experts.w2.weight
 """Projections whose output is added to the residual streams (with the routed experts' w2)."""
 
 
+ATTENTION_INPUT_PROJECTIONS = ("attn.wq_a.weight", "attn.wkv.weight", "attn.compressor.wkv.weight",
+                               "attn.compressor.wgate.weight", "attn.indexer.compressor.wkv.weight",
+                               "attn.indexer.compressor.wgate.weight")
+"""Projections of the attention input into queries, keys and compressed rows (calibrated profile)."""
+
+
 class SyntheticWeights:
     """A `WeightSource` of deterministic synthetic weights for any `ModelConfig`."""
 
@@ -178,6 +184,12 @@ class SyntheticWeights:
             u = uniforms(stream_key(self.seed, layer, f"ffn.experts.{expert}#w13"), 4)
             log_ratio = profiles.W13_LOG_RATIO_SCALE * profiles.student_t3(tuple(float(x) for x in u))
             value = value * math.exp((0.5 if name.endswith(".w3.weight") else -0.5) * log_ratio)
+        if name in ATTENTION_INPUT_PROJECTIONS:
+            # attention reads no bias from the outlier channel: a constant in every q and k would shift every
+            # logit of a query by the same amount and move the sink (which gets no such shift) relative to the
+            # keys, undoing the sink calibration; the sinks carry that role explicitly
+            value = value.clone()
+            value[:, profiles.outlier_dim(cfg)] = 0
         if self.retrieval is not None:
             value = retrieval.plant(cfg, self.retrieval, layer, name, value)
         return value
