@@ -16,7 +16,7 @@ from harness.cli.main import main
 from harness.report.write import write_report
 from harness.report.data import CODE_ALPHABET, NONFINITE, build_payload, pack_row
 from harness.report.html import extract_payload
-from harness.report.synthetic import write_synthetic_run
+from harness.report.synthetic import BAD_FROM_LAYER, BAD_PATCH, CHUNK_FAULT, CHUNK_FAULT_VARIANT, write_synthetic_run
 
 HOSTILE = "<script>document.title='pwned'</script></script><img src=x onerror=alert(1)>&amp;"
 
@@ -64,8 +64,10 @@ def tiny_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def synthetic_run(tmp_path_factory) -> Path:
-    """A 43-layer flash-schedule run with gate.json (the gate's own shape) and attribution.json."""
+    """A 43-layer flash-schedule run (two prefill chunks, six needle queries) with gate.json (the gate's own shape,
+    a chunk-scope check among its checks) and attribution.json."""
     return write_synthetic_run(tmp_path_factory.mktemp("synthetic") / "run", n_prompt=8192, n_decode=16, bin_size=512,
+                               chunk_size=4096, needle_queries=6,
                                n_single_patch_variants=3, force_decisions=True, nan_variant="all",
                                scenario_name=HOSTILE, scenario_description=HOSTILE, scenario_text=HOSTILE,
                                extra_variant=HOSTILE, patch_note=HOSTILE)
@@ -148,12 +150,87 @@ def test_report_of_a_synthetic_43_layer_run(synthetic_run: Path, tmp_path: Path)
     gate = payload["gate"]
     assert gate["passed"] is False and gate["failures"]
     failing = [r for r in gate["rows"] if r["status"] == "fail"]
-    assert failing and all(r["first_failing_layer"] == 4 for r in failing)
+    assert {r["check"]: r["first_failing_layer"] for r in failing} == {
+        "attn-tv": 4, "indexer-mass-recall": 4, "attn-out-rel-l2-patch-by-chunk": 4, "needle-lost": BAD_FROM_LAYER + 1}
     assert max(r for r in gate["cells"]["attn.tv"]["triton-indexer"]["global"]["decode"]["ratio"] if r) > 1
     att = payload["attribution"]
     assert att["verdict"]["patch"] == "triton-indexer"
     assert len(att["matrix"]["attn.tv"]["phases"]["decode"]["triton-indexer"]) == 43
     assert payload["findings"][0]["variant"] == "all"
+
+
+def test_payload_holds_the_needle_answer_per_stack(synthetic_run: Path) -> None:
+    """Six needle queries; the answer appears through the lens from layer 4, one query per layer; the two broken
+    variants lose every other answer from BAD_FROM_LAYER (harness.report.synthetic.needle_answers)."""
+    needles = build_payload(synthetic_run)["needles"]
+    reference = needles["reference"]
+    assert needles["queries"] == 6 and (reference["answered"], reference["rate"]) == (6, 1)
+    assert reference["lens"][:10] == [0, 0, 0, 0, 0.167, 0.333, 0.5, 0.667, 0.833, 1], "answers appear at L4-L9"
+    assert reference["margin"] == 4.5, "median of the margins 2…7 (the mean would be the same; see the stacks)"
+    base, broken = needles["stacks"]["base"], needles["stacks"][BAD_PATCH]
+    assert (base["answered"], base["lost"], base["first_lost"], base["rate"]) == (6, 0, None, 1)
+    assert (broken["answered"], broken["lost"], broken["rate"]) == (3, 3, 0.5)
+    assert broken["margin"] == 0.75, "median of 2, 4, 6 and three misses at −0.5 (mean: 1.75)"
+    assert broken["first_lost"] == BAD_FROM_LAYER + 1, "query 1 is answered from L5 by the reference, lost there"
+    assert broken["lens_lost"][BAD_FROM_LAYER + 1] == 1 and broken["lens_lost"][-1] == 3
+    assert list(needles["stacks"])[:2] == ["yardstick", "base"], "stacks in the page's order"
+
+
+def test_a_run_without_needle_queries_has_no_outcome(tmp_path: Path) -> None:
+    run = write_synthetic_run(tmp_path / "run", preset="tiny", n_prompt=256, n_decode=2, chunk_size=128, bin_size=64,
+                              n_single_patch_variants=1, gate=False, attribution=False)
+    payload = build_payload(run)
+    assert payload["needles"] is None and payload["manifest"]["prompt"]["needles"], "needles planted, none asked for"
+
+
+def test_payload_names_the_failing_groups(synthetic_run: Path) -> None:
+    """The chunk-scope check fails for `all` in prefill chunk 1 (positions [4096, 8192)) in local mode from layer 4:
+    the banner's entry, the check's rows, the layer's cell and the heatmap's bins all name that chunk."""
+    payload = build_payload(synthetic_run)
+    gate, bins = payload["gate"], payload["bins"]
+    check = "attn-out-rel-l2-patch-by-chunk"
+    failing = [f for f in gate["failing"] if f["check"] == check]
+    assert len(failing) == 1 and failing[0]["variant"] == CHUNK_FAULT_VARIANT
+    assert {k: failing[0][k] for k in ("layer", "phase", "mode", "scope", "group", "span", "failing_units")} == {
+        "layer": BAD_FROM_LAYER, "phase": "prefill", "mode": "local", "scope": "chunk", "group": CHUNK_FAULT,
+        "span": [4096, 8192], "failing_units": 43 - BAD_FROM_LAYER}
+    assert failing[0]["line"].startswith(f"{check} [all]: attn.out_rel_l2 first fails at layer 4 prefill chunk 1")
+    attn_tv = next(f for f in gate["failing"] if f["check"] == "attn-tv")
+    assert "scope" not in attn_tv and attn_tv["mode"] == "global", "a layer-scope failure has no group"
+    row = next(r for r in gate["rows"] if r["check"] == check and r["variant"] == "all" and r["phase"] == "prefill")
+    assert (row["first_scope"], row["first_group"], row["first_span"], row["first_mode"]) == \
+        ("chunk", CHUNK_FAULT, [4096, 8192], "local")
+    cell = gate["cells"]["attn.out_rel_l2"]["all"]["local"]["prefill"]
+    assert cell["ratio"][BAD_FROM_LAYER] > 1 and cell["ratio"][BAD_FROM_LAYER - 1] <= 1
+    assert gate["check_names"][cell["check"][BAD_FROM_LAYER]] == check
+    assert cell["where"][str(BAD_FROM_LAYER)] == [CHUNK_FAULT, 4096, 8192], "the tooltip's group"
+    chunk_bins = [i for i, (phase, chunk) in enumerate(zip(bins["phase"], bins["chunk"]))
+                  if phase == "prefill" and chunk == CHUNK_FAULT]
+    (groups,) = gate["failing_groups"]["all"]
+    assert gate["check_names"][groups["check"]] == check and (groups["mode"], groups["scope"]) == ("local", "chunk")
+    assert sorted(map(int, groups["layers"])) == list(range(BAD_FROM_LAYER, 43))
+    assert groups["layers"]["20"] == [[chunk_bins[0], chunk_bins[-1] + 1]], "the chunk's bins, one range"
+    assert BAD_PATCH not in gate["failing_groups"], "layer-scope failures are not groups"
+
+
+@pytest.mark.slow
+def test_a_real_chunk_scope_failure_reaches_the_page(tmp_path: Path) -> None:
+    """The selftest's one-chunk fault (sparse attention drops the compressed rows in prefill chunk 1 only) fails
+    the default policy's per-chunk check: the page names the chunk and colours the layer's local cell."""
+    run = tmp_path / "run"
+    rc = main(["run", "selftest", "--patches", "fault-one-chunk", "--patch-module", "harness/attribution/faults.py",
+               "--out", str(run), "--no-report"])
+    assert rc == 1, "the one-chunk fault fails the gate"
+    gate = build_payload(run)["gate"]
+    chunk = [f for f in gate["failing"] if f.get("scope") == "chunk"]
+    assert chunk, f"no chunk-scope failure among {[f['check'] for f in gate['failing']]}"
+    first = chunk[0]
+    assert (first["phase"], first["group"], first["mode"]) == ("prefill", 1, "local")
+    cell = gate["cells"][first["metric"]]["fault-one-chunk"]["local"]["prefill"]
+    assert cell["ratio"][first["layer"]] > 1, "a group-scope failure colours the layer's cell as failing"
+    assert str(first["layer"]) in cell["where"], "and its tooltip names a group"
+    groups = {gate["check_names"][e["check"]]: e for e in gate["failing_groups"]["fault-one-chunk"]}
+    assert str(first["layer"]) in groups[first["check"]]["layers"]
 
 
 def test_payload_is_strict_json_and_parses_back(synthetic_run: Path, tmp_path: Path) -> None:

@@ -75,6 +75,21 @@ METRICS: dict[str, MetricInfo] = {
     "ctx.needle_mass_opt": MetricInfo("context", "needle attention mass (variant)", "neutral", "linear"),
     "ctx.earlier_turn_recall": MetricInfo("context", "earlier-turn indexer recall", "higher", "linear"),
     "ctx.needle_recall": MetricInfo("context", "needle indexer recall", "higher", "linear"),
+    "ctx.earlier_turn_pick_share": MetricInfo("context", "1 / earlier-turn picks per query", "neutral", "linear"),
+    "ctx.needle_pick_share": MetricInfo("context", "1 / needle picks per query", "neutral", "linear"),
+    "ctx.needle_answer": MetricInfo("context", "needle answer rate", "higher", "linear"),
+    "ctx.needle_answer_ref": MetricInfo("context", "needle answer rate (reference)", "neutral", "linear"),
+    "ctx.needle_margin": MetricInfo("context", "needle answer margin", "neutral", "linear"),
+    "ctx.needle_margin_ref": MetricInfo("context", "needle answer margin (reference)", "neutral", "linear"),
+    "ctx.needle_lost": MetricInfo("context", "needle answers lost", "lower", "linear"),
+    "moe.site_flip_rate": MetricInfo("moe", "router site: expert flips vs the stock router", "lower", "linear"),
+    "moe.twin_flip_rate": MetricInfo("moe", "router site: the stock router's twin's flips", "lower", "linear"),
+    "mhc.site_rel_err": MetricInfo("mhc", "mHC site: rel err vs the stock hc_pre", "lower", "log"),
+    "mhc.twin_rel_err": MetricInfo("mhc", "mHC site: the stock hc_pre's twin's rel err", "lower", "log"),
+    "mhc.site_ds_residual": MetricInfo("mhc", "mHC site: doubly-stochastic residual vs the stock Sinkhorn", "lower",
+                                       "log"),
+    "indexer.site_recall": MetricInfo("indexer", "indexer site: recall of the stock top-k", "higher", "linear"),
+    "indexer.twin_recall": MetricInfo("indexer", "indexer site: the stock top-k's twin's recall", "higher", "linear"),
 }
 
 HEATMAP_METRICS = (
@@ -85,6 +100,17 @@ HEATMAP_METRICS = (
 """Metrics kept per (layer, position bin) in global mode: one or two per family, so the page stays small."""
 
 GROUP_KEYS = ["variant", "mode", "layer", "phase", "tap", "metric"]
+
+NEEDLE_ANSWER = "ctx.needle_answer"
+NEEDLE_MARGIN = "ctx.needle_margin"
+NEEDLE_LOST = "ctx.needle_lost"
+LENS_TAP = "needle.lens"
+LOGITS_TAP = "logits"
+"""The needle answer as an outcome, per needle query (a decode step whose continuation only a needle gives):
+1 when a stack's top-1 is the needle's continuation (`_ref`: the reference's), the logit margin, and `lost` where
+the reference answers beyond FP8 noise and the stack does not. The run records it on the final logits row (tap
+`logits`) and through each layer's logit lens (tap `needle.lens`); `needle_outcome` reads it for the page and the
+figures alike."""
 
 
 def metric_info(metric: str) -> MetricInfo:
@@ -334,6 +360,68 @@ def logits_summary(agg: pd.DataFrame, n_layers: int) -> dict[str, Any]:
     return out
 
 
+def needle_outcome(frame: pd.DataFrame, agg: pd.DataFrame, n_layers: int, order: list[str]) -> dict[str, Any] | None:
+    """The needle answer, the context-loss lens's outcome (global mode, decode): None when no stack has an answer
+    row (no decode step asks for a needle). Otherwise
+
+        {"queries": Q, "reference": {"answered", "rate", "margin", "lens"},
+         "stacks": {variant: {"queries", "answered", "rate", "lost", "margin", "lens", "lens_lost", "first_lost"}}}
+
+    At the final logits (tap `logits`): the needle queries, how many the stack answers (top-1 = the needle's
+    continuation), the answers lost (`ctx.needle_lost`: the reference was sure beyond FP8 noise, the stack
+    missed) and the median margin (logit of the answer − the best other; a median, because one query the stack
+    gets badly wrong should not hide that it answers the rest). Through each layer's logit lens (tap
+    `needle.lens`): the answer rate per layer (`lens`, layers 0 … n_layers−1: where the answer appears, the
+    retrieval layers), the answers lost there (`lens_lost`) and the first layer that loses one (`first_lost`,
+    n_layers for the logits). Every stack's rows carry the same reference side (`_ref`): it is read from the first
+    stack in `order` that has it."""
+    wanted = [NEEDLE_ANSWER, f"{NEEDLE_ANSWER}_ref", NEEDLE_MARGIN, f"{NEEDLE_MARGIN}_ref", NEEDLE_LOST]
+    rows = frame[frame["metric"].isin(wanted) & (frame["mode"] == "global") & (frame["phase"] == "decode")]
+    final = rows[(rows["layer"] == n_layers) & (rows["tap"] == LOGITS_TAP)]
+    if final.empty or not (final["metric"] == NEEDLE_ANSWER).any():
+        return None
+    lens = agg[(agg["tap"] == LENS_TAP) & (agg["mode"] == "global") & (agg["phase"] == "decode")
+               & (agg["layer"] < n_layers)]
+
+    def side(variant: str, suffix: str) -> dict[str, Any] | None:
+        """One side (the stack's, or with suffix `_ref` the reference's) of a variant's rows."""
+        mine = final[final["variant"] == variant]
+        answers = mine[mine["metric"] == NEEDLE_ANSWER + suffix]
+        if answers.empty:
+            return None
+        counts = answers["count"].to_numpy(np.int64)
+        queries = int(counts.sum())
+        answered = int(round(float((answers["value"].to_numpy(float) * counts).sum())))
+        margins = mine[mine["metric"] == NEEDLE_MARGIN + suffix]
+        per_layer = np.full(n_layers, np.nan)
+        present = np.zeros(n_layers, bool)
+        part = lens[(lens["variant"] == variant) & (lens["metric"] == NEEDLE_ANSWER + suffix)]
+        per_layer[part["layer"].to_numpy(int)] = part["mean"].to_numpy(float)
+        present[part["layer"].to_numpy(int)] = True
+        return {"queries": queries, "answered": answered, "rate": num(answered / queries) if queries else None,
+                "margin": num(np.median(np.repeat(margins["value"].to_numpy(float),
+                                                  margins["count"].to_numpy(np.int64)))) if len(margins) else None,
+                "lens": trim_nulls(nums(per_layer, present))}
+
+    stacks: dict[str, Any] = {}
+    for variant in order:
+        mine = side(variant, "")
+        if mine is None:
+            continue
+        lost_final = final[(final["variant"] == variant) & (final["metric"] == NEEDLE_LOST)]
+        lost = int(round(float((lost_final["value"].to_numpy(float) * lost_final["count"].to_numpy(np.int64)).sum())))
+        part = lens[(lens["variant"] == variant) & (lens["metric"] == NEEDLE_LOST)]
+        lens_lost: list[int | None] = [None] * n_layers
+        for layer, mean, count in zip(part["layer"].to_numpy(int), part["mean"].to_numpy(float),
+                                      part["count"].to_numpy(np.int64)):
+            lens_lost[layer] = int(round(mean * count)) if math.isfinite(mean) else None
+        first_lost = next((layer for layer, n in enumerate(lens_lost) if n), n_layers if lost else None)
+        stacks[variant] = {**mine, "lost": lost, "lens_lost": trim_nulls(lens_lost), "first_lost": first_lost}
+    reference = next((r for v in order if (r := side(v, "_ref")) is not None), None)
+    return {"queries": reference["queries"] if reference else max(s["queries"] for s in stacks.values()),
+            "reference": reference, "stacks": stacks}
+
+
 def bins_of(frame: pd.DataFrame) -> pd.DataFrame:
     cols = ["phase", "chunk", "step", "turn", "pos_bin", "pos_end"]
     if frame.empty:
@@ -426,7 +514,31 @@ def _unit_ratio(unit: dict[str, Any]) -> float | None:
     return ratio
 
 
-def gate_view(raw: Any, keys: dict[tuple[str, str], str], n_layers: int) -> dict[str, Any] | None:
+def _group_fields(unit: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """Where a gate unit sits inside its layer, as `{prefix}scope`, `{prefix}group`, `{prefix}span`: the check's
+    scope (layer, chunk, turn, step, bin), the group (chunk, turn or step index, a bin's first position; None for
+    the whole layer and phase) and its positions [first, end). Empty for a layer-scope unit."""
+    if not isinstance(unit, dict) or unit.get("group") is None or unit.get("scope", "layer") == "layer":
+        return {}
+    span = unit.get("span")
+    return {f"{prefix}scope": unit.get("scope"), f"{prefix}group": unit.get("group"),
+            f"{prefix}span": list(span) if isinstance(span, list) and len(span) == 2 else None}
+
+
+def _bin_ranges(spans: list[tuple[int, int]], bin_starts: np.ndarray) -> list[list[int]]:
+    """Position spans [first, end) as merged ranges of bin indices [b0, b1): a group is a set of whole bins
+    (harness.run.bins), so the bins whose first position lies in the span are exactly the group's."""
+    marked = np.zeros(len(bin_starts) + 1, np.int64)
+    for first, end in spans:
+        marked[np.searchsorted(bin_starts, first)] += 1
+        marked[np.searchsorted(bin_starts, end)] -= 1
+    inside = np.cumsum(marked[:-1]) > 0
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], inside.astype(np.int8), [0]])))
+    return [[int(b0), int(b1)] for b0, b1 in zip(edges[0::2], edges[1::2])]
+
+
+def gate_view(raw: Any, keys: dict[tuple[str, str], str], n_layers: int,
+              bin_starts: np.ndarray | None = None) -> dict[str, Any] | None:
     """gate.json as the page reads it, from either shape:
 
     - the gate's own format ("dsv4-drift-gate/1": checks × variants × phases, with per-layer units), or
@@ -434,11 +546,19 @@ def gate_view(raw: Any, keys: dict[tuple[str, str], str], n_layers: int) -> dict
       worst_value, bound}], "findings"}.
 
     rows: one per check × variant × phase (check_info: each check's description, bound text, aggregate,
-    direction);
-    cells: {series key: {variant: {mode: {phase: {"ratio", "check", "value", "limit": [per layer 0 … n_layers]}}}}}
-    (the last entry: the final logits row): at each layer the most binding check's loss over its limit, the
-    check (an index into check_names), its loss and the limit it was held to. These are the page's only colours:
-    a cell the gate did not judge is not coloured."""
+    direction, scope), with the first failing unit's and the worst unit's layer, mode, value, limit and — for a
+    group scope (chunk, turn, step, bin) — group and span (`first_group`, `first_span`, …), and the number of
+    failing units;
+    failing: one per failing check × variant (the banner): its first failing unit (where: layer, phase, mode, tap,
+    scope, group, span; value and limit), the number of failing units and the gate's own line for it;
+    cells: {series key: {variant: {mode: {phase: {"ratio", "check", "value", "limit": [per layer 0 … n_layers],
+    "where": {layer: [group, first, end]}}}}}} (the last entry: the final logits row): at each layer the most
+    binding check's loss over its limit, the check (an index into check_names), its loss and the limit it was
+    held to, and where that unit is a group of a group scope, the group. These are the page's only colours: a
+    cell the gate did not judge is not coloured;
+    failing_groups: {variant: [{"check", "mode", "scope", "layers": {layer: [[first bin, end bin), …]]}}]}: the
+    bins (indices into the payload's bins, from `bin_starts`) of every failing unit of a group scope, per check
+    and mode, for the heatmap's outlines."""
     if not isinstance(raw, dict):
         return None
     verdict = raw.get("verdict")
@@ -450,10 +570,13 @@ def gate_view(raw: Any, keys: dict[tuple[str, str], str], n_layers: int) -> dict
         policy_description = policy.get("description")
     else:
         policy_text, policy_description = (str(policy) if policy is not None else None), None
+    failures = raw.get("failures") if isinstance(raw.get("failures"), list) else None
     rows: list[dict[str, Any]] = []
+    failing: list[dict[str, Any]] = []
     check_names: list[str] = []
     check_info: dict[str, dict[str, Any]] = {}
-    best: dict[tuple, tuple[float, int, Any, Any]] = {}
+    best: dict[tuple, tuple[float, int, Any, Any, Any]] = {}
+    group_spans: dict[tuple[str, int, str], dict[int, list[tuple[int, int]]]] = {}
     checks = raw.get("checks") if isinstance(raw.get("checks"), list) else []
     for check in checks:
         if not isinstance(check, dict):
@@ -469,13 +592,16 @@ def gate_view(raw: Any, keys: dict[tuple[str, str], str], n_layers: int) -> dict
             continue
         check_index = len(check_names)
         check_names.append(name)
+        scope = str(check.get("scope") or "layer")
         check_info[name] = _compact({"description": check.get("description"), "bound_text": check.get("bound_text"),
                                      "aggregate": check.get("aggregate"), "taps": check.get("taps"),
                                      "modes": check.get("modes"), "severity": check.get("severity"),
-                                     "metric": check.get("metric"), "direction": check.get("direction")})
+                                     "metric": check.get("metric"), "direction": check.get("direction"),
+                                     "scope": scope})
         for vr in variants:
             if not isinstance(vr, dict):
                 continue
+            units = [u for u in vr.get("units") or [] if isinstance(u, dict)]
             phases = vr.get("phases") if isinstance(vr.get("phases"), dict) else {}
             for phase, pr in (phases.items() or [(None, {})]):
                 pr = pr if isinstance(pr, dict) else {}
@@ -488,38 +614,65 @@ def gate_view(raw: Any, keys: dict[tuple[str, str], str], n_layers: int) -> dict
                                       "first_value": _rounded(first.get("value")),
                                       "first_limit": _rounded(first.get("limit")),
                                       "first_tap": first.get("tap"), "first_mode": first.get("mode"),
+                                      **_group_fields(first, "first_"),
                                       "worst_value": _rounded(worst.get("value")),
                                       "worst_limit": _rounded(worst.get("limit")),
-                                      "worst_layer": worst.get("layer")}))
+                                      "worst_layer": worst.get("layer"), "worst_mode": worst.get("mode"),
+                                      **_group_fields(worst, "worst_"),
+                                      "failing_units": sum(u.get("status") == "fail" and u.get("phase") == phase
+                                                           for u in units) or None}))
             if not phases:
                 rows.append({"check": name, "metric": check.get("metric"), "variant": vr.get("variant"), "phase": None,
                              "status": vr.get("status"), "reason": vr.get("reason") or None,
                              "bound_text": check.get("bound_text")})
-            for unit in vr.get("units") or []:
-                if not isinstance(unit, dict) or not isinstance(unit.get("layer"), int):
+            first = vr.get("first_failure")
+            if vr.get("status") == "fail" and isinstance(first, dict):
+                prefix = f"{name} [{vr.get('variant')}]:"
+                failing.append(_compact({
+                    "check": name, "metric": check.get("metric"), "variant": vr.get("variant"),
+                    "layer": first.get("layer"), "phase": first.get("phase"), "mode": first.get("mode"),
+                    "tap": first.get("tap"), **_group_fields(first, ""), "value": _rounded(first.get("value")),
+                    "limit": _rounded(first.get("limit")),
+                    "failing_units": sum(u.get("status") == "fail" for u in units),
+                    "line": next((f for f in failures or [] if isinstance(f, str) and f.startswith(prefix)), None)}))
+            for unit in units:
+                if not isinstance(unit.get("layer"), int):
                     continue
                 layer = unit["layer"]
                 if not 0 <= layer <= n_layers:
                     continue
+                variant = str(unit.get("variant", vr.get("variant")))
+                mode = str(unit.get("mode", "global"))
+                where = _group_fields(unit, "")
+                if where and unit.get("status") == "fail" and layer < n_layers and where["span"]:
+                    group_spans.setdefault((variant, check_index, mode), {}).setdefault(layer, []).append(
+                        tuple(where["span"]))
                 key = _key_for(keys, check.get("metric"), unit.get("tap"))
                 ratio = _unit_ratio(unit)
                 if key is None or ratio is None:
                     continue
-                cell = (key, str(unit.get("variant", vr.get("variant"))), str(unit.get("mode", "global")),
-                        str(unit.get("phase")), layer)
+                cell = (key, variant, mode, str(unit.get("phase")), layer)
                 if cell not in best or ratio > best[cell][0]:
                     limits = [x for x in (_float(unit.get("limit")), _float(unit.get("baseline_limit"))) if x is not None]
-                    best[cell] = (ratio, check_index, _rounded(unit.get("value")), num(min(limits)) if limits else None)
+                    best[cell] = (ratio, check_index, _rounded(unit.get("value")), num(min(limits)) if limits else None,
+                                  [where["group"], *where["span"]] if where and where["span"] else None)
     cells: dict[str, Any] = {}
-    for (key, variant, mode, phase, layer), (ratio, index, value, limit) in best.items():
+    for (key, variant, mode, phase, layer), (ratio, index, value, limit, group) in best.items():
         slot = cells.setdefault(key, {}).setdefault(variant, {}).setdefault(mode, {}).setdefault(
             phase, {field: [None] * (n_layers + 1) for field in ("ratio", "check", "value", "limit")})
         slot["ratio"][layer] = num(ratio)
         slot["check"][layer] = index
         slot["value"][layer] = value
         slot["limit"][layer] = limit
+        if group is not None:
+            slot.setdefault("where", {})[str(layer)] = group
+    failing_groups: dict[str, list[dict[str, Any]]] = {}
+    if bin_starts is not None and len(bin_starts):
+        for (variant, index, mode), per_layer in group_spans.items():
+            failing_groups.setdefault(variant, []).append({
+                "check": index, "mode": mode, "scope": check_info[check_names[index]]["scope"],
+                "layers": {str(layer): _bin_ranges(spans, bin_starts) for layer, spans in sorted(per_layer.items())}})
     findings = raw.get("nonfinite") if isinstance(raw.get("nonfinite"), list) else raw.get("findings")
-    failures = raw.get("failures") if isinstance(raw.get("failures"), list) else None
     return {"format": raw.get("format"), "passed": passed, "verdict": verdict, "exit_code": raw.get("exit_code"),
             "incomplete": raw.get("incomplete"), "allow_incomplete": raw.get("allow_incomplete"),
             "created": raw.get("created"), "policy": policy_text, "policy_description": policy_description,
@@ -527,7 +680,8 @@ def gate_view(raw: Any, keys: dict[tuple[str, str], str], n_layers: int) -> dict
             "counts": raw.get("counts") if isinstance(raw.get("counts"), dict) else None,
             "failures": [str(f) for f in failures] if failures is not None else None,
             "findings": findings if isinstance(findings, list) else [], "notes": raw.get("notes"),
-            "rows": rows, "check_names": check_names, "check_info": check_info, "cells": cells}
+            "rows": rows, "failing": failing, "check_names": check_names, "check_info": check_info, "cells": cells,
+            "failing_groups": failing_groups}
 
 
 def attribution_view(raw: Any, n_layers: int) -> dict[str, Any] | None:
@@ -632,8 +786,9 @@ def build_payload(run_dir: str | Path) -> dict[str, Any]:
         "bins": {c: (bins[c].astype(str).tolist() if c == "phase" else [int(x) for x in bins[c].tolist()])
                  for c in bins.columns},
         "heat": heatmaps(frame, bins, keys, n_layers),
+        "needles": needle_outcome(frame, agg, n_layers, order),
         "findings": findings,
-        "gate": gate_view(gate, keys, n_layers),
+        "gate": gate_view(gate, keys, n_layers, bins["pos_bin"].to_numpy(np.int64) if not bins.empty else None),
         "attribution": attribution_view(attribution, n_layers),
         "layers_with_data": sorted(int(x) for x in frame["layer"].unique() if int(x) < n_layers)
         if not frame.empty else [],

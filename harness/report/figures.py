@@ -105,14 +105,6 @@ CONTEXT_PANELS = (
     ("ctx.needle_recall", "Indexer recall of needle rows"),
 )
 """The lens per layer: masses come as a reference/variant pair (`_ref`, `_opt`), recalls per variant."""
-NEEDLE_ANSWER = "ctx.needle_answer"
-NEEDLE_MARGIN = "ctx.needle_margin"
-NEEDLE_LOST = "ctx.needle_lost"
-LENS_TAP = "needle.lens"
-"""The needle answer as an outcome, per needle query (a decode step whose continuation only a needle gives):
-1 when a stack's top-1 is the needle's continuation (`_ref`: the reference's), the logit margin, and `lost` where
-the reference answers beyond FP8 noise and the stack does not. The run records it on the final logits row (tap
-`logits`) and through each layer's logit lens (tap `needle.lens`)."""
 
 
 class NothingToDraw(Exception):
@@ -170,21 +162,15 @@ class FigureData:
         return _decoded(values["mean"]) if values else None
 
     def final(self, variant: str, phase: str, metric: str) -> float | None:
-        """A final-logits metric (layer == n_layers) of a variant: the mean over the phase's positions. A metric
-        the run also records per layer (the needle answer) is keyed `metric@logits` there."""
-        entries = (self.payload["logits"].get(variant) or {}).get(phase) or {}
-        entry = entries.get(f"{metric}@logits") or entries.get(metric)
+        """A final-logits metric (layer == n_layers) of a variant: the mean over the phase's positions."""
+        entry = ((self.payload["logits"].get(variant) or {}).get(phase) or {}).get(metric)
         return _float(entry["mean"]) if entry else None
 
-    def first_final(self, phase: str, metric: str) -> float | None:
-        """A final-logits metric every variant's rows carry alike (the reference's `_ref` side): the first found."""
-        return next((x for v in self.variants if (x := self.final(v, phase, metric)) is not None), None)
-
-    def lens_series(self, variant: str, metric: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """A needle-answer metric per layer through the logit lens (decode), keyed `metric@needle.lens` when the
-        run also records it on the logits row."""
-        lensed = f"{metric}@{LENS_TAP}"
-        return self.layer_series(variant, lensed if lensed in self.payload["metrics"] else metric, "decode")
+    def needle_stacks(self) -> dict[str, dict[str, Any]]:
+        """The needle answer of the drawn stacks, as the page reads it (payload `needles`,
+        harness.report.data.needle_outcome): empty when no decode step asks for a needle."""
+        stacks = (self.payload.get("needles") or {}).get("stacks") or {}
+        return {v: stacks[v] for v in self.variants if v in stacks}
 
     def label(self, key: str) -> str:
         """The page's label of a series: the metric's label, and the tap where one metric has several."""
@@ -542,8 +528,9 @@ def context_loss(data: FigureData, phase: str | None = None) -> Figure:
     colour) and the indexer's recall of earlier-turn and needle rows with each variant's bound."""
     metrics = data.payload["metrics"]
     phase = phase or ("decode" if "decode" in data.phases else (data.phases or ["prefill"])[0])
-    final = {v: x for v in data.variants if (x := data.final(v, "decode", NEEDLE_ANSWER)) is not None}
-    lens = {v: s for v in data.variants if (s := data.lens_series(v, NEEDLE_ANSWER)) is not None}
+    stacks = data.needle_stacks()
+    final = {v: s for v, s in stacks.items() if s.get("rate") is not None}
+    lens = {v: _decoded(s["lens"]) for v, s in stacks.items() if s.get("lens")}
     panels = [(key, title) for key, title in CONTEXT_PANELS if key in metrics or f"{key}_ref" in metrics]
     if not panels and not final and not lens:
         raise NothingToDraw("no context-loss metrics: the prompt has a single turn and no needles, or no query "
@@ -589,18 +576,18 @@ def _context_panel(ax: Axes, data: FigureData, key: str, phase: str) -> bool:
     return nonfinite
 
 
-def _answer_panel(ax: Axes, data: FigureData, final: dict[str, float]) -> None:
+def _answer_panel(ax: Axes, data: FigureData, final: dict[str, dict[str, Any]]) -> None:
     """The outcome: how often the reference and each stack answer the needle queries with their final logits,
-    with the mean margin and, for the stacks, the share of answers lost where the reference was sure."""
-    rows = [("reference", data.first_final("decode", f"{NEEDLE_ANSWER}_ref"), f"{NEEDLE_MARGIN}_ref", None)]
-    rows = [r for r in rows if r[1] is not None] + [(v, rate, NEEDLE_MARGIN, v) for v, rate in final.items()]
-    for i, (name, rate, margin_metric, variant) in enumerate(rows):
+    with the median margin and, for the stacks, the share of answers lost where the reference was sure."""
+    reference = (data.payload.get("needles") or {}).get("reference")
+    rows = [("reference", reference, None)] if reference and reference.get("rate") is not None else []
+    rows += [(v, outcome, v) for v, outcome in final.items()]
+    for i, (name, outcome, variant) in enumerate(rows):
         colour = REFERENCE_COLOUR if variant is None else variant_style(data, variant)["color"]
+        rate, margin = _float(outcome["rate"]), _float(outcome.get("margin"))
         ax.barh(i, rate, height=0.6, color=colour, alpha=0.6, edgecolor=colour,
                 hatch="//" if variant == YARDSTICK else None)
-        margin = data.first_final("decode", margin_metric) if variant is None else \
-            data.final(variant, "decode", margin_metric)
-        lost = data.final(variant, "decode", NEEDLE_LOST) if variant is not None else None
+        lost = outcome["lost"] / outcome["queries"] if variant is not None and outcome["queries"] else None
         text = f"{rate:.2f}" + (f" · margin {margin:.3g}" if margin is not None else "") + \
             (f" · lost {lost:.2f}" if lost is not None else "")
         ax.annotate(text, (rate, i), xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
@@ -615,9 +602,9 @@ def _answer_panel(ax: Axes, data: FigureData, final: dict[str, float]) -> None:
 
 def _lens_panel(ax: Axes, data: FigureData, lens: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
     """Where the answer is lost: the answer rate through each layer's logit lens, reference against stacks."""
-    reference = next((s for v in data.variants if (s := data.lens_series(v, f"{NEEDLE_ANSWER}_ref"))), None)
-    if reference is not None:
-        _plot_layers(ax, *reference, "reference", REFERENCE_STYLE)
+    reference = ((data.payload.get("needles") or {}).get("reference") or {}).get("lens")
+    if reference:
+        _plot_layers(ax, *_decoded(reference), "reference", REFERENCE_STYLE)
     for variant, series in lens.items():
         _plot_layers(ax, *series, _variant_label(variant), variant_style(data, variant))
     ax.set_ylim(-0.04, 1.04)

@@ -10,13 +10,15 @@ scale, one patch goes wrong in decode from a chosen layer. Nothing here is used 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from harness.report.data import LENS_TAP, LOGITS_TAP
 from harness.run.bins import BinPlan
 from harness.run.store import METRICS_SCHEMA, RunStore
 from reference.config import get_preset
@@ -31,6 +33,10 @@ PATCHES = [
 ]
 BAD_PATCH = "triton-indexer"
 BAD_FROM_LAYER = 4
+CHUNK_FAULT_VARIANT = "all"
+CHUNK_FAULT = 1
+"""In a run of two or more prefill chunks, `all` goes wrong in prefill chunk 1 alone from BAD_FROM_LAYER (the
+attention output it adds by itself, local mode): a loss a layer's mean dilutes and the per-chunk check catches."""
 
 # (tap, metric, base error scale, kind: "err" | "recall" | "mass" | "signed" | "sqnr" | "cos" | "share",
 #  layer kinds or None)
@@ -123,11 +129,12 @@ def write_synthetic_run(run_dir: str | Path, *, preset: str = "flash", n_prompt:
                         patch_note: str = "", scenario_name: str = "flash-27k-synthetic",
                         scenario_description: str = "synthetic 27K-token agent session (report sizing)",
                         scenario_text: str = "# synthetic scenario\nname: flash-27k-synthetic\n",
-                        seed: int = 0) -> Path:
+                        needle_queries: int = 0, seed: int = 0) -> Path:
     """Write a synthetic run directory; returns its path. `nan_variant` adds a NaN finding for that variant;
     `flat_gate` writes gate.json in the minimal flat shape instead of the gate's own; `extra_variant` adds a
     patch-less variant of that name and `patch_note` is appended to every patch description (tests use both
-    to smuggle hostile text into the page)."""
+    to smuggle hostile text into the page). `needle_queries` makes that many decode steps (from step 1) needle
+    queries with answer rows (`needle_answers`)."""
     rng = np.random.default_rng(seed)
     cfg = get_preset(preset).to_dict()
     n_layers = cfg["num_hidden_layers"]
@@ -158,6 +165,11 @@ def write_synthetic_run(run_dir: str | Path, *, preset: str = "flash", n_prompt:
     if extra_variant:
         variants.append({"name": extra_variant, "patches": []})
     scale = {"yardstick": 0.5, "base": 1.0, "all": 1.6}
+    chunk = col["chunk"]
+    chunk_fault = int(chunk.max()) >= CHUNK_FAULT
+    answers = needle_answers(["yardstick"] + [v["name"] for v in variants], n_layers, needle_queries) \
+        if needle_queries else None
+    query_bins = [b for b in bins if b.phase == "decode" and 1 <= b.step <= needle_queries]
     modes = ["global", "local"] + (["forced"] if force_decisions else [])
     stacks = [("yardstick", "global"), ("yardstick", "local")] + [(v["name"], m) for v in variants for m in modes]
     store = RunStore(run_dir)
@@ -187,6 +199,9 @@ def write_synthetic_run(run_dir: str | Path, *, preset: str = "flash", n_prompt:
                 if bad(variant) and layer >= BAD_FROM_LAYER and mode != "forced" and \
                         metric.startswith(("indexer.", "ctx.", "attn.tv", "attn.kl")):
                     err = np.where(decode, err * 12, err)
+                if chunk_fault and variant == CHUNK_FAULT_VARIANT and mode == "local" and layer >= BAD_FROM_LAYER \
+                        and metric == "attn.out_rel_l2":
+                    err = np.where(~decode & (chunk == CHUNK_FAULT), err * 3, err)
                 if kind == "err":
                     value, peak = err, err * rng.uniform(1.5, 3.0, nb)
                 elif kind == "sqnr":
@@ -219,6 +234,9 @@ def write_synthetic_run(run_dir: str | Path, *, preset: str = "flash", n_prompt:
                 columns["count"].append(count[keep])
         table = pa.table({k: pa.array(np.concatenate(v), type=METRICS_SCHEMA.field(k).type)
                           for k, v in columns.items()}, schema=METRICS_SCHEMA)
+        if answers is not None:
+            table = pa.concat_tables([table, pa.Table.from_pylist(_needle_rows(answers, layer, LENS_TAP, query_bins),
+                                                                  schema=METRICS_SCHEMA)])
         pq.write_table(table, store.part_path(layer))
 
     logits_rows = []
@@ -231,6 +249,8 @@ def write_synthetic_run(run_dir: str | Path, *, preset: str = "flash", n_prompt:
                                     **{c: (str(v[i]) if c == "phase" else int(v[i])) for c, v in col.items()},
                                     "tap": "logits", "metric": metric, "value": float(value),
                                     "max": float(value * 2), "count": 4})
+    if answers is not None:  # the last layer's answers are the stack's answers: again on the logits row
+        logits_rows += _needle_rows(answers, n_layers - 1, LOGITS_TAP, query_bins, at_layer=n_layers)
     store.write_layer(n_layers, logits_rows)  # also combines every part into metrics.parquet
 
     findings = []
@@ -239,7 +259,10 @@ def write_synthetic_run(run_dir: str | Path, *, preset: str = "flash", n_prompt:
                          "phase": "decode", "position": n_prompt + 3})
     store.write_findings(findings)
     if gate:
-        gate_json = synthetic_gate(variants, nan_variant, kinds, flat_gate)
+        chunk_spans = [(min(b.start for b in bins if b.chunk == c), max(b.end for b in bins if b.chunk == c))
+                       for c in range(int(chunk.max()) + 1)]
+        lost = {stack: lost.sum(axis=1) for stack, lost in answers["lost"].items()} if answers is not None else None
+        gate_json = synthetic_gate(variants, nan_variant, kinds, flat_gate, chunk_spans=chunk_spans, needle_lost=lost)
         (store.dir / "gate.json").write_text(json.dumps(gate_json, indent=1))
     if attribution:
         attribution_json = synthetic_attribution(patch_list, n_layers, rng)
@@ -247,10 +270,50 @@ def write_synthetic_run(run_dir: str | Path, *, preset: str = "flash", n_prompt:
     return store.dir
 
 
+def needle_answers(stacks: list[str], n_layers: int, n_queries: int) -> dict[str, Any]:
+    """Which needle queries each stack answers through each layer's logit lens, shaped like a real run's (the
+    answer appears at the retrieval layers, one query after another from layer n_layers // 10) with the two
+    broken variants losing every other answer from BAD_FROM_LAYER on:
+    {"reference": [n_layers, Q] bool, "stacks": {stack: [n_layers, Q]}, "lost": {stack: [n_layers, Q]}}."""
+    layer = np.arange(n_layers)[:, None]
+    query = np.arange(n_queries)[None, :]
+    reference = layer >= np.minimum(n_layers // 10 + query, n_layers - 1)
+    answered = {stack: reference & ~((layer >= BAD_FROM_LAYER) & (query % 2 == 1) & (stack in (BAD_PATCH, "all")))
+                for stack in stacks}
+    return {"reference": reference, "stacks": answered,
+            "lost": {stack: reference & ~mine for stack, mine in answered.items()}}
+
+
+def _needle_rows(answers: dict[str, Any], layer: int, tap: str, query_bins: list, at_layer: int | None = None
+                 ) -> list[dict[str, Any]]:
+    """The rows the runner records per stack and needle query (harness.run.needles), global mode: tap
+    `needle.lens` at a layer, or the last layer's answers on the logits row (`at_layer`, tap `logits`). The
+    reference's margin grows with the query; a stack that misses the answer has margin −0.5."""
+    reference = answers["reference"][layer]
+    rows = []
+    for stack, answered in answers["stacks"].items():
+        for i, b in enumerate(query_bins):
+            ref_margin = 2.0 + i if reference[i] else -1.0
+            values = {"ctx.needle_answer": float(answered[layer, i]), "ctx.needle_answer_ref": float(reference[i]),
+                      "ctx.needle_margin": ref_margin if answered[layer, i] else -0.5,
+                      "ctx.needle_margin_ref": ref_margin, "ctx.needle_lost": float(answers["lost"][stack][layer, i])}
+            rows += [{"variant": stack, "mode": "global", "layer": layer if at_layer is None else at_layer,
+                      "phase": "decode", "chunk": b.chunk, "step": b.step, "turn": b.turn, "pos_bin": b.start,
+                      "pos_end": b.end, "tap": tap, "metric": metric, "value": value, "max": value, "count": 1}
+                     for metric, value in values.items()]
+    return rows
+
+
 def synthetic_gate(variants: list[dict], nan_variant: str | None, kinds: list[str] | None = None,
-                   flat: bool = False) -> dict[str, Any]:
+                   flat: bool = False, chunk_spans: list[tuple[int, int]] | None = None,
+                   needle_lost: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """A gate.json for the synthetic run: the gate's own shape ("dsv4-drift-gate/1", checks × variants × phases
-    with per-layer units), or with `flat` the minimal shape {passed, policy, checks: [...], findings}."""
+    with per-layer units), or with `flat` the minimal shape {passed, policy, checks: [...], findings}.
+
+    The gate's shape also carries, as the default policy does, a group scope — attention output per prefill chunk
+    in local mode (`chunk_spans`: each chunk's positions [first, end); `all` fails in chunk CHUNK_FAULT) — and,
+    with `needle_lost` (per stack, the answers lost at each layer's lens), the needle-lost check at every lens
+    layer and the logits row (the last layer's answers)."""
     kinds = kinds or list(get_preset("flash").layer_kinds)
     specs = (("attn-tv", "attn.tv", "attn.probs", 0.05, None),
              ("indexer-mass-recall", "indexer.mass_recall", "attn.probs", 0.1, "csa"),
@@ -270,43 +333,84 @@ def synthetic_gate(variants: list[dict], nan_variant: str | None, kinds: list[st
         return {"passed": not any(c["status"] == "fail" for c in checks) and not findings, "policy": "default",
                 "checks": checks, "findings": findings}
     checks, failures = [], []
-    for name, metric, tap, bound, only_kind in specs:
+
+    def check(name: str, metric: str, tap: str, bound: float, scope: str, modes: list[str],
+              units_of: Callable[[str, str], list[dict[str, Any]]]) -> None:
+        """One check: its units per variant and phase from `units_of(variant, phase)`, the first failure and the
+        worst unit per phase and per variant, and the failure line the gate prints."""
         check_variants = []
         for v in variants:
             units, phases = [], {}
             for phase in ("prefill", "decode"):
-                first = worst = None
-                for layer, kind in enumerate(kinds):
-                    if only_kind and kind != only_kind:
-                        continue
-                    failing = v["name"] in (BAD_PATCH, "all") and phase == "decode" and layer >= BAD_FROM_LAYER \
-                        and metric != "streams.rel_l2"
-                    value = (0.2 + 0.004 * layer) if failing else bound * (0.2 + 0.01 * layer)
-                    unit = {"variant": v["name"], "mode": "global", "tap": tap, "layer": layer, "phase": phase,
-                            "value": value, "limit": bound, "status": "fail" if failing else "pass",
-                            "yardstick": bound / 16, "base": None, "floor": 0.0039, "baseline": None,
-                            "baseline_limit": None, "notes": []}
-                    units.append(unit)
-                    if failing and first is None:
-                        first = unit
-                    if worst is None or value / bound > worst["value"] / worst["limit"]:
-                        worst = unit
+                mine = units_of(v["name"], phase)
+                units += mine
+                if not mine:
+                    continue
+                bad = [u for u in mine if u["status"] == "fail"]
+                first = bad[0] if bad else None
+                worst = max(mine, key=lambda u: u["value"] / u["limit"] if u["limit"] else
+                            (math.inf if u["value"] > 0 else 0.0))
                 phases[phase] = {"status": "fail" if first else "pass",
                                  "first_failing_layer": first["layer"] if first else None, "first_failure": first,
                                  "worst": worst}
-                if first:
-                    failures.append(f"{name} [{v['name']}]: {metric} first fails at layer {first['layer']} {phase} "
-                                    f"(global, {tap}): {first['value']:.4g} > {bound:.4g}")
-            status = "fail" if any(p["status"] == "fail" for p in phases.values()) else "pass"
-            check_variants.append({"variant": v["name"], "status": status, "reason": "", "phases": phases,
-                                   "first_failure": None, "worst": None, "units": units})
-        checks.append({"name": name, "description": f"{metric} within 16× the yardstick", "metric": metric,
-                       "taps": [tap], "layers": ["all"], "phases": ["prefill", "decode"], "modes": ["global"],
-                       "aggregate": "max", "direction": "upper", "severity": "error",
+            bad = [u for u in units if u["status"] == "fail"]
+            first = min(bad, key=lambda u: (u["layer"], u["phase"] != "prefill")) if bad else None
+            if first:
+                group = "" if first["group"] is None else \
+                    f" chunk {first['group']}" if scope == "chunk" else f" positions {first['span'][0]}-{first['span'][1] - 1}"
+                failures.append(f"{name} [{v['name']}]: {metric} first fails at layer {first['layer']} "
+                                f"{first['phase']}{group} ({first['mode']}, {tap}): {first['value']:.4g} > "
+                                f"{first['limit']:.4g}; {len(bad)} failing unit(s)")
+            check_variants.append({"variant": v["name"], "status": "fail" if first else "pass" if units else "no_data",
+                                   "reason": "", "phases": phases, "first_failure": first,
+                                   "worst": max(units, key=lambda u: u["value"]) if units else None,
+                                   "units_total": len(units), "units": units})
+        checks.append({"name": name, "description": f"{metric} within its bound", "metric": metric,
+                       "taps": [tap], "layers": ["all"], "phases": ["prefill", "decode"], "modes": modes,
+                       "scope": scope, "aggregate": "max", "direction": "upper", "severity": "error",
                        "bound": {"kind": "absolute", "expression": str(bound), "value": bound}, "floor": 0.0039,
                        "baseline_slack": 0.0, "bound_text": f"≤ {bound}",
                        "status": "fail" if any(c["status"] == "fail" for c in check_variants) else "pass",
                        "variants": check_variants})
+
+    def unit(variant: str, mode: str, tap: str, layer: int, phase: str, value: float, limit: float, failing: bool,
+             scope: str = "layer", group: int | None = None, span: tuple[int, int] = (0, 0)) -> dict[str, Any]:
+        return {"variant": variant, "mode": mode, "tap": tap, "layer": layer, "phase": phase, "scope": scope,
+                "group": group, "span": list(span), "value": value, "limit": limit,
+                "status": "fail" if failing else "pass", "yardstick": limit / 16, "base": None, "floor": 0.0039,
+                "baseline": None, "baseline_limit": None, "notes": []}
+
+    for name, metric, tap, bound, only_kind in specs:
+        def per_layer(variant: str, phase: str, metric=metric, tap=tap, bound=bound, only_kind=only_kind) -> list:
+            out = []
+            for layer, kind in enumerate(kinds):
+                if only_kind and kind != only_kind:
+                    continue
+                failing = variant in (BAD_PATCH, "all") and phase == "decode" and layer >= BAD_FROM_LAYER \
+                    and metric != "streams.rel_l2"
+                value = (0.2 + 0.004 * layer) if failing else bound * (0.2 + 0.01 * layer)
+                out.append(unit(variant, "global", tap, layer, phase, value, bound, failing))
+            return out
+        check(name, metric, tap, bound, "layer", ["global"], per_layer)
+
+    def per_chunk(variant: str, phase: str) -> list:
+        if phase != "prefill":
+            return []
+        return [unit(variant, "local", "attn.out", layer, phase, value, 0.05, value > 0.05, "chunk", c, span)
+                for layer in range(len(kinds)) for c, span in enumerate(chunk_spans or [])
+                for value in [0.12 if variant == CHUNK_FAULT_VARIANT and c == CHUNK_FAULT and layer >= BAD_FROM_LAYER
+                              else 0.01 + 0.0005 * layer]]
+    if chunk_spans and len(chunk_spans) > CHUNK_FAULT:
+        check("attn-out-rel-l2-patch-by-chunk", "attn.out_rel_l2", "attn.out", 0.05, "chunk", ["local"], per_chunk)
+
+    def per_lens_layer(variant: str, phase: str) -> list:
+        if phase != "decode" or needle_lost is None:
+            return []
+        lost = needle_lost[variant]  # the lens layers, then the logits row: the last layer's answers
+        return [unit(variant, "global", "needle.lens" if layer < len(kinds) else "logits", layer, phase,
+                     float(n > 0), 0.0, n > 0) for layer, n in enumerate([*lost, lost[-1]])]
+    if needle_lost is not None:
+        check("needle-lost", "ctx.needle_lost", "needle.lens", 0.0, "layer", ["global"], per_lens_layer)
     nonfinite = []
     if nan_variant:
         nonfinite.append({"variant": nan_variant, "mode": "global", "layer": 17, "tap": "moe.out", "field": "out",
