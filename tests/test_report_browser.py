@@ -46,9 +46,11 @@ def dump_dom(page: Path, tmp: Path) -> str:
 
 @pytest.fixture(scope="module")
 def hostile_report(tmp_path_factory) -> Path:
-    """43 layers, gate.json (failing), attribution.json, a NaN finding, and hostile text in every user field."""
+    """43 layers in two prefill chunks, six needle queries, gate.json (failing, a chunk-scope check among its
+    checks), attribution.json, a NaN finding, and hostile text in every user field."""
     root = tmp_path_factory.mktemp("browser")
-    run = write_synthetic_run(root / "run", n_prompt=8192, n_decode=16, bin_size=512, n_single_patch_variants=3,
+    run = write_synthetic_run(root / "run", n_prompt=8192, n_decode=16, bin_size=512, chunk_size=4096,
+                              needle_queries=6, n_single_patch_variants=3,
                               nan_variant="all", scenario_name=HOSTILE, scenario_description=HOSTILE,
                               scenario_text=f"name: x\ndescription: \"{HOSTILE}\"\n", extra_variant=HOSTILE,
                               patch_note=HOSTILE)
@@ -91,6 +93,7 @@ def test_partial_inputs_render_without_errors(variant: str, tmp_path: Path) -> N
     assert 'data-rendered="ok"' in dom
     expected = {"flat-gate": "GATE FAILED", "no-gate": "Not gated", "unfinished": "Incomplete run"}[variant]
     assert expected in dom
+    assert "No decode step asks for a needle: add decode steps that recall the needles (service_account)" in dom
 
 
 def test_screenshot_shows_a_drawn_page(hostile_report: Path, tmp_path: Path) -> None:
@@ -155,3 +158,79 @@ def test_controls_redraw_without_errors(hostile_report: Path, tmp_path: Path) ->
     assert 'data-sorted-first="0"' not in dom, "sorting by decode attention TV puts the worst layer first"
     assert re.search(r'data-tooltip="layer \d+', dom), "the heatmap tooltip names the layer"
     assert 'data-rendered="ok"' in dom and '<div class="error-box"' not in dom
+
+
+def test_the_lens_opens_with_the_needle_answer(hostile_report: Path, tmp_path: Path) -> None:
+    dom = dump_dom(hostile_report, tmp_path)
+    assert re.search(r'<section id="context"><h2>Context-loss lens</h2><div id="needle-outcome"', dom), \
+        "the context-loss lens's first element is the needle-answer outcome"
+    outcome = dom[dom.index('id="needle-outcome"'):dom.index("</table>", dom.index('id="needle-table"'))]
+    assert "Over 6 needle queries" in outcome
+    rows = dict(re.findall(r'<tr data-stack="([^"]+)">(.*?)</tr>', outcome))
+    assert list(rows)[:3] == ["reference", "yardstick", "base"]
+    cells = {name: re.findall(r"<td[^>]*>(.*?)</td>", row) for name, row in rows.items()}
+    assert "6 of 6" in cells["reference"][1] and "6 of 6" in cells["base"][1]
+    assert "3 of 6" in cells["triton-indexer"][1] and cells["triton-indexer"][3] == "3", "three answers lost"
+    lost = re.search(r'<tr data-stack="triton-indexer">.*?<td class="([^"]*)"[^>]*>3</td>', outcome).group(1)
+    assert lost.startswith("c-bad"), f"the lost answers carry the gate's failing colour, not {lost!r}"
+    assert ">L5 <" in rows["triton-indexer"], "the first layer that loses an answer"
+
+
+def test_the_banner_names_the_chunk_of_a_chunk_scope_failure(hostile_report: Path, tmp_path: Path) -> None:
+    dom = dump_dom(hostile_report, tmp_path)
+    banner = dom[dom.index('id="gate-failures"'):]
+    banner = banner[:banner.index("</ul>")]
+    line = next(li for li in re.findall(r"<li[^>]*>(.*?)</li>", banner) if "attn-out-rel-l2-patch-by-chunk" in li)
+    assert 'class="where">prefill chunk 1 · local</span>' in line, line
+    assert "L4" in line and "39 failing units" in line
+    layer_scope = next(li for li in re.findall(r"<li[^>]*>(.*?)</li>", banner) if "<b>attn-tv</b>" in li)
+    assert 'class="where">decode · global</span>' in layer_scope
+    table = dom[dom.index('id="gate-table"'):]
+    assert "prefill chunk 1 · local" in table[:table.index("</table>")], "the first-failure table names it too"
+
+
+HEAT_DRIVER = """
+setTimeout(function () {
+  var body = document.body;
+  try {
+    var variant = document.querySelectorAll('#heatmap select')[1];
+    variant.value = 'all'; variant.dispatchEvent(new Event('change'));
+    var canvas = document.querySelector('#heatmap-canvas canvas'), b = canvas.getBoundingClientRect();
+    body.setAttribute('data-outlines', canvas.getAttribute('data-failing-groups'));
+    // layer 20, the first bin of prefill chunk 1 (the bin starting at position 4096): the canvas is
+    // 92 px of labels + one column per bin + 12, and 34 + one row per layer + 26 high
+    var cols = +canvas.getAttribute('data-cols'), rows = +canvas.getAttribute('data-rows');
+    var cw = (b.width - 104) / cols, ch = (b.height - 60) / rows, bin = +body.getAttribute('data-chunk-bin');
+    canvas.dispatchEvent(new MouseEvent('mousemove', {clientX: b.left + 92 + (bin + 0.5) * cw, clientY: b.top + 34 + 20.5 * ch}));
+    body.setAttribute('data-tooltip', document.querySelector('.tooltip').textContent);
+    var selects = document.querySelectorAll('#layers select');  // the per-layer table: variant, mode
+    selects[0].value = 'all'; selects[0].dispatchEvent(new Event('change'));
+    selects[1].value = 'local'; selects[1].dispatchEvent(new Event('change'));
+    var cell = Array.prototype.find.call(document.querySelectorAll('#layer-table tr[data-layer="4"] td'),
+      function (td) { return (td.title || '').indexOf('attention output rel L2 · prefill') === 0; });
+    body.setAttribute('data-cell', cell.getAttribute('data-gated') + '|' + cell.title);
+  } catch (e) { body.setAttribute('data-outlines', 'error: ' + e.message); }
+}, 0);
+"""
+
+
+def test_the_heatmap_and_the_layer_table_show_the_failing_chunk(hostile_report: Path, tmp_path: Path) -> None:
+    """Switched to the variant that fails in prefill chunk 1, the heatmap outlines that chunk in each failing layer
+    (4 … 42: one outline a row) and the tooltip of a cell inside it names the check and the chunk; in local mode
+    the per-layer table colours layer 4's attention-output cell as failing and its tooltip names the chunk."""
+    from harness.report.html import extract_payload
+
+    bins = extract_payload(hostile_report.read_text())["bins"]
+    first_bin = bins["pos_bin"].index(4096)
+    page = re.sub(r'<meta http-equiv="Content-Security-Policy"[^>]*>', "", hostile_report.read_text())
+    page = page.replace("<body>", f'<body data-chunk-bin="{first_bin}">')
+    page = page.replace("</body>", f"<script>{HEAT_DRIVER}</script>\n</body>")
+    driven = tmp_path / "heat.html"
+    driven.write_text(page)
+    dom = dump_dom(driven, tmp_path)
+    assert 'data-outlines="39"' in dom, re.search(r'data-outlines="[^"]*"', dom)
+    tooltip = re.search(r'data-tooltip="([^"]*)"', dom).group(1)
+    assert "fails: attn-out-rel-l2-patch-by-chunk (local)" in tooltip and "prefill chunk 1" in tooltip, tooltip
+    gated, title = re.search(r'data-cell="([^"]*)"', dom).group(1).split("|", 1)
+    assert gated == "fail", title
+    assert "gate check attn-out-rel-l2-patch-by-chunk at prefill chunk 1 (local)" in title, title

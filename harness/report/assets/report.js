@@ -228,9 +228,7 @@
   function limitRatio(key, variant, phase, layer, value, mode) {
     if (variant === YARD) return null;
     var cell = get(GATE, 'cells', key, variant, mode, phase);
-    if (cell && cell.ratio && cell.ratio[layer] !== null && cell.ratio[layer] !== undefined) {
-      return { r: cell.ratio[layer], source: 'gate', check: get(GATE, 'check_names', cell.check[layer]), loss: cell.value[layer], limit: cell.limit[layer] };
-    }
+    if (cell && cell.ratio && cell.ratio[layer] !== null && cell.ratio[layer] !== undefined) return cellVerdict(cell, layer, phase, mode);
     var b = badness(key, value);
     var check = flatCheckFor(key, variant, phase);
     var bound = check ? boundValue(check.bound, layer) : null;
@@ -239,10 +237,39 @@
     if (lb === null) return null;
     return { r: lb > 0 ? b / lb : (b > 0 ? Infinity : 0), source: 'bound', bound: bound, check: check.check };
   }
+  /** A gate cell's verdict at one layer: the most binding unit's check, loss and limit, and where in the layer it
+   * sits when the check has a group scope (a chunk, turn, decode step or bin: gate.json's unit). */
+  function cellVerdict(cell, layer, phase, mode) {
+    var check = get(GATE, 'check_names', cell.check[layer]);
+    var g = get(cell, 'where', String(layer));
+    var scope = get(GATE, 'check_info', check, 'scope');
+    return { r: cell.ratio[layer], source: 'gate', check: check, loss: cell.value[layer], limit: cell.limit[layer], mode: mode,
+      where: g ? groupText(scope, g[0], [g[1], g[2]], phase) : null };
+  }
   function gateTitle(lr) {
     if (!lr) return 'not judged by the gate: not coloured';
     if (lr.source === 'bound') return 'gate bound ' + fmt(lr.bound) + ' (' + fmtRatio(lr.r) + ' of the bound)';
-    return 'gate check ' + plain(lr.check) + ': loss ' + fmt(lr.loss) + ' vs limit ' + fmt(lr.limit) + ' (' + fmtRatio(lr.r) + ' of its limit: ' + (lr.r > 1 || Number.isNaN(lr.r) ? 'fails' : 'passes') + ')';
+    return 'gate check ' + plain(lr.check) + (lr.where ? ' at ' + lr.where + ' (' + plain(lr.mode) + ')' : '') + ': loss ' + fmt(lr.loss) + ' vs limit ' + fmt(lr.limit) + ' (' + fmtRatio(lr.r) + ' of its limit: ' + (lr.r > 1 || Number.isNaN(lr.r) ? 'fails' : 'passes') + ')';
+  }
+  /**
+   * Where a gate unit sits inside its layer, in words: the phase and, for a group scope, the group —
+   * `prefill chunk 1`, `decode step 3`, `prefill turn 2`, `prefill bin [500, 628)` (positions [first, end)). The
+   * decode rows are one group of a chunk scope, the prefill rows one of a step scope (index −1).
+   */
+  function groupText(scope, group, span, phase) {
+    var ph = phase ? String(phase) : '';
+    if (group === null || group === undefined || !scope || scope === 'layer') return ph;
+    if (scope === 'chunk') return group < 0 ? 'decode (all steps)' : 'prefill chunk ' + group;
+    if (scope === 'step') return group < 0 ? 'prefill (all positions)' : 'decode step ' + group;
+    if (scope === 'turn') return (ph ? ph + ' ' : '') + (group < 0 ? 'preamble (turn −1)' : 'turn ' + group);
+    if (scope === 'bin' && Array.isArray(span)) return (ph ? ph + ' ' : '') + 'bin [' + span[0] + ', ' + span[1] + ')';
+    return (ph ? ph + ' ' : '') + scope + ' ' + plain(group);
+  }
+  /** A gate unit's place (layer aside): `prefill chunk 1 · local`; `prefix` reads the row fields first_… or worst_…. */
+  function unitWhere(u, prefix) {
+    prefix = prefix || '';
+    return groupText(u[prefix + 'scope'], u[prefix + 'group'], u[prefix + 'span'], u[prefix + 'phase'] !== undefined ? u[prefix + 'phase'] : u.phase) +
+      (u[prefix + 'mode'] ? ' · ' + u[prefix + 'mode'] : '');
   }
   function ratioClass(r) {
     if (!isNum(r)) return r !== null && Number.isNaN(r) ? 'c-bad3' : '';
@@ -436,6 +463,10 @@
     var where = ph === 'decode' ? 'decode step ' + BINS.step[c] : 'prefill chunk ' + BINS.chunk[c];
     return 'tokens ' + BINS.pos_bin[c] + '–' + (BINS.pos_end[c] - 1) + ' · ' + where + ' · turn ' + BINS.turn[c];
   }
+  /** The group of a check's scope that bin c belongs to (harness.gate.evaluate.SCOPE_COLUMN). */
+  function binGroup(scope, c) {
+    return scope === 'chunk' ? BINS.chunk[c] : scope === 'turn' ? BINS.turn[c] : scope === 'step' ? BINS.step[c] : BINS.pos_bin[c];
+  }
   function binBoundaries() {
     var out = [];
     for (var c = 1; c < NB; c++) {
@@ -525,6 +556,8 @@
     return fails.length ? fails[0].variant : (OPT[OPT.length - 1] || VARIANTS[0]);
   })();
   function checkInfo(row) { return get(GATE, 'check_info', row.check) || {}; }
+  /** The series key a check (an index into check_names) judges, as the heatmap names it. */
+  function checkMetric(index) { return get(GATE, 'check_info', get(GATE, 'check_names', index), 'metric'); }
   function failingRows() { return CHECKS.filter(function (c) { return c.status === 'fail'; }); }
   section('verdict', 'Verdict', function (el) {
     if (GATE) {
@@ -540,8 +573,25 @@
       var box = h('div', { class: 'banner ' + cls, id: 'gate-banner' },
         h('div', { class: 'headline', text: head + (GATE.policy ? ' · policy ' + plain(GATE.policy) : '') }),
         h('div', { text: countText + (GATE.policy_description ? ' — ' + plain(GATE.policy_description) : '') }));
-      var ul = h('ul');
-      if (Array.isArray(GATE.failures) && GATE.failures.length) {
+      var ul = h('ul', { id: 'gate-failures' });
+      if (Array.isArray(GATE.failing) && GATE.failing.length) {
+        // the gate's own lines for what is not a check (an incomplete run, NaN/Inf), then each failing check × variant
+        // with the unit where it first fails — layer, phase, group (chunk, turn, step, bin) and mode — earliest first
+        var checkLines = GATE.failing.map(function (f) { return f.line; });
+        var other = (GATE.failures || []).filter(function (line) { return checkLines.indexOf(line) < 0; });
+        other.forEach(function (line) { ul.appendChild(h('li', { class: 'mono', text: line })); });
+        var earliest = GATE.failing.slice().sort(function (a, b) {
+          return (a.layer - b.layer) || ((a.phase === 'decode') - (b.phase === 'decode'));
+        });
+        earliest.slice(0, 8).forEach(function (f) {
+          ul.appendChild(h('li', { class: 'gate-failure', title: f.line || null }, h('b', { text: plain(f.check) }), ' · ',
+            h('span', { style: { color: colorOf(f.variant), fontWeight: 650 }, text: plain(f.variant) }), ': first fails at ', layerRef(f.layer), ' ',
+            h('span', { class: 'where', text: unitWhere(f) }),
+            ' — ' + info(tapKey(String(f.metric), f.tap)).label + (f.tap ? ' (' + plain(f.tap) + ')' : '') + ' loss ' + fmt(f.value) + ' > limit ' + fmt(f.limit) +
+            (f.failing_units > 1 ? ' · ' + f.failing_units + ' failing units' : '')));
+        });
+        if (GATE.failing.length > 8) ul.appendChild(h('li', { text: 'and ' + (GATE.failing.length - 8) + ' more (see First failing layers)' }));
+      } else if (Array.isArray(GATE.failures) && GATE.failures.length) {
         GATE.failures.slice(0, 8).forEach(function (line) { ul.appendChild(h('li', { class: 'mono', text: line })); });
         if (GATE.failures.length > 8) ul.appendChild(h('li', { text: 'and ' + (GATE.failures.length - 8) + ' more (see First failing layers)' }));
       } else {
@@ -693,7 +743,7 @@
         var score = Number.isNaN(r) ? Infinity : r, best = at === null ? null : (Number.isNaN(cell.ratio[at]) ? Infinity : cell.ratio[at]);
         if (at === null || score > best) at = i;
       });
-      if (at !== null) return { v: fromLoss(col.key, cell.value[at]), at: at, lr: { r: cell.ratio[at], source: 'gate', check: get(GATE, 'check_names', cell.check[at]), loss: cell.value[at], limit: cell.limit[at] } };
+      if (at !== null) return { v: fromLoss(col.key, cell.value[at]), at: at, lr: cellVerdict(cell, at, phase, 'global') };
     }
     if (col.key.indexOf('logits.') === 0) { var l = get(D.logits, variant, phase, col.key); return l ? { v: l.mean, at: NL } : null; }
     var vals = series('global', variant, col.key, phase, 'mean');
@@ -866,8 +916,11 @@
   // --- heatmap --------------------------------------------------------------------------------
   section('heatmap', 'Layer × position heatmap', function (el) {
     if (!HEAT_KEYS.length || !NB) { el.appendChild(h('p', { class: 'empty', text: 'No per-position metrics in this run.' })); return; }
-    var st = { key: HEAT_KEYS.indexOf('streams.rel_l2') >= 0 ? 'streams.rel_l2' : HEAT_KEYS[0], variant: FOCUS, view: 'value' };
-    el.appendChild(h('p', { class: 'note', text: 'Global mode, one row per layer and one column per position bin (prefill bins, then one column per decode step). Solid dark lines: prefill chunk boundaries; thick line: prefill → decode; dashed orange: turn boundaries. Colour “value”: pale = close to the reference, dark red = far (recall-like metrics are drawn as 1 − value). “× yardstick”: blue = better than the bf16 noise floor, white = equal, red = worse.' }));
+    // open on the metric of the focus variant's first failing group, when the heatmap carries it
+    var firstGroupKey = (get(GATE, 'failing_groups', FOCUS) || []).map(function (e) { return checkMetric(e.check); })
+      .filter(function (k) { return HEAT_KEYS.indexOf(k) >= 0; })[0];
+    var st = { key: firstGroupKey || (HEAT_KEYS.indexOf('streams.rel_l2') >= 0 ? 'streams.rel_l2' : HEAT_KEYS[0]), variant: FOCUS, view: 'value', failures: 'all' };
+    el.appendChild(h('p', { class: 'note', text: 'Global mode, one row per layer and one column per position bin (prefill bins, then one column per decode step). Solid dark lines: prefill chunk boundaries; thick line: prefill → decode; dashed orange: turn boundaries. Colour “value”: pale = close to the reference, dark red = far (recall-like metrics are drawn as 1 − value). “× yardstick”: blue = better than the bf16 noise floor, white = equal, red = worse. Blue outlines: the groups (prefill chunk, turn, decode step or bin) where a gate check of a group scope fails for this variant, in that check’s mode (a local-mode failure is outlined on these global-mode values); hover for the check.' }));
     var controls = h('div', { class: 'controls' });
     var bar = h('div', { class: 'colorbar' });
     var wrap = h('div', { class: 'heat-wrap', id: 'heatmap-canvas' });
@@ -877,6 +930,13 @@
       controls.appendChild(selectBox('metric', HEAT_KEYS.map(function (k) { return { value: k, label: labelOf(k) }; }), st.key, function (v) { st.key = v; draw(); }));
       controls.appendChild(selectBox('variant', VARIANTS.filter(function (v) { return get(D.heat, st.key, v); }), st.variant, function (v) { st.variant = v; draw(); }));
       controls.appendChild(selectBox('colour', [{ value: 'value', label: 'value' }, { value: 'ratio', label: '× yardstick' }], st.view, function (v) { st.view = v; draw(); }));
+      if (GATE) controls.appendChild(selectBox('outline failing groups', [{ value: 'all', label: 'of every check' }, { value: 'metric', label: 'of checks on this metric' }, { value: 'none', label: 'none' }], st.failures, function (v) { st.failures = v; draw(); }));
+    }
+    /** The failing groups to outline: gate.json's failing units of group scopes for the variant, as bin ranges per layer. */
+    function failingGroups() {
+      if (st.failures === 'none') return [];
+      var metric = info(st.key).metric;
+      return (get(GATE, 'failing_groups', st.variant) || []).filter(function (e) { return st.failures === 'all' || checkMetric(e.check) === metric; });
     }
     function draw() {
       rebuild();
@@ -982,6 +1042,27 @@
       }
       g.textAlign = 'left';
       g.fillText('token position (bin start) →', gutL, gutT + NL * ch + 21);
+      // one outline per run of failing bins in a row: the union over checks (groups of different scopes overlap)
+      var outlined = failingGroups(), failingBins = new Map(), boxes = 0;
+      outlined.forEach(function (e) {
+        Object.keys(e.layers).forEach(function (layer) {
+          if (!failingBins.has(layer)) failingBins.set(layer, new Uint8Array(NB));
+          var row = failingBins.get(layer);
+          e.layers[layer].forEach(function (range) { row.fill(1, range[0], range[1]); });
+        });
+      });
+      g.strokeStyle = '#1f4fd6'; g.lineWidth = 2; g.setLineDash([]);
+      failingBins.forEach(function (row, layer) {
+        for (var b0 = 0; b0 < NB; b0++) {
+          if (!row[b0]) continue;
+          var b1 = b0;
+          while (b1 < NB && row[b1]) b1++;
+          g.strokeRect(gutL + b0 * cw + 1, gutT + Number(layer) * ch + 1, Math.max((b1 - b0) * cw - 2, 1), ch - 2);
+          boxes++;
+          b0 = b1;
+        }
+      });
+      cv.setAttribute('data-failing-groups', String(boxes));
       cv.addEventListener('mousemove', function (ev) {
         var rect = cv.getBoundingClientRect();
         var c = Math.floor((ev.clientX - rect.left - gutL) / cw), r = Math.floor((ev.clientY - rect.top - gutT) / ch);
@@ -991,6 +1072,12 @@
         if (yard && st.variant !== YARD) rows.push({ name: 'yardstick', color: YARD_COLOR, value: fmt(y) });
         var a = sval(v), b = sval(y);
         if (directional && a !== null && b !== null && st.variant !== YARD) rows.push({ name: 'error × yardstick', value: fmtRatio(b > 0 ? a / b : (a > 0 ? Infinity : 1)) });
+        outlined.forEach(function (e) {
+          if ((e.layers[String(r)] || []).some(function (range) { return range[0] <= c && c < range[1]; })) {
+            rows.push({ name: 'fails: ' + plain(get(GATE, 'check_names', e.check)) + ' (' + e.mode + ')', color: '#1f4fd6',
+              value: groupText(e.scope, binGroup(e.scope, c), [BINS.pos_bin[c], BINS.pos_end[c]], BINS.phase[c]) });
+          }
+        });
         var l = LAYERS[r] || {};
         showTooltip(ev, 'layer ' + r + ' · ' + String(l.kind).toUpperCase() + (l.hash ? ' · hash' : '') + ' — ' + binLabel(c), rows);
       });
@@ -1044,10 +1131,75 @@
   });
 
   // --- context-loss lens ---------------------------------------------------------------------
+  /** A series key of a metric the run records under several taps (`metric@tap`), else the metric itself. */
+  function tapKey(metric, tap) { return D.metrics && D.metrics[metric + '@' + tap] ? metric + '@' + tap : metric; }
+  /**
+   * The context-loss lens's outcome (payload `needles`, harness.report.data.needle_outcome): per stack, how many
+   * needle queries it answers at the final logits, the answers it loses where the reference was sure, the median
+   * margin, and per layer the answer rate through the logit lens — where the answer appears (the retrieval layers)
+   * and where a stack loses it. The lost counts are coloured by the gate's needle-lost verdict, like every colour.
+   */
+  function needleOutcome() {
+    var N = D.needles, planted = Object.keys(get(M, 'prompt', 'needles') || {});
+    var box = h('div', { id: 'needle-outcome', class: 'outcome' }, h('h3', { text: 'Needle answer' }));
+    if (!N || !N.stacks) {
+      box.appendChild(h('p', { class: 'empty', id: 'no-needle-queries', text: planted.length
+        ? 'No decode step asks for a needle: add decode steps that recall the needles (' + planted.join(', ') + '), so that a step’s next token can only come from a needle planted turns earlier.'
+        : 'The prompt plants no needles, so no decode step asks for one: plant needles in an early turn (a message’s `needles`, or the agent-session generator’s `needles: N`) and add decode steps that recall them.' }));
+      return box;
+    }
+    var ref = N.reference || {}, names = Object.keys(N.stacks);
+    var first = function (vals) { var i = (vals || []).findIndex(function (v) { return finite(v) && v > 0; }); return i < 0 ? null : i; };
+    var pct = function (r) { return isNum(r) ? Math.round(100 * r) + '%' : '–'; };
+    box.appendChild(h('p', { class: 'headline-text', id: 'needle-summary' }, 'Over ' + N.queries + ' needle quer' + (N.queries === 1 ? 'y' : 'ies') + ' (decode steps whose next token only a needle gives), at the final logits: the reference answers ',
+      h('b', { text: plain(ref.answered) + ' (' + pct(ref.rate) + ')' }),
+      names.map(function (v) {
+        var st = N.stacks[v];
+        return [', ', h('span', { style: { color: colorOf(v), fontWeight: 650 }, text: v }), ' ' + plain(st.answered) + (st.lost ? ' (' + st.lost + ' lost)' : '')];
+      }), '.'));
+    var lostKey = tapKey('ctx.needle_lost', 'logits'), lensLostKey = tapKey('ctx.needle_lost', 'needle.lens');
+    var t = h('table', { class: 'data', id: 'needle-table' });
+    t.appendChild(h('thead', null, h('tr', null, ['stack', 'answered at the final logits', 'answer rate', 'answers lost (ctx.needle_lost)', 'median margin', 'answer appears (lens)', 'first answer lost (lens)'].map(function (c, i) { return h('th', { class: i ? '' : 'left', text: c }); }))));
+    var tb = h('tbody');
+    var row = function (name, color, st, variant) {
+      var lost = variant ? limitRatio(lostKey, variant, 'decode', NL, st.lost, 'global') : null;
+      var at = variant && typeof st.first_lost === 'number' ? st.first_lost : null;
+      var atLr = at === null ? null : limitRatio(at === NL ? lostKey : lensLostKey, variant, 'decode', at, null, 'global');
+      var appears = first(st.lens);
+      tb.appendChild(h('tr', { 'data-stack': name }, h('td', { class: 'left' }, h('span', { style: { color: color, fontWeight: 650 }, text: name })),
+        h('td', { text: plain(st.answered) + ' of ' + plain(st.queries) }), h('td', { text: pct(st.rate) }),
+        h('td', { class: lost ? ratioClass(lost.r) : '', title: variant ? gateTitle(lost) : 'the reference loses nothing by definition', text: variant ? plain(st.lost) : '–' }),
+        h('td', { text: fmt(st.margin) }),
+        h('td', { class: 'left' }, appears === null ? h('span', { class: 'empty', text: st.lens ? 'never' : 'not measured' }) : layerRef(appears)),
+        h('td', { class: 'left ' + (atLr ? ratioClass(atLr.r) : ''), title: atLr ? gateTitle(atLr) : null }, variant ? layerRef(at) : '–')));
+    };
+    row('reference', REF_COLOR, ref, null);
+    names.forEach(function (v) { row(v, colorOf(v), N.stacks[v], v); });
+    t.appendChild(tb);
+    box.appendChild(h('div', { class: 'table-wrap', style: { maxHeight: 'none' } }, t));
+    var chart = h('div', { class: 'chart-card' });
+    box.appendChild(chart);
+    var drawLens = function () {
+      clear(chart).appendChild(h('div', { class: 'head' }, h('h3', { text: 'Needle answer rate through each layer’s logit lens' })));
+      var ser = [{ name: 'reference', color: REF_COLOR, values: ref.lens || null, width: 2.4 }];
+      var marks = [];
+      names.forEach(function (v) {
+        var st = N.stacks[v];
+        ser.push({ name: v, color: colorOf(v), dash: v === YARD ? '5 3' : null, values: st.lens || null, hidden: hidden.has(v) });
+        if (!hidden.has(v) && typeof st.first_lost === 'number' && st.first_lost < NL) marks.push({ at: st.first_lost + 0.5, color: colorOf(v), dash: '2 2', width: 1.4 });
+      });
+      chart.appendChild(lineChart(Object.assign(layerAxis(), { series: ser, scale: 'linear', upperOne: true, vlines: marks, wide: true, width: 1000, height: 200,
+        title: 'decode · the stack’s own head applied after each layer; a dotted line marks the first layer where a stack loses an answer' })));
+    };
+    redrawers.push(drawLens);
+    drawLens();
+    return box;
+  }
   section('context', 'Context-loss lens', function (el) {
+    el.appendChild(needleOutcome());
     var has = function (k) { return D.metrics && D.metrics[k]; };
     if (!['ctx.earlier_turn_mass_ref', 'ctx.needle_mass_ref', 'ctx.earlier_turn_recall', 'ctx.needle_recall'].some(has)) {
-      el.appendChild(h('p', { class: 'empty', text: 'No context-loss metrics: the prompt has a single turn and no needles, or no query attends to an earlier turn.' })); return;
+      el.appendChild(h('p', { class: 'empty', text: 'No attention or indexer context-loss metrics: the prompt has a single turn and no needles, or no query attends to an earlier turn.' })); return;
     }
     var st = { phase: PHASES.indexOf('decode') >= 0 ? 'decode' : PHASES[0], mode: 'global' };
     var needles = get(M, 'prompt', 'needles') || {};
@@ -1213,7 +1365,7 @@
   // --- first failing layers -----------------------------------------------------------------------
   section('crossings', 'First failing layers', function (el) {
     if (CHECKS.length) {
-      el.appendChild(h('p', { class: 'note', text: 'From gate.json: per check, variant and phase, the first layer where the check’s loss crosses its limit (losses are errors, or 1 − x for recall-like metrics, aggregated as the check says), the loss and limit there, and the worst layer.' }));
+      el.appendChild(h('p', { class: 'note', text: 'From gate.json: per check, variant and phase, the first layer where the check’s loss crosses its limit (losses are errors, or 1 − x for recall-like metrics, aggregated as the check says), where in the layer (the group of a chunk, turn, decode-step or bin scope: its positions [first, end)) and in which mode, the loss and limit there, the number of failing units, and the worst unit.' }));
       var gst = { onlyFail: failingRows().length > 0 };
       var gateHost = h('div');
       el.appendChild(h('div', { class: 'controls' }, checkBox('only failing checks', gst.onlyFail, function (x) { gst.onlyFail = x; drawGate(); })));
@@ -1228,7 +1380,7 @@
           return la - lb;
         });
         var t = h('table', { class: 'data', id: 'gate-table' });
-        t.appendChild(h('thead', null, h('tr', null, ['status', 'check', 'metric', 'variant', 'phase', 'first failing layer', 'loss there', 'limit there', 'worst loss', 'limit', 'at', 'bound'].map(function (c, i) { return h('th', { class: i < 6 || i === 11 ? 'left' : '', text: c }); }))));
+        t.appendChild(h('thead', null, h('tr', null, ['status', 'check', 'metric', 'variant', 'phase', 'first failing layer', 'where · mode', 'loss there', 'limit there', 'failing units', 'worst loss', 'limit', 'at', 'bound'].map(function (c, i) { return h('th', { class: i < 7 || i >= 12 ? 'left' : '', text: c }); }))));
         var tb = h('tbody');
         rows.forEach(function (c) {
           var first = c.first_value !== undefined ? plain(c.first_value) : '–';
@@ -1236,12 +1388,13 @@
             h('td', { class: 'left', text: plain(c.check), title: checkInfo(c).description ? plain(checkInfo(c).description) + (checkInfo(c).aggregate ? ' (aggregate: ' + plain(checkInfo(c).aggregate) + ')' : '') : null }), h('td', { class: 'left', text: plain(c.metric) }),
             h('td', { class: 'left' }, h('span', { style: { color: colorOf(c.variant) }, text: plain(c.variant) })),
             h('td', { class: 'left', text: plain(c.phase) }), h('td', { class: 'left' }, c.status === 'fail' || typeof c.first_failing_layer === 'number' ? layerRef(c.first_failing_layer) : h('span', { class: 'empty', text: c.reason ? plain(c.reason) : '—' })),
-            h('td', { text: first }), h('td', { text: plain(c.first_limit) }),
+            h('td', { class: 'left where', text: typeof c.first_failing_layer === 'number' ? unitWhere(c, 'first_') : '' }),
+            h('td', { text: first }), h('td', { text: plain(c.first_limit) }), h('td', { text: c.failing_units ? String(c.failing_units) : '' }),
             h('td', { text: plain(c.worst_value) }), h('td', { text: plain(c.worst_limit !== undefined ? c.worst_limit : null) }),
-            h('td', null, typeof c.worst_layer === 'number' ? layerRef(c.worst_layer) : '–'),
+            h('td', { class: 'left' }, typeof c.worst_layer === 'number' ? [layerRef(c.worst_layer), ' ', h('span', { class: 'where', text: unitWhere(c, 'worst_') })] : '–'),
             h('td', { class: 'left', text: checkInfo(c).bound_text ? plain(checkInfo(c).bound_text) : c.bound_text ? plain(c.bound_text) : plain(c.bound) })));
         });
-        if (!rows.length) tb.appendChild(h('tr', null, h('td', { class: 'left empty', colspan: 12, text: 'no failing checks' })));
+        if (!rows.length) tb.appendChild(h('tr', null, h('td', { class: 'left empty', colspan: 14, text: 'no failing checks' })));
         t.appendChild(tb);
         gateHost.appendChild(h('div', { class: 'table-wrap', style: { maxHeight: '520px' } }, t));
       };
