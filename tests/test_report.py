@@ -123,6 +123,12 @@ def test_report_reads_the_gates_own_gate_json(tiny_run: Path, tmp_path: Path) ->
     assert len(cells["ratio"]) == 6, "layers 0-4 and the logits row"
     assert all(r is not None for r in cells["ratio"][:5]) and cells["ratio"][5] is None
     assert all(0 <= i < len(gate["check_names"]) for i in cells["check"][:5])
+    # twin bounds colour too: `all`'s bf16 mHC pre-linear fails its fp32 twin by orders of magnitude at every layer,
+    # the stock op (`base`) is the site's own reference
+    site = gate["cells"]["mhc.site_rel_err@attn.hc.site"]
+    assert all(r > 100 for r in site["all"]["global"]["prefill"]["ratio"][:5]), site["all"]["global"]["prefill"]
+    assert site["base"]["global"]["prefill"]["ratio"][:5] == [0] * 5
+    assert {gate["check_names"][i] for i in site["all"]["global"]["prefill"]["check"][:5]} == {"mhc-site"}
 
 
 def test_report_of_a_synthetic_43_layer_run(synthetic_run: Path, tmp_path: Path) -> None:
