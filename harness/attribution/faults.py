@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from optimized.base_ops import LINEAR_PRECISION
 from optimized.ops import OpContext, Routing
 from optimized.patching import Patch
 
@@ -53,14 +54,22 @@ merge_fault = Patch(
     source="selftest")
 
 
+def _two_partials(ctx: OpContext, q, window_slots, comp_slots, sink):
+    """The window and the compressed rows attended separately, as two split partials — each (out, lse) with the
+    sink in its own denominator, as the stock op computes any set of keys; None when there are no compressed rows."""
+    if comp_slots.shape[-1] == 0 or not bool((comp_slots >= 0).any()):
+        return None
+    window = ctx.base(q=q, window_slots=window_slots, comp_slots=torch.full_like(comp_slots, -1), sink=sink)
+    compressed = ctx.base(q=q, window_slots=torch.full_like(window_slots, -1), comp_slots=comp_slots, sink=sink)
+    return window, compressed
+
+
 @merge_fault.op("sparse_attention")
 def _equal_weight_merge(ctx: OpContext, q, window_slots, comp_slots, sink):
-    if comp_slots.shape[-1] == 0 or not bool((comp_slots >= 0).any()):
+    parts = _two_partials(ctx, q, window_slots, comp_slots, sink)
+    if parts is None:
         return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_slots, sink=sink)
-    none_w = torch.full_like(window_slots, -1)
-    none_c = torch.full_like(comp_slots, -1)
-    out_w, lse_w = ctx.base(q=q, window_slots=window_slots, comp_slots=none_c, sink=sink)
-    out_c, lse_c = ctx.base(q=q, window_slots=none_w, comp_slots=comp_slots, sink=sink)
+    (out_w, lse_w), (out_c, lse_c) = parts
     return 0.5 * (out_w + out_c), torch.logaddexp(lse_w, lse_c)
 
 
@@ -101,10 +110,10 @@ sink_per_partial_fault = Patch(
 
 @sink_per_partial_fault.op("sparse_attention")
 def _sink_in_each_partial(ctx: OpContext, q, window_slots, comp_slots, sink):
-    if comp_slots.shape[-1] == 0 or not bool((comp_slots >= 0).any()):
+    parts = _two_partials(ctx, q, window_slots, comp_slots, sink)
+    if parts is None:
         return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_slots, sink=sink)
-    out_w, lse_w = ctx.base(q=q, window_slots=window_slots, comp_slots=torch.full_like(comp_slots, -1), sink=sink)
-    out_c, lse_c = ctx.base(q=q, window_slots=torch.full_like(window_slots, -1), comp_slots=comp_slots, sink=sink)
+    (out_w, lse_w), (out_c, lse_c) = parts
     lse = torch.logaddexp(lse_w, lse_c)  # a correct LSE merge of two partials that each already hold the sink
     weight_w = torch.exp(lse_w - lse)[..., None]
     return weight_w * out_w + (1 - weight_w) * out_c, lse
@@ -161,19 +170,21 @@ def _no_compressed_rows_in_chunk_one(ctx: OpContext, q, window_slots, comp_slots
 
 benign_change = Patch(
     "benign-sum-order", phases=("prefill", "decode"),
-    description="sums the routed experts' outputs in the opposite slot order (fp32, the same precision, another "
-                "rounding)",
+    description="computes the fp32 projections (compressors, router) as two K-halves added in fp32: the same "
+                "precision, another summation order",
     source="selftest")
 
 
-@benign_change.op("experts")
-def _reversed_expert_sum(ctx: OpContext, y, routing):
-    """The experts op on the slots in reverse order: the same fp32 products, summed the other way round. No fault
-    overrides `experts`, so in every variant that combines them this change stays live (patches apply in order,
-    and one that replaces an op without calling ctx.base would hide an earlier one on it)."""
-    flipped = Routing(routing.scores, routing.expert_ids.flip(-1), routing.weights.flip(-1), routing.output_scale,
-                      routing.shared_weight)
-    return ctx.base(y=y, routing=flipped)
+@benign_change.op("linear")
+def _split_k_fp32(ctx: OpContext, x, site):
+    """fp32 sites only; a bf16 or FP8 GEMM's products and partial sums are exact in fp32 for these widths, so
+    splitting one would change nothing and test nothing. No fault overrides `linear`, so this change stays live in
+    every variant that combines it with a fault (a later patch that replaces an op hides an earlier one on it)."""
+    if LINEAR_PRECISION.get(site) != "fp32":
+        return ctx.base(x=x, site=site)
+    w = ctx.weight(site + ".weight")
+    half = x.shape[-1] // 2
+    return x[..., :half].float() @ w[:, :half].T + x[..., half:].float() @ w[:, half:].T
 
 
 FAULTS: dict[str, tuple[Patch, str]] = {
