@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from optimized.base_ops import LINEAR_PRECISION
 from optimized.ops import OpContext, Routing
 from optimized.patching import Patch
 
@@ -170,21 +169,22 @@ def _no_compressed_rows_in_chunk_one(ctx: OpContext, q, window_slots, comp_slots
 
 benign_change = Patch(
     "benign-sum-order", phases=("prefill", "decode"),
-    description="computes the fp32 projections (compressors, router) as two K-halves added in fp32: the same "
-                "precision, another summation order",
+    description="the mHC pre-linear in fp32 summed in four K-partials (a different order, the same precision)",
     source="selftest")
 
 
-@benign_change.op("linear")
-def _split_k_fp32(ctx: OpContext, x, site):
-    """fp32 sites only; a bf16 or FP8 GEMM's products and partial sums are exact in fp32 for these widths, so
-    splitting one would change nothing and test nothing. No fault overrides `linear`, so this change stays live in
-    every variant that combines it with a fault (a later patch that replaces an op hides an earlier one on it)."""
-    if LINEAR_PRECISION.get(site) != "fp32":
-        return ctx.base(x=x, site=site)
-    w = ctx.weight(site + ".weight")
-    half = x.shape[-1] // 2
-    return x[..., :half].float() @ w[:, :half].T + x[..., half:].float() @ w[:, half:].T
+@benign_change.op("hc_prelinear")
+def _split_k_fp32(ctx: OpContext, streams, site):
+    """An fp32 GEMM over K = hc·D products of bf16 streams and fp32 weights: its sums round, so another order changes
+    low bits, and the bf16 streams downstream flip now and then — the numbers change, the precision does not.
+    (A split of a bf16 or FP8 GEMM would be bit-identical at these widths, its fp32 sums being exact, and the
+    projections into bf16 tensors round a re-association away.) The selftest lists it before the fault, so a fault
+    on the same op replaces it in the variant with both, never the other way round."""
+    flat = streams.float().flatten(-2)
+    fn = ctx.weight(f"hc_{site}_fn")
+    parts = [x @ w.T for x, w in zip(flat.chunk(4, -1), fn.chunk(4, -1))]
+    rho = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + ctx.cfg.rms_norm_eps)
+    return torch.stack(parts).sum(0) * rho
 
 
 FAULTS: dict[str, tuple[Patch, str]] = {
