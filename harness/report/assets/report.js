@@ -1053,13 +1053,16 @@
           e.layers[layer].forEach(function (range) { row.fill(1, range[0], range[1]); });
         });
       });
-      g.strokeStyle = '#1f4fd6'; g.lineWidth = 2; g.setLineDash([]);
+      g.setLineDash([]);
       failingBins.forEach(function (row, layer) {
         for (var b0 = 0; b0 < NB; b0++) {
           if (!row[b0]) continue;
           var b1 = b0;
           while (b1 < NB && row[b1]) b1++;
-          g.strokeRect(gutL + b0 * cw + 1, gutT + Number(layer) * ch + 1, Math.max((b1 - b0) * cw - 2, 1), ch - 2);
+          var box = [gutL + b0 * cw + 1, gutT + Number(layer) * ch + 1, Math.max((b1 - b0) * cw - 2, 1), ch - 2];
+          // blue on a white halo: visible on every shade of the colour ramp
+          g.strokeStyle = '#ffffff'; g.lineWidth = 4; g.strokeRect(box[0], box[1], box[2], box[3]);
+          g.strokeStyle = '#1f4fd6'; g.lineWidth = 2; g.strokeRect(box[0], box[1], box[2], box[3]);
           boxes++;
           b0 = b1;
         }
