@@ -20,6 +20,7 @@ from harness.scenario import (
     resolve_prompt,
     shipped_scenarios,
 )
+from harness.run.needles import needle_queries
 from harness.scenario.prompt import fold_token_id
 from harness.scenario.tokenizer import ASSISTANT, SPECIAL_TOKEN_IDS, THINK_START
 from optimized.registry import default_registry
@@ -129,7 +130,10 @@ def test_demo_cpu_shape(plans):
     scenario, plan = plans["demo-cpu"]
     assert scenario.model.preset == "flash-mini"
     assert abs(plan.n_prompt - 8000) <= 45 and len(plan.prefill_chunks) == 3
-    assert plan.num_turns == 4 and len(plan.needles) == 3 and plan.decode_steps == 8
+    assert plan.num_turns == 4 and len(plan.needles) == 3 and plan.decode_steps == 32
+    # the 32 teacher-forced steps recall the needles: 5 of them are needle queries the reference answers
+    queries = needle_queries(plan.prompt_ids, plan.decode_ids, {k: (v.start, v.end) for k, v in plan.needles.items()})
+    assert len(queries) == 5
     assert [v.name for v in scenario.stacks.variants] == ["base", "all"]
     assert scenario.stacks.yardstick and not scenario.measure.local  # the demo's time budget (README)
 
