@@ -191,6 +191,8 @@ class OptimizedLayer:
         for start in range(0, positions.numel(), block):
             blk = slice(start, start + block)
             pos = positions[blk]
+            sampled = torch.nonzero(sink.sampled(pos)).flatten() if any(
+                sink.wants(tap) for tap in ("attn.probs", "indexer.scores", "indexer.site")) else None  # one read
             window_slots = pos[:, None] + torch.arange(-cfg.sliding_window + 1, 1, device=self.device)[None, :]
             window_slots = torch.where(window_slots >= 0, window_slots, -1)
             comp_slots = torch.full((pos.numel(), 0), -1, dtype=torch.int64, device=self.device)
@@ -204,13 +206,10 @@ class OptimizedLayer:
                 logits = ctx.call("indexer_logits", q=q_idx[blk], weights=idx_weights[blk], positions=pos)
                 row_ids, valid = ctx.call("indexer_topk", logits=logits, positions=pos, k=cfg.index_topk)
                 if sink.wants("indexer.scores"):
-                    pick = sink.sampled(pos)
-                    sink.emit("indexer.scores", pos[pick], scores=logits[pick])
-                if sink.wants("indexer.site"):
-                    pick = sink.sampled(pos)
-                    if bool(pick.any()):
-                        self._emit_indexer_site(ctx, sink, pos[pick], q_idx[blk][pick], idx_weights[blk][pick],
-                                                row_ids[pick], valid[pick])
+                    sink.emit("indexer.scores", pos[sampled], scores=logits[sampled])
+                if sink.wants("indexer.site") and sampled.numel():
+                    self._emit_indexer_site(ctx, sink, pos[sampled], q_idx[blk][sampled], idx_weights[blk][sampled],
+                                            row_ids[sampled], valid[sampled])
                 if sink.wants("indexer.selected"):
                     sink.emit("indexer.selected", pos, row_ids=row_ids, valid=valid)
                 comp_slots = torch.where(valid, row_ids, -1)
@@ -219,11 +218,9 @@ class OptimizedLayer:
                               sink=sink_logit, comp_lanes=lanes, comp_length=length)
             if sink.wants("attn.lse"):
                 sink.emit("attn.lse", pos, lse=lse)
-            if sink.wants("attn.probs"):
-                pick = sink.sampled(pos)
-                if bool(pick.any()):
-                    self._emit_probs(ctx, sink, pos[pick], q[blk][pick], window_slots[pick], comp_slots[pick],
-                                     sink_logit)
+            if sink.wants("attn.probs") and sampled.numel():
+                self._emit_probs(ctx, sink, pos[sampled], q[blk][sampled], window_slots[sampled], comp_slots[sampled],
+                                 sink_logit)
             out[blk] = o
 
         o = bf16(apply_rope(out, cos[:, None], sin[:, None], inverse=True))

@@ -204,25 +204,27 @@ class ReferenceLayer:
         for start in range(0, positions.numel(), block):
             blk = slice(start, start + block)
             pos = positions[blk]
-            band, band_pos, band_valid = window_band(history, history_start, pos, cfg.sliding_window)
+            first, last = state.position + start, state.position + start + pos.numel() - 1  # known here: no read
+            band, band_pos, band_valid = window_band(history, history_start, pos, cfg.sliding_window, (first, last))
             visible = visible_rows(pos, self.ratio) if self.ratio else None
+            n_vis = (last + 1) // self.ratio if self.ratio else 0  # visible_rows of the block's last query
+            sampled = torch.nonzero(sink.sampled(pos)).flatten() \
+                if sink.wants("attn.probs") or sink.wants("indexer.scores") else None  # one read per block
             comp = KeySet(no_rows, torch.zeros(pos.numel(), 0, dtype=torch.bool, device=self.device))
             comp_rows = torch.zeros(pos.numel(), 0, dtype=torch.int64, device=self.device)
             if self.kind == "hca":  # every complete block is a key: the rows shared by the whole query block
-                rows = state.compressor.rows[: int(visible[-1])]
+                rows = state.compressor.rows[:n_vis]
                 ids = torch.arange(rows.shape[0], device=self.device)
                 comp = KeySet(rows, ids[None, :] < visible[:, None])
                 comp_rows = torch.where(comp.valid, ids[None, :], -1)
             elif self.kind == "csa":  # the indexer's top-k rows, gathered per query
-                scores = indexer_scores(q_idx[blk], idx_weights[blk], state.indexer.rows[: int(visible[-1])])
+                scores = indexer_scores(q_idx[blk], idx_weights[blk], state.indexer.rows[:n_vis])
                 chosen, chosen_valid = select_rows(scores, pos, self.ratio, cfg.index_topk)
                 if sink.wants("indexer.scores"):
-                    pick = sink.sampled(pos)
-                    hidden = torch.arange(scores.shape[1], device=self.device)[None] >= visible[pick][:, None]
-                    sink.emit("indexer.scores", pos[pick], scores=scores[pick].masked_fill(hidden, float("-inf")))
+                    hidden = torch.arange(scores.shape[1], device=self.device)[None] >= visible[sampled][:, None]
+                    sink.emit("indexer.scores", pos[sampled], scores=scores[sampled].masked_fill(hidden, float("-inf")))
                 if sink.wants("indexer.selected"):
                     sink.emit("indexer.selected", pos, row_ids=chosen, valid=chosen_valid)
-                n_vis = int(visible[-1])
                 if share_rows(n_vis, chosen.shape[-1], cfg.num_attention_heads, self.device):
                     picked = torch.zeros(pos.numel(), n_vis + 1, dtype=torch.bool, device=self.device)
                     picked.scatter_(1, torch.where(chosen_valid, chosen, n_vis), True)
@@ -235,10 +237,9 @@ class ReferenceLayer:
                     comp_rows = torch.where(chosen_valid, chosen, -1)
             res = sparse_attention_with_sink(q[blk], [KeySet(band, band_valid), comp], w["attn.attn_sink"])
             if sink.wants("attn.probs"):
-                pick = sink.sampled(pos)
                 window_pos = torch.where(band_valid, band_pos[None, :], -1)
-                sink.emit("attn.probs", pos[pick], window_pos=window_pos[pick], comp_rows=comp_rows[pick],
-                          probs=res.probs[pick], sink_prob=res.sink_prob[pick], max_logit=res.max_logit[pick])
+                sink.emit("attn.probs", pos[sampled], window_pos=window_pos[sampled], comp_rows=comp_rows[sampled],
+                          probs=res.probs[sampled], sink_prob=res.sink_prob[sampled], max_logit=res.max_logit[sampled])
             if sink.wants("attn.lse"):
                 sink.emit("attn.lse", pos, lse=res.lse)
             out[blk] = res.out
