@@ -28,6 +28,7 @@ from optimized.ops import OpContext, Routing
 from optimized.patching import Patch, PatchChoice
 from reference.layer import ParityOptions, ReferenceLayer
 from reference.model import ReferenceModel, ensure_no_tf32, segment_lengths
+from reference.weights.prefetch import PrefetchingSource
 from reference.weights.source import WeightSource
 
 YARDSTICK = "yardstick"
@@ -142,6 +143,7 @@ class LockstepRunner:
         self.progress = progress or (lambda event: None)
         self.cfg = spec.source.config
         self.device = torch.device(spec.device)
+        self.weights = PrefetchingSource(spec.source)  # layer L+1's weights are made while layer L computes
         self.ids = torch.tensor(spec.prompt_ids + spec.decode_ids, dtype=torch.int64, device=self.device)
         self.variant_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size)
         self.reference_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.reference_chunk_size)
@@ -225,7 +227,7 @@ class LockstepRunner:
 
     def run_layer(self, layer: int, streams: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         spec, cfg = self.spec, self.cfg
-        weights = spec.source.layer(layer, self.device)
+        weights = self.weights.layer(layer, self.device)
         dump = DumpSink(spec.dump_taps, spec.dump_positions) if spec.dump_taps else None
         record = RecordingSink(spec.n_total, self.sampled, dump)
         if dump:
