@@ -30,8 +30,13 @@ from reference.quant import fp4_fake_quant, fp8_fake_quant, hadamard_matrix
 from reference.weights.source import TensorBundle
 
 QUERY_BLOCK_BUDGET_ELEMENTS = 1 << 25
-"""Temporaries per query block, in elements (~128 MB in fp32; 8× that on a GPU): bounds memory at any
-sequence length."""
+"""Temporaries per query block on the CPU, in elements (~128 MB in fp32): bounds memory at any sequence length."""
+
+QUERY_BLOCK_DEVICE_FRACTION = 1 / 16
+"""On a GPU, a query block's temporaries may take this share of the device's memory (8.8 GB of an H200's 141 GB).
+The share is of the device's total memory, not of what is free when the block starts: free memory depends on what
+the caching allocator holds at that moment, and a block size that moved with it would move the bits of every
+blocked reduction between runs, and between the ranks of a sharded run (harness.run.distributed)."""
 
 
 EXPERT_CACHE_BYTES = 1 << 30
@@ -42,10 +47,16 @@ MAX_QUERY_BLOCK = 256
 """Window keys are a band shared by a block: B queries see B+W−1 rows, so blocks much longer than the
 window waste work on masked band entries; 256 keeps the band under 3× the window."""
 
+MAX_QUERY_BLOCK_CUDA = 1024
+"""On a GPU the band's masked entries cost little (Flash, 30K queries: the band logits of 1024-query blocks are
+~2.3 TFLOP per layer, 45 ms at fp32 rate) next to the ~60 kernel launches and few host reads every block costs
+(~1 ms), so blocks are four times longer there."""
+
 
 def query_block_size(cfg: ModelConfig, kind: str, main_rows: int, index_rows: int, device: torch.device) -> int:
-    """Queries per block so that a block's temporaries stay within the device's element budget."""
-    n_keys = cfg.sliding_window + MAX_QUERY_BLOCK
+    """Queries per block so that a block's temporaries stay within the device's budget: a fixed element budget
+    on the CPU, a share of the device's memory on a GPU."""
+    n_keys = cfg.sliding_window + (MAX_QUERY_BLOCK_CUDA if device.type == "cuda" else MAX_QUERY_BLOCK)
     per_query = 0
     if kind == "csa":
         n_keys += cfg.index_topk
@@ -54,8 +65,10 @@ def query_block_size(cfg: ModelConfig, kind: str, main_rows: int, index_rows: in
     elif kind == "hca":
         n_keys += main_rows + 1
     per_query += n_keys * 3 * cfg.num_attention_heads  # logits, exp, probs
-    budget = QUERY_BLOCK_BUDGET_ELEMENTS * (8 if device.type == "cuda" else 1)
-    return max(1, min(MAX_QUERY_BLOCK, budget // per_query))
+    if device.type == "cuda":
+        budget = int(torch.cuda.get_device_properties(device).total_memory * QUERY_BLOCK_DEVICE_FRACTION) // 4
+        return max(1, min(MAX_QUERY_BLOCK_CUDA, budget // per_query))
+    return max(1, min(MAX_QUERY_BLOCK, QUERY_BLOCK_BUDGET_ELEMENTS // per_query))
 
 
 def share_rows(n_rows: int, picks: int, heads: int, device: torch.device) -> bool:
