@@ -23,7 +23,8 @@ EXIT_CODES = {0: "success (the gate passes)", 1: "regression (the gate fails)", 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from harness.cli.commands import attribute, checkpoint, forward, gate, patches, report, run, scenarios, selftest
+    from harness.cli.commands import attribute, bench, checkpoint, forward, gate, patches, report, run, scenarios, \
+        selftest
 
     parser = argparse.ArgumentParser(
         prog="dsv4-drift",
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint.add_parser(sub)
     attribute.add_parser(sub)
     selftest.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -29,7 +29,7 @@ from optimized.patching import Patch, PatchChoice
 from reference.layer import ParityOptions, ReferenceLayer
 from reference.model import ReferenceModel, ensure_no_tf32, segment_lengths
 from reference.weights.prefetch import PrefetchingSource
-from reference.weights.source import WeightSource
+from reference.weights.source import TensorBundle, WeightSource
 
 YARDSTICK = "yardstick"
 ANSWER_TAP = "needle.lens"
@@ -225,9 +225,12 @@ class LockstepRunner:
         return (size <= self.STATE_SMALL_BYTES or layer == self.cfg.num_hidden_layers - 1
                 or time.perf_counter() - last_save >= self.STATE_EVERY_S)
 
-    def run_layer(self, layer: int, streams: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def run_layer(self, layer: int, streams: dict[str, torch.Tensor], weights: TensorBundle | None = None
+                  ) -> dict[str, torch.Tensor]:
+        """Every stack and mode over layer `layer`; its rows written. `weights`: the layer's, when the caller has
+        them (a benchmark that timed their making), else from the (prefetching) source."""
         spec, cfg = self.spec, self.cfg
-        weights = self.weights.layer(layer, self.device)
+        weights = weights if weights is not None else self.weights.layer(layer, self.device)
         dump = DumpSink(spec.dump_taps, spec.dump_positions) if spec.dump_taps else None
         record = RecordingSink(spec.n_total, self.sampled, dump)
         if dump:
