@@ -45,18 +45,14 @@ Flash: 25 GB, so there each expert is dequantized when used)."""
 
 MAX_QUERY_BLOCK = 256
 """Window keys are a band shared by a block: B queries see B+W−1 rows, so blocks much longer than the
-window waste work on masked band entries; 256 keeps the band under 3× the window."""
-
-MAX_QUERY_BLOCK_CUDA = 1024
-"""On a GPU the band's masked entries cost little (Flash, 30K queries: the band logits of 1024-query blocks are
-~2.3 TFLOP per layer, 45 ms at fp32 rate) next to the ~60 kernel launches and few host reads every block costs
-(~1 ms), so blocks are four times longer there."""
-
+window waste work on masked band entries; 256 keeps the band under 3× the window. (Measured on an H200, Flash at
+30K tokens: 1024-query blocks made the yardstick ~1.8× slower and the attention probes ~2.6× slower, the band's
+masked entries travelling into every sampled attention row.)"""
 
 def query_block_size(cfg: ModelConfig, kind: str, main_rows: int, index_rows: int, device: torch.device) -> int:
     """Queries per block so that a block's temporaries stay within the device's budget: a fixed element budget
     on the CPU, a share of the device's memory on a GPU."""
-    n_keys = cfg.sliding_window + (MAX_QUERY_BLOCK_CUDA if device.type == "cuda" else MAX_QUERY_BLOCK)
+    n_keys = cfg.sliding_window + MAX_QUERY_BLOCK
     per_query = 0
     if kind == "csa":
         n_keys += cfg.index_topk
@@ -67,8 +63,9 @@ def query_block_size(cfg: ModelConfig, kind: str, main_rows: int, index_rows: in
     per_query += n_keys * 3 * cfg.num_attention_heads  # logits, exp, probs
     if device.type == "cuda":
         budget = int(torch.cuda.get_device_properties(device).total_memory * QUERY_BLOCK_DEVICE_FRACTION) // 4
-        return max(1, min(MAX_QUERY_BLOCK_CUDA, budget // per_query))
-    return max(1, min(MAX_QUERY_BLOCK, QUERY_BLOCK_BUDGET_ELEMENTS // per_query))
+    else:
+        budget = QUERY_BLOCK_BUDGET_ELEMENTS
+    return max(1, min(MAX_QUERY_BLOCK, budget // per_query))
 
 
 def share_rows(n_rows: int, picks: int, heads: int, device: torch.device) -> bool:
