@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from optimized.base_ops import BASE_OPS, swiglu_fp32
-from optimized.numerics import DenseCache, bf16, rms_norm_bf16
+from optimized.numerics import bf16, rms_norm_bf16
 from optimized.ops import OpContext, OpTable
 from optimized.paged_cache import IndexKeyCache, LatentCache
 from optimized.patching import PHASES, PatchChoice
@@ -31,6 +31,7 @@ from reference.ops.norms import unweighted_rms_norm
 from reference.ops.rope import apply_rope, cos_sin, layer_inverse_frequencies
 from reference.probes import NULL_SINK, ProbeSink
 from reference.quant import hadamard_matrix
+from reference.weights.dense_cache import DenseCache
 from reference.weights.source import TensorBundle, WeightSource
 
 DEFAULT_CHUNK_SIZE = 8192  # optimized-stack §7 / §8: the deployed --chunked-prefill-size
@@ -68,11 +69,13 @@ class OptimizedLayer:
     """Block `layer` of the optimized engine for one variant (its patch choices)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, weights: TensorBundle, choices: Sequence[PatchChoice],
-                 device: torch.device | str = "cpu", options: EngineOptions = EngineOptions()) -> None:
+                 device: torch.device | str = "cpu", options: EngineOptions = EngineOptions(),
+                 dense: DenseCache | None = None) -> None:
+        """`dense`: dequantized weights shared with the other stacks of this layer (a new cache when None)."""
         self.cfg, self.layer, self.weights = cfg, layer, weights
         self.kind, self.ratio = cfg.layer_kind(layer), cfg.compress_ratio(layer)
         self.device, self.options = torch.device(device), options
-        self.dense = DenseCache()
+        self.dense = dense if dense is not None else DenseCache()
         self.tables = {phase: OpTable(BASE_OPS, list(choices), phase) for phase in PHASES}
         self.stock_tables = {phase: OpTable(BASE_OPS, [], phase) for phase in PHASES}
         self.hadamard = hadamard_matrix(cfg.index_head_dim, device=self.device) if self.kind == "csa" else None
@@ -292,9 +295,10 @@ class OptimizedModel:
         e = self.source.embed_rows(token_ids, self.device).to(torch.bfloat16)
         return e[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
 
-    def layer(self, layer: int, weights: TensorBundle | None = None) -> OptimizedLayer:
+    def layer(self, layer: int, weights: TensorBundle | None = None, dense: DenseCache | None = None
+              ) -> OptimizedLayer:
         return OptimizedLayer(self.cfg, layer, weights or self.source.layer(layer, self.device), self.choices,
-                              self.device, self.options)
+                              self.device, self.options, dense)
 
     def run_layer(self, block: OptimizedLayer, streams: torch.Tensor, token_ids: torch.Tensor,
                   segments: Sequence[int], n_prompt: int, sink: ProbeSink = NULL_SINK) -> torch.Tensor:

@@ -27,6 +27,7 @@ from reference.ops.norms import rms_norm
 from reference.ops.rope import apply_rope, cos_sin, layer_inverse_frequencies
 from reference.probes import NULL_SINK, ProbeSink
 from reference.quant import fp4_fake_quant, fp8_fake_quant, hadamard_matrix
+from reference.weights.dense_cache import DenseCache
 from reference.weights.source import TensorBundle
 
 QUERY_BLOCK_BUDGET_ELEMENTS = 1 << 25
@@ -38,10 +39,6 @@ The share is of the device's total memory, not of what is free when the block st
 the caching allocator holds at that moment, and a block size that moved with it would move the bits of every
 blocked reduction between runs, and between the ranks of a sharded run (harness.run.distributed)."""
 
-
-EXPERT_CACHE_BYTES = 1 << 30
-"""Dequantized experts stay cached for a layer's lifetime only if all of them fit in 1 GiB (flash-mini: 1.5 MB;
-Flash: 25 GB, so there each expert is dequantized when used)."""
 
 MAX_QUERY_BLOCK = 256
 """Window keys are a band shared by a block: B queries see B+W−1 rows, so blocks much longer than the
@@ -111,7 +108,10 @@ class ReferenceLayer:
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, weights: TensorBundle, dtype: torch.dtype = torch.float32,
-                 parity: ParityOptions = ParityOptions(), device: torch.device | str = "cpu") -> None:
+                 parity: ParityOptions = ParityOptions(), device: torch.device | str = "cpu",
+                 dense: DenseCache | None = None) -> None:
+        """`dense`: the layer's dequantized fp32 weights shared with the other stacks (a new cache when None); the
+        experts are read from it, one at a time, and converted to `dtype` when used."""
         if dtype not in (torch.float32, torch.float64, torch.bfloat16):
             raise ValueError(f"the reference graph runs in float32, float64 or (yardstick) bfloat16, not {dtype}")
         self.cfg, self.layer, self.dtype, self.parity, self.device = cfg, layer, dtype, parity, torch.device(device)
@@ -120,7 +120,7 @@ class ReferenceLayer:
         self.weights = weights
         w = lambda name: weights.dense(name, dtype).to(self.device)  # noqa: E731
         self.w = {name: w(name) for name in weights.names() if not name.startswith("ffn.experts.")}
-        self._expert_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.dense = dense if dense is not None else DenseCache()
         self.inv_freq = layer_inverse_frequencies(cfg, layer).to(self.device)
         if self.kind != "swa":
             self.compressor_w = self._compressor_weights("attn.compressor")
@@ -290,15 +290,7 @@ class ReferenceLayer:
         return moe_forward(y, routing, self._expert, shared, cfg.swiglu_limit)
 
     def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Expert e's dequantized weights; kept for the layer's lifetime only when all experts together are small
-        (EXPERT_CACHE_BYTES), so a full-width layer never holds 256 dequantized experts at once."""
-        cached = self._expert_cache.get(e)
-        if cached is not None:
-            return cached
-        weights = tuple(self.weights.dense(f"ffn.experts.{e}.{p}.weight", self.dtype).to(self.device)
-                        for p in ("w1", "w3", "w2"))
-        cfg = self.cfg
-        total = cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * weights[0].element_size()
-        if total <= EXPERT_CACHE_BYTES:
-            self._expert_cache[e] = weights
-        return weights
+        """Expert e's dequantized weights in the layer's dtype, through the layer's shared cache (a full-width layer's
+        256 experts are 25.8 GB in fp32: the cache keeps what its budget allows and dequantizes the rest on use)."""
+        names = (f"ffn.experts.{e}.{p}.weight" for p in ("w1", "w3", "w2"))
+        return tuple(self.dense.get(n, self.weights.stored(n), self.device).to(self.dtype) for n in names)

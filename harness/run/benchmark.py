@@ -32,6 +32,7 @@ from optimized.registry import default_registry
 from reference.config import ModelConfig
 from reference.layer import ReferenceLayer
 from reference.model import ReferenceModel, segment_lengths
+from reference.weights.dense_cache import DenseCache
 from reference.weights.synthetic import SyntheticWeights
 
 STACKS = ("reference", "yardstick", "base", "all")
@@ -218,15 +219,19 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             weights, weights_s = timed(dev, lambda: source.layer(layer, dev))
+            dense = DenseCache.for_device(dev)  # shared by the stacks, as in a run: the first to read pays
             alone = {
                 "reference": timed(dev, lambda: reference.run_layer(
-                    ReferenceLayer(cfg, layer, weights, device=dev), x["reference"], ids, ref_segments))[1],
+                    ReferenceLayer(cfg, layer, weights, device=dev, dense=dense), x["reference"], ids,
+                    ref_segments))[1],
                 "yardstick": timed(dev, lambda: yardstick.run_layer(
-                    ReferenceLayer(cfg, layer, weights, torch.bfloat16, device=dev), x["base"], ids, segments))[1],
+                    ReferenceLayer(cfg, layer, weights, torch.bfloat16, device=dev, dense=dense), x["base"], ids,
+                    segments))[1],
             }
             for name, engine in engines.items():
-                alone[name] = timed(dev, lambda: engine.run_layer(engine.layer(layer, weights), x["base"], ids,
+                alone[name] = timed(dev, lambda: engine.run_layer(engine.layer(layer, weights, dense), x["base"], ids,
                                                                   segments, tokens))[1]
+            del dense
             runner_s.clear()
             store.seconds = 0.0
             mark[:] = [time.perf_counter(), None]

@@ -28,6 +28,7 @@ from optimized.ops import OpContext, Routing
 from optimized.patching import Patch, PatchChoice
 from reference.layer import ParityOptions, ReferenceLayer
 from reference.model import ReferenceModel, ensure_no_tf32, segment_lengths
+from reference.weights.dense_cache import DenseCache
 from reference.weights.prefetch import PrefetchingSource
 from reference.weights.source import TensorBundle, WeightSource
 
@@ -235,17 +236,18 @@ class LockstepRunner:
         record = RecordingSink(spec.n_total, self.sampled, dump)
         if dump:
             dump.prefix = "reference/"
+        dense = DenseCache.for_device(self.device)  # the layer's dequantized weights, shared by every stack
         self._enter(layer, "reference", "global")
         ref_in = streams["reference"]
         ref_out = self.reference.run_layer(ReferenceLayer(cfg, layer, weights, spec.reference_dtype, spec.parity,
-                                                          self.device),
+                                                          self.device, dense),
                                            ref_in, self.ids, self.reference_segments, record)
         ctx = CompareContext(cfg.layer_kind(layer), cfg.compress_ratio(layer), cfg.sliding_window,
                              torch.tensor(spec.turn_of_position), self.turn_start, spec.needle_spans)
         ref_answers = self.lens.read(self.reference.logits, ref_out) if self.lens else None
         rows: list[dict] = []
         new_streams = {"reference": ref_out}
-        yard_layer = ReferenceLayer(cfg, layer, weights, torch.bfloat16, ParityOptions(), self.device) \
+        yard_layer = ReferenceLayer(cfg, layer, weights, torch.bfloat16, ParityOptions(), self.device, dense) \
             if spec.yardstick else None
         engine_layers: dict[str, OptimizedLayer] = {}
         for name, mode in spec.stacks():
@@ -261,9 +263,9 @@ class LockstepRunner:
                 if mode == "forced":
                     engine = OptimizedModel(spec.source, self._choices(name) + [PatchChoice(forcing_patch(record), {})],
                                             self.device, spec.engine)
-                    block = engine.layer(layer, weights)
+                    block = engine.layer(layer, weights, dense)
                 else:
-                    block = engine_layers.get(name) or self.engines[name].layer(layer, weights)
+                    block = engine_layers.get(name) or self.engines[name].layer(layer, weights, dense)
                     engine_layers[name] = block
                 out = self.engines[name].run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink)
             sink.finish()
