@@ -124,12 +124,9 @@ class RecordingSink:
                     store[name] = torch.zeros((self.n,) + tuple(v.shape[1:]), dtype=v.dtype, device=v.device)
                 store[name][ids] = v
         elif tap in SAMPLED_TAPS:
-            at = positions.tolist()
-            keep = [i for i, p in enumerate(at) if self._sampled_list[p]]
-            if keep:  # one copy to the host per field, then a view per position
-                host = {k: v.detach().cpu() for k, v in values.items()}
-                for i in keep:
-                    self.samples[tap][at[i]] = {k: v[i] for k, v in host.items()}
+            at = positions.tolist()  # kept where they are: they are compared on their device (metrics.py)
+            for i in (i for i, p in enumerate(at) if self._sampled_list[p]):
+                self.samples[tap][at[i]] = {k: v[i].detach() for k, v in values.items()}
 
     def at(self, tap: str, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         return {k: v[positions] for k, v in self.dense[tap].items()}
@@ -206,16 +203,12 @@ class ComparingSink:
     def _hold(self, tap: str, positions: torch.Tensor, values: dict[str, torch.Tensor], recorded: dict) -> None:
         """Keep the entries of positions the reference sampled, one per position, comparing in batches."""
         held = self._held[tap]
-        at = positions.tolist()
-        keep = [i for i, p in enumerate(at) if p in recorded]
-        if not keep:
-            return
-        host = {k: v.detach().cpu() for k, v in values.items()}  # one copy per field, then a view per position
-        for i in keep:
-            p = at[i]
+        for i, p in enumerate(positions.tolist()):
+            if p not in recorded:
+                continue
             if held and (len(held) >= self.BATCH_POSITIONS or bool(self.phase_of[held[0][0]] != self.phase_of[p])):
                 self._compare_held(tap)
-            held.append((p, {k: v[i] for k, v in host.items()}))
+            held.append((p, {k: v[i].detach() for k, v in values.items()}))
 
     def finish(self) -> None:
         """Compare the sampled entries still held and record this stack's first non-finite value, if any: call
@@ -236,7 +229,7 @@ class ComparingSink:
         if tap == "attn.probs":
             self._add(tap, COMPARATORS[tap](pos, ref, var, self.ctx))
             return
-        ref_selected = {k: v.cpu() for k, v in self.record.at("indexer.selected", pos).items()}
+        ref_selected = self.record.at("indexer.selected", pos)
         self._add(tap, compare_indexer_scores(pos, ref, None, self.ctx, ref_selected, var))
 
     def _add(self, tap: str, values: list[MetricValues]) -> None:
