@@ -279,11 +279,12 @@ class OptimizedModel:
     """Embedding (bf16), the blocks of the optimized engine run layer-major, fp32 LM head."""
 
     def __init__(self, source: WeightSource, choices: Sequence[PatchChoice] = (), device: torch.device | str = "cpu",
-                 options: EngineOptions = EngineOptions()) -> None:
+                 options: EngineOptions = EngineOptions(), top_dense: DenseCache | None = None) -> None:
+        """`top_dense`: the fp32 head weights, shared with other engines of the same run (a new cache when None)."""
         self.source, self.cfg, self.choices = source, source.config, list(choices)
         self.device, self.options = torch.device(device), options
         self._top: TensorBundle | None = None
-        self._top_dense = DenseCache()
+        self._top_dense = top_dense if top_dense is not None else DenseCache()
 
     @property
     def top(self) -> TensorBundle:

@@ -16,6 +16,7 @@ import traceback
 import torch
 
 from harness.errors import UsageError
+from harness.run.distributed import RankFailed
 from optimized.patching import PluginOpError
 
 EXIT_CODES = {0: "success (the gate passes)", 1: "regression (the gate fails)", 2: "usage or input error",
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     except PluginOpError as e:
         print(f"dsv4-drift {args.command}: plugin fault: {e}", file=sys.stderr)
         return 3
+    except RankFailed as e:  # a rank of a sharded run (its own traceback is above)
+        print(f"dsv4-drift {args.command}: {e}", file=sys.stderr)
+        return 3 if e.plugin_fault else 4
     except OSError as e:  # a file or directory the command reads or writes (disk full, permissions)
         where = f"{e.filename}: " if e.filename else ""
         print(f"dsv4-drift {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)

@@ -34,11 +34,12 @@ class DenseCache:
         self.budget_bytes, self.used_bytes = budget_bytes, 0
 
     @classmethod
-    def for_device(cls, device: torch.device | str) -> "DenseCache":
-        """A cache sized for a run on `device`: CPU_BUDGET_BYTES, or DEVICE_BUDGET_FRACTION of a GPU's memory."""
+    def for_device(cls, device: torch.device | str, sharing: int = 1) -> "DenseCache":
+        """A cache sized for a run on `device`: CPU_BUDGET_BYTES, or DEVICE_BUDGET_FRACTION of a GPU's memory split
+        between the `sharing` processes that run on it."""
         device = torch.device(device)
         if device.type == "cuda":
-            return cls(int(torch.cuda.get_device_properties(device).total_memory * DEVICE_BUDGET_FRACTION))
+            return cls(int(torch.cuda.get_device_properties(device).total_memory * DEVICE_BUDGET_FRACTION / sharing))
         return cls()
 
     def get(self, name: str, stored: torch.Tensor | QuantizedTensor | Callable[[], torch.Tensor | QuantizedTensor],

@@ -35,12 +35,17 @@ class PrefetchingSource:
         self.source, self.config = source, source.config
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-prefetch")
         self._pending: tuple[int, torch.device, Future] | None = None
+        self._top: dict[torch.device, TensorBundle] = {}
 
     def describe(self) -> dict[str, object]:
         return self.source.describe()
 
     def top_level(self, device: torch.device | str = "cpu") -> TensorBundle:
-        return self.source.top_level(device)
+        """Made once per device and shared by every stack that asks (the LM head alone is 1 GB at Flash width)."""
+        device = torch.device(device)
+        if device not in self._top:
+            self._top[device] = self.source.top_level(device)
+        return self._top[device]
 
     def embed_rows(self, token_ids: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
         return self.source.embed_rows(token_ids, device)
