@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from harness.run.memory import predict_memory
 from harness.run.runner import LockstepRunner, RunSpec, VariantSpec
 from harness.run.store import RunStore
 from optimized.engine import OptimizedModel
@@ -138,6 +139,7 @@ class BenchResult:
     fp32_peak_flops: float
     layers: list[LayerBench] = field(default_factory=list)
     peak_host_gib: float = 0.0
+    predicted: dict[str, Any] = field(default_factory=dict)  # harness.run.memory's estimate for this shape
 
     def projected_run_s(self, cfg: ModelConfig) -> float | None:
         """A whole run of this shape, all layers: the mean measured layer time of each layer kind times the number
@@ -193,7 +195,7 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
                    device=device)
     result = BenchResult(cfg.name, tokens, decode, chunk, str(dev),
                          torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch.get_num_threads(),
-                         measure_fp32_peak(dev))
+                         measure_fp32_peak(dev), predicted=predict_memory(spec).to_dict())
     progress(f"fp32 matmul peak: {result.fp32_peak_flops / 1e12:.2f} TFLOP/s")
     ids = torch.tensor(prompt + decode_ids, device=dev)
     reference, yardstick = ReferenceModel(source, device=dev), ReferenceModel(source, torch.bfloat16, dev)

@@ -76,6 +76,12 @@ def run(args: argparse.Namespace) -> int:
     if projected is not None:
         console().print(f"projected run of all {cfg.num_hidden_layers} layers: {projected:.0f} s "
                         "(mean measured layer per layer kind; weights overlapped)")
+    predicted = result.predicted["device_gib" if device.startswith("cuda") else "host_gib"]
+    measured = max((lb.peak_device_gib or 0.0) for lb in result.layers) if device.startswith("cuda") \
+        else result.peak_host_gib
+    terms = result.predicted["device_terms_gib" if device.startswith("cuda") else "host_terms_gib"]
+    console().print(f"peak memory: {measured:.1f} GiB measured, {predicted:.1f} GiB predicted (harness.run.memory: "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in terms.items()) + ")")
     if args.json:
         args.json.write_text(json.dumps(record, indent=1) + "\n")
         out.print(f"wrote {args.json}")
