@@ -204,14 +204,16 @@ def rank_device(device: str, rank: int) -> tuple[str, int]:
 
 
 def join_group(rank: int, world: int, device: str) -> Group:
-    """Initialise torch.distributed for this rank (MASTER_ADDR/MASTER_PORT in the environment): NCCL for CUDA
-    devices, gloo for the CPU."""
+    """Initialise torch.distributed for this rank (MASTER_ADDR/MASTER_PORT in the environment): NCCL when each rank
+    has a GPU of its own, gloo on the CPU and when ranks share a GPU (NCCL refuses two ranks on one device:
+    "Duplicate GPU detected", seen on an H200)."""
     own, count = rank_device(device, rank)
+    sharing = -(-world // count) if count else 1
     if own.startswith("cuda"):
         torch.cuda.set_device(own)
-    dist.init_process_group("nccl" if own.startswith("cuda") else "gloo", rank=rank, world_size=world,
-                            device_id=torch.device(own) if own.startswith("cuda") else None)
-    sharing = -(-world // count) if count else 1
+    nccl = own.startswith("cuda") and sharing == 1
+    dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world,
+                            device_id=torch.device(own) if nccl else None)
     return Group(rank, world, own, sharing)
 
 
