@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 
 from harness.run.probes import Finding, RecordingSink
 from harness.run.runner import LockstepRunner, RunSpec, VariantSpec
-from harness.run.setup import load_registry, spec_from_manifest
+from harness.run.setup import load_registry, scenario_from_manifest, spec_from_manifest
 from harness.run.store import RunStore
 from reference.layer import ReferenceLayer
 
@@ -298,22 +298,13 @@ class RunRecipe:
 
     def spec(self, manifest: dict[str, Any], device: str) -> RunSpec:
         spec = spec_from_manifest(manifest, device)
-        modules = list(manifest["overrides"]["patch_modules"])
-        registry = load_registry(modules + [m for m in _scenario_modules(manifest) if m not in modules])
+        registry = load_registry(list(scenario_from_manifest(manifest).stacks.patch_modules)  # as build_run_spec
+                                 + list(manifest["overrides"]["patch_modules"]))
         spec.variants = [VariantSpec(name, registry.choose([pid for pid, _ in patches],
                                                            {pid: dict(opts) for pid, opts in patches}))
                          for name, patches in self.variants]
         spec.local = self.local
         return spec
-
-
-def _scenario_modules(manifest: dict[str, Any]) -> list[str]:
-    """Plugin modules the scenario itself names (stacks.patch_modules), as its manifest records them."""
-    from harness.scenario import parse_scenario
-
-    sc = manifest["scenario"]
-    scenario = parse_scenario(sc["text"], sc["file"], Path(sc["file"]).parent if sc["file"] != "<string>" else None)
-    return [str(m) for m in scenario.stacks.patch_modules]
 
 
 def run_rank(rank: int, world: int, recipe: RunRecipe) -> None:

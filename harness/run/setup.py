@@ -126,11 +126,16 @@ def build_run_spec(scenario: Scenario, overrides: Overrides, decode_ids: list[in
     return spec, plan
 
 
+def scenario_from_manifest(manifest: dict[str, Any]) -> Scenario:
+    """The scenario a run was started from, parsed again from the text its manifest keeps."""
+    sc = manifest["scenario"]
+    return parse_scenario(sc["text"], sc["file"], Path(sc["file"]).parent if sc["file"] != "<string>" else None)
+
+
 def spec_from_manifest(manifest: dict[str, Any], device: str | None = None) -> RunSpec:
     """The RunSpec of an existing run, rebuilt from its manifest (scenario text, overrides, decode ids): for
     `run --resume`, and for every rank of a sharded run. `device` replaces the recorded one."""
-    sc = manifest["scenario"]
-    scenario = parse_scenario(sc["text"], sc["file"], Path(sc["file"]).parent if sc["file"] != "<string>" else None)
+    scenario = scenario_from_manifest(manifest)
     ov = manifest["overrides"]
     overrides = Overrides(device or ov["device"], ov["patches"], tuple(ov["patch_modules"]), ov.get("local"),
                           ov.get("threads"))
