@@ -51,8 +51,6 @@ class EngineOptions:
         return {"indexer_fp4": self.indexer_fp4}
 
 
-
-
 def kernel_lanes(row_ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-k lanes as a sparse-attention kernel receives them: each query's valid picks first (stable order),
     then the lanes past topk_length holding what the top-k left there (its non-causal picks); and topk_length."""

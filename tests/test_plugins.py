@@ -111,3 +111,81 @@ def test_unknown_op_and_unknown_option_are_rejected():
         p.op("no_such_op")
     with pytest.raises(PatchError, match=r"unknown option\(s\) \['b'\]"):
         p.resolve_options({"b": 2})
+
+
+FUSED_W13 = '''
+from optimized.patching import Patch
+from reference.quant import mx32_to_nvfp4
+
+fused_w13 = Patch("fused-w13-scale", phases=("prefill", "decode"),
+                  description="dequantizes w3 with w1's NVFP4 global scale (one scale for a fused gate/up tensor)")
+
+
+@fused_w13.op("load_weight")
+def load(ctx, name, fmt):
+    w = ctx.base(name=name, fmt=fmt)
+    if fmt == "nvfp4" and name.endswith(".w3.weight"):
+        g = lambda n: float(mx32_to_nvfp4(ctx.weights.stored(n)).global_scale)
+        w = w * g(name.replace(".w3.", ".w1.")) / g(name)
+    return w
+'''
+
+
+def _layer_output(source, choices, layer: int = 3) -> torch.Tensor:
+    model = OptimizedModel(source, choices)
+    ids = torch.randint(0, TINY.vocab_size, (96,), generator=torch.Generator().manual_seed(5))
+    x = model.embed(ids)
+    return model.run_layer(model.layer(layer), x, ids, [96], 96)
+
+
+def test_a_loader_bug_is_one_load_weight_override(tmp_path):
+    """The README's fused w1/w3 loader bug, written against `load_weight`: with the calibrated profile the gate/up
+    pairs' NVFP4 global scales differ (as in a real checkpoint), so sharing w1's scale changes the experts' output;
+    the loader path is the op, not a re-implementation of the experts."""
+    plugin = tmp_path / "fused_w13.py"
+    plugin.write_text(FUSED_W13)
+    registry = default_registry([str(plugin)])
+    source = SyntheticWeights(TINY, 0)
+    good = _layer_output(source, registry.choose("nvfp4-experts"))
+    buggy = _layer_output(source, registry.choose("nvfp4-experts,fused-w13-scale"))
+    assert not torch.equal(good, buggy), "sharing w1's global scale for w3 must change the experts' output"
+    # on stock FP4 weights (no NVFP4 form is loaded) the override changes nothing
+    assert torch.equal(_layer_output(source, []), _layer_output(source, registry.choose("fused-w13-scale")))
+
+
+LANES = '''
+from optimized.patching import Patch
+
+seen = {}
+reads_lanes = Patch("reads-lanes", phases=("prefill",), description="records the kernel lanes it is given")
+old_style = Patch("old-style", phases=("prefill",), description="a sparse_attention written before the lanes existed")
+
+
+@reads_lanes.op("sparse_attention")
+def attend(ctx, q, window_slots, comp_slots, sink, comp_lanes, comp_length):
+    if ctx.kind == "csa":
+        seen.setdefault("lanes", []).append((comp_slots, comp_lanes, comp_length))
+    return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_slots, sink=sink)
+
+
+@old_style.op("sparse_attention")
+def attend_old(ctx, q, window_slots, comp_slots, sink):
+    return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_slots, sink=sink)
+'''
+
+
+def test_sparse_attention_gets_kernel_lanes_and_old_plugins_keep_working(tmp_path, prompt):
+    plugin = tmp_path / "lanes.py"
+    plugin.write_text(LANES)
+    registry = default_registry([str(plugin)])
+    source = SyntheticWeights(TINY, 0)
+    ids = torch.tensor(prompt[0][:200])
+    model = OptimizedModel(source, registry.choose("old-style,reads-lanes"))
+    model.run_layer(model.layer(2), model.embed(ids), ids, [200], 200)  # layer 2 is CSA in `tiny`
+    module = next(m for name, m in __import__("sys").modules.items() if name.endswith("plugin_lanes"))
+    slots, lanes, length = module.seen["lanes"][0]
+    valid = slots >= 0
+    assert torch.equal(length, valid.sum(-1)), "comp_length is topk_length: the number of valid picks"
+    for row in range(lanes.shape[0]):  # the valid picks first, in the lanes below comp_length
+        n = int(length[row])
+        assert sorted(lanes[row, :n].tolist()) == sorted(slots[row][valid[row]].tolist())

@@ -106,3 +106,29 @@ def test_a_bad_policy_is_a_usage_error_not_a_drift_failure(runs):
     bad = write(runs["policy"].parent / "bad.yaml", "checks:\n  - name: a\n    metric: nope\n")
     with pytest.raises(UsageError, match=r"bad.yaml:3: checks\[0\].metric: unknown metric 'nope'"):
         DriftHarness().assert_gate(runs["good"], policy=bad)
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+MY_KERNEL = '''
+from optimized.patching import Patch
+
+my_kernel = Patch("my-kernel", phases=("decode",), description="a sparse-attention kernel that defers to the stock one")
+
+
+@my_kernel.op("sparse_attention")
+def attend(ctx, q, window_slots, comp_slots, sink):
+    return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_slots, sink=sink)
+'''
+
+
+@pytest.mark.slow
+def test_the_readmes_pytest_example_passes_as_written(pytester, monkeypatch):
+    """The README's first fixture example, verbatim, with a kernel plugin at the path it names: a patch that keeps
+    the stock numbers passes the default gate on tiny-smoke (issue #13: the example could not pass)."""
+    block = next(b for b in README.read_text().split("```python\n")[1:] if "def test_my_kernel_does_not_drift" in b)
+    example = block.split("```")[0].split("\ndef test_against_the_recorded_baseline")[0]
+    pytester.makepyfile(test_example=example)
+    (pytester.path / "my_kernels").mkdir()
+    (pytester.path / "my_kernels" / "dsv4_patch.py").write_text(MY_KERNEL)
+    result = run_inner(pytester, monkeypatch)
+    result.assert_outcomes(passed=1)

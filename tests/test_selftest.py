@@ -14,5 +14,6 @@ def test_selftest_names_every_injected_fault_and_passes_the_benign_change(tmp_pa
     out = capsys.readouterr().out
     assert "selftest passed" in out
     for fault in ("fault-chunk-carry", "fault-indexer-topk", "fault-split-merge", "fault-routing-scale",
-                  "fault-mhc-fp8"):
+                  "fault-mhc-fp8", "fault-sink-per-partial", "fault-bf16-router", "fault-lanes-past-length",
+                  "fault-one-chunk"):
         assert fault in out

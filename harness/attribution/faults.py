@@ -53,14 +53,22 @@ merge_fault = Patch(
     source="selftest")
 
 
+def _two_partials(ctx: OpContext, q, window_slots, comp_slots, sink):
+    """The window and the compressed rows attended separately, as two split partials — each (out, lse) with the
+    sink in its own denominator, as the stock op computes any set of keys; None when there are no compressed rows."""
+    if comp_slots.shape[-1] == 0 or not bool((comp_slots >= 0).any()):
+        return None
+    window = ctx.base(q=q, window_slots=window_slots, comp_slots=torch.full_like(comp_slots, -1), sink=sink)
+    compressed = ctx.base(q=q, window_slots=torch.full_like(window_slots, -1), comp_slots=comp_slots, sink=sink)
+    return window, compressed
+
+
 @merge_fault.op("sparse_attention")
 def _equal_weight_merge(ctx: OpContext, q, window_slots, comp_slots, sink):
-    if comp_slots.shape[-1] == 0 or not bool((comp_slots >= 0).any()):
+    parts = _two_partials(ctx, q, window_slots, comp_slots, sink)
+    if parts is None:
         return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_slots, sink=sink)
-    none_w = torch.full_like(window_slots, -1)
-    none_c = torch.full_like(comp_slots, -1)
-    out_w, lse_w = ctx.base(q=q, window_slots=window_slots, comp_slots=none_c, sink=sink)
-    out_c, lse_c = ctx.base(q=q, window_slots=none_w, comp_slots=comp_slots, sink=sink)
+    (out_w, lse_w), (out_c, lse_c) = parts
     return 0.5 * (out_w + out_c), torch.logaddexp(lse_w, lse_c)
 
 
@@ -101,10 +109,10 @@ sink_per_partial_fault = Patch(
 
 @sink_per_partial_fault.op("sparse_attention")
 def _sink_in_each_partial(ctx: OpContext, q, window_slots, comp_slots, sink):
-    if comp_slots.shape[-1] == 0 or not bool((comp_slots >= 0).any()):
+    parts = _two_partials(ctx, q, window_slots, comp_slots, sink)
+    if parts is None:
         return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_slots, sink=sink)
-    out_w, lse_w = ctx.base(q=q, window_slots=window_slots, comp_slots=torch.full_like(comp_slots, -1), sink=sink)
-    out_c, lse_c = ctx.base(q=q, window_slots=torch.full_like(window_slots, -1), comp_slots=comp_slots, sink=sink)
+    (out_w, lse_w), (out_c, lse_c) = parts
     lse = torch.logaddexp(lse_w, lse_c)  # a correct LSE merge of two partials that each already hold the sink
     weight_w = torch.exp(lse_w - lse)[..., None]
     return weight_w * out_w + (1 - weight_w) * out_c, lse
@@ -161,19 +169,22 @@ def _no_compressed_rows_in_chunk_one(ctx: OpContext, q, window_slots, comp_slots
 
 benign_change = Patch(
     "benign-sum-order", phases=("prefill", "decode"),
-    description="sums the routed experts' outputs in the opposite slot order (fp32, the same precision, another "
-                "rounding)",
+    description="the mHC pre-linear in fp32 summed in four K-partials (a different order, the same precision)",
     source="selftest")
 
 
-@benign_change.op("experts")
-def _reversed_expert_sum(ctx: OpContext, y, routing):
-    """The experts op on the slots in reverse order: the same fp32 products, summed the other way round. No fault
-    overrides `experts`, so in every variant that combines them this change stays live (patches apply in order,
-    and one that replaces an op without calling ctx.base would hide an earlier one on it)."""
-    flipped = Routing(routing.scores, routing.expert_ids.flip(-1), routing.weights.flip(-1), routing.output_scale,
-                      routing.shared_weight)
-    return ctx.base(y=y, routing=flipped)
+@benign_change.op("hc_prelinear")
+def _split_k_fp32(ctx: OpContext, streams, site):
+    """An fp32 GEMM over K = hc·D products of bf16 streams and fp32 weights: its sums round, so another order changes
+    low bits, and the bf16 streams downstream flip now and then — the numbers change, the precision does not.
+    (A split of a bf16 or FP8 GEMM would be bit-identical at these widths, its fp32 sums being exact, and the
+    projections into bf16 tensors round a re-association away.) The selftest lists it before the fault, so a fault
+    on the same op replaces it in the variant with both, never the other way round."""
+    flat = streams.float().flatten(-2)
+    fn = ctx.weight(f"hc_{site}_fn")
+    parts = [x @ w.T for x, w in zip(flat.chunk(4, -1), fn.chunk(4, -1))]
+    rho = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + ctx.cfg.rms_norm_eps)
+    return torch.stack(parts).sum(0) * rho
 
 
 FAULTS: dict[str, tuple[Patch, str]] = {

@@ -62,6 +62,7 @@ class RunSpec:
     yardstick: bool = True
     engine: EngineOptions = EngineOptions()
     local: bool = True
+    global_mode: bool = True  # False: only local (and forced) modes, e.g. a triage pass that blames layers by what each adds
     force_decisions: bool = False
     bin_size: int = 512
     attn_sample_every: int = 64
@@ -81,7 +82,7 @@ class RunSpec:
     def stacks(self) -> list[tuple[str, str]]:
         """(stack, mode) pairs run after the reference at every layer."""
         names = ([YARDSTICK] if self.yardstick else []) + [v.name for v in self.variants]
-        modes = ["global"] + (["local"] if self.local else [])
+        modes = (["global"] if self.global_mode else []) + (["local"] if self.local or not self.global_mode else [])
         out = [(n, m) for n in names for m in modes]
         if self.force_decisions:
             out += [(v.name, "forced") for v in self.variants]
@@ -165,12 +166,14 @@ class LockstepRunner:
         self.lens = AnswerLens(needle_queries(spec.prompt_ids, spec.decode_ids, dict(zip(names, spec.needle_spans))))
 
     # ------------------------------------------------------------------------------------------
-    def run(self, start_layer: int = 0, streams: dict[str, torch.Tensor] | None = None) -> None:
-        """Layers start_layer … n−1, then the logits. The manifest's status ends `complete`, or `failed` /
-        `interrupted` with where and why (`failure`) when the run stops on an exception: the layers already
-        written stay, and `run --resume` continues from the last saved state."""
+    def run(self, start_layer: int = 0, streams: dict[str, torch.Tensor] | None = None,
+            end_layer: int | None = None) -> None:
+        """Layers start_layer … n−1, then the logits (with `end_layer`, layers up to end_layer − 1 only and no
+        logits: a partial pass, recorded as `end_layer` in the manifest). The manifest's status ends `complete`, or
+        `failed` / `interrupted` with where and why (`failure`) when the run stops on an exception: the layers
+        already written stay, and `run --resume` continues from the last saved state."""
         ensure_no_tf32()
-        n_layers = self.cfg.num_hidden_layers
+        n_layers = self.cfg.num_hidden_layers if end_layer is None else min(end_layer, self.cfg.num_hidden_layers)
         if streams is None:
             streams = self.initial_streams()
         streams = {k: v.to(self.device) for k, v in streams.items()}
@@ -184,8 +187,11 @@ class LockstepRunner:
                 last_save = self._save_state(layer, streams, last_save)
                 self.progress({"event": "layer_done", "layer": layer, "layers": n_layers,
                                "seconds": time.perf_counter() - t0})
-            self.where = {"layer": n_layers, "stack": "logits", "mode": "global"}
-            self.compare_logits(streams)
+            if end_layer is None:
+                self.where = {"layer": n_layers, "stack": "logits", "mode": "global"}
+                self.compare_logits(streams)
+            else:
+                self.store.update_manifest(end_layer=n_layers)
         except BaseException as e:
             self._record_stop(e)
             raise

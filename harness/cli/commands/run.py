@@ -65,6 +65,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-state", action="store_true",
                    help="keep state/streams.pt, the streams --resume restarts from, after the run completes")
     p.add_argument("--no-report", action="store_true", help="do not write report.html")
+    p.add_argument("--no-triage", action="store_true",
+                   help="when a patched variant fails the gate, do not run the triage pass (each of its patches alone, "
+                        "local mode, up to its first failing layer) that names the patch, phase and layer")
     p.set_defaults(func=run)
 
 
@@ -115,7 +118,13 @@ def run(args: argparse.Namespace) -> int:
     for f in store.read_findings():
         out.print(f"[red]non-finite values[/]: {f['variant']} ({f['mode']}) first at layer {f['layer']}, "
                   f"tap {f['tap']}.{f['field']}, {f['phase']} position {f['position']}")
-    exit_code = 0 if args.no_gate else _gate(store, out)
+    exit_code = 0
+    if not args.no_gate:
+        gate = _gate(store, out)
+        exit_code = gate.exit_code
+        if not gate.passed and not args.no_triage:
+            with torch_threads(threads):
+                _triage(spec, store, gate, out)
     if not args.no_report:
         from harness.report.write import write_report
 
@@ -253,14 +262,33 @@ def _follow(group: Group) -> int:
     return 0
 
 
-def _gate(store: RunStore, out: Console) -> int:
-    """Judge the finished run with its scenario's policy, write gate.json, print the verdict; the gate's exit code."""
+def _gate(store: RunStore, out: Console):
+    """Judge the finished run with its scenario's policy, write gate.json, print the verdict (a GateResult)."""
     from harness.gate.gate_run import gate_run
     from harness.gate.outputs import print_verdict
 
     result = gate_run(store.dir)
     print_verdict(result, out, max_failures=8)
-    return result.exit_code
+    return result
+
+
+def _triage(spec: RunSpec, store: RunStore, gate, out: Console) -> None:
+    """Name the patch, phase and first layer behind a failing patched variant (harness.attribution.triage) and put
+    the verdict in attribution.json, which the report's banner shows."""
+    from harness.attribution.triage import triage
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=out, transient=True) as bar:
+        task = bar.add_task("triage", total=None)
+
+        def progress(event: dict) -> None:
+            if event["event"] == "stack":
+                bar.update(task, description=f"triage · layer {event['layer']} · {event['stack']}")
+                bar.advance(task)
+
+        verdict = triage(spec, store.dir, gate, store.read_manifest(), progress)
+    if verdict is not None:
+        out.print(f"[bold]triage verdict[/]: {verdict['summary']}", soft_wrap=True)
 
 
 def _max_peaks(segments: list[dict]) -> dict[str, float]:

@@ -40,11 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def check_fault(name: str, scenario: str, out_dir: Path) -> dict:
-    """One fault: attribution over {fault, benign}; the verdict must name the fault and its phase, the benign
-    patch must not diverge, and the gate must fail."""
+    """One fault: attribution over {benign, fault}; the verdict must name the fault and its phase, the benign
+    patch must not diverge, and the gate must fail. The benign change comes first: patches apply in order, so where
+    both override one op the fault (later) replaces the decoy in their combined variant, not the other way."""
     patch, phase = FAULTS[name]
     module = "harness.attribution.faults"
-    result, run_dir = attribute(scenario, f"{patch.id},{benign_change.id}", (module,), None, None,
+    result, run_dir = attribute(scenario, f"{benign_change.id},{patch.id}", (module,), None, None,
                                 out_dir / patch.id, interactions="never")
     verdict = result.verdict()
     benign_divergences = result.divergences.get(benign_change.id, [])
