@@ -174,6 +174,7 @@ class LockstepRunner:
         already written stay, and `run --resume` continues from the last saved state."""
         ensure_no_tf32()
         n_layers = self.cfg.num_hidden_layers if end_layer is None else min(end_layer, self.cfg.num_hidden_layers)
+        self.weights.until = n_layers
         if streams is None:
             streams = self.initial_streams()
         streams = {k: v.to(self.device) for k, v in streams.items()}

@@ -36,6 +36,8 @@ class PrefetchingSource:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-prefetch")
         self._pending: tuple[int, torch.device, Future] | None = None
         self._top: dict[torch.device, TensorBundle] = {}
+        self.until = source.config.num_hidden_layers
+        """Layers past this one are not prefetched (a partial pass that stops early makes no layer it won't use)."""
 
     def describe(self) -> dict[str, object]:
         return self.source.describe()
@@ -67,7 +69,7 @@ class PrefetchingSource:
             stream.wait_event(done)
             for t in _tensors(bundle):
                 t.record_stream(stream)
-        if layer + 1 < self.config.num_hidden_layers:
+        if layer + 1 < self.until:
             self._pending = (layer + 1, device, self._pool.submit(self._produce, layer + 1, device))
         return bundle
 
