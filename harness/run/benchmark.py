@@ -35,6 +35,7 @@ from reference.config import ModelConfig
 from reference.layer import ReferenceLayer
 from reference.model import ReferenceModel, segment_lengths
 from reference.weights.dense_cache import DenseCache
+from reference.weights.source import TensorBundle
 from reference.weights.synthetic import SyntheticWeights
 
 STACKS = ("reference", "yardstick", "base", "all")
@@ -165,6 +166,26 @@ class BenchResult:
         return out
 
 
+def _stacks_alone(cfg: ModelConfig, layer: int, weights: TensorBundle, dev: torch.device,
+                  x: dict[str, torch.Tensor], ids: torch.Tensor, ref_segments: list[int], segments: list[int],
+                  tokens: int, reference: ReferenceModel, yardstick: ReferenceModel,
+                  engines: dict[str, OptimizedModel]) -> dict[str, float]:
+    """Seconds of each stack over the layer without probes. They share one dequantized-weight cache, as in a run
+    (the first to read a weight pays for it), freed on return, before the lockstep pass makes its own."""
+    dense = DenseCache.for_device(dev)
+    alone = {
+        "reference": timed(dev, lambda: reference.run_layer(
+            ReferenceLayer(cfg, layer, weights, device=dev, dense=dense), x["reference"], ids, ref_segments))[1],
+        "yardstick": timed(dev, lambda: yardstick.run_layer(
+            ReferenceLayer(cfg, layer, weights, torch.bfloat16, device=dev, dense=dense), x["base"], ids,
+            segments))[1],
+    }
+    for name, engine in engines.items():
+        alone[name] = timed(dev, lambda: engine.run_layer(engine.layer(layer, weights, dense), x["base"], ids,
+                                                          segments, tokens))[1]
+    return alone
+
+
 class _TimedStore(RunStore):
     """A run store that adds up the seconds spent writing layers."""
 
@@ -226,19 +247,8 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             weights, weights_s = timed(dev, lambda: source.layer(layer, dev))
-            dense = DenseCache.for_device(dev)  # shared by the stacks, as in a run: the first to read pays
-            alone = {
-                "reference": timed(dev, lambda: reference.run_layer(
-                    ReferenceLayer(cfg, layer, weights, device=dev, dense=dense), x["reference"], ids,
-                    ref_segments))[1],
-                "yardstick": timed(dev, lambda: yardstick.run_layer(
-                    ReferenceLayer(cfg, layer, weights, torch.bfloat16, device=dev, dense=dense), x["base"], ids,
-                    segments))[1],
-            }
-            for name, engine in engines.items():
-                alone[name] = timed(dev, lambda: engine.run_layer(engine.layer(layer, weights, dense), x["base"], ids,
-                                                                  segments, tokens))[1]
-            del dense
+            alone = _stacks_alone(cfg, layer, weights, dev, x, ids, ref_segments, segments, tokens, reference,
+                                  yardstick, engines)
             runner_s.clear()
             store.seconds = 0.0
             mark[:] = [time.perf_counter(), None]
@@ -252,7 +262,6 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
             result.layers.append(lb)
             progress(f"layer {layer} ({lb.kind}): weights {weights_s:.2f} s, run {lb.run_s:.2f} s "
                      f"(probes {lb.probes_s:.2f} s, store {lb.store_s:.2f} s)")
-            del weights
     result.peak_host_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return result
 
