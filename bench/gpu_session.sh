@@ -36,7 +36,7 @@ for p in ("none", "all"):
 PY
       ;;
     bench)
-      python3 bench/layer_timing.py --model flash --tokens 8192 --decode 4 --device cuda --layers 0 2 3 2>&1 | tail -8
+      COLUMNS=250 dd bench --model flash --tokens 30720 --decode 64 --layers 2,3 --device cuda --json "$OUT/bench.json" 2>&1 | tail -9
       python3 optimized/kernels/bench_kernels.py 2>&1 | tail -12 ;;
     flash27k)
       # Resumable across calls while the machine stays warm: the run lives in /tmp/flash27k, each call runs at most

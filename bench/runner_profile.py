@@ -4,7 +4,7 @@
 
 Runs the first N layers of a synthetic-weights run (reference, yardstick, base engine; global mode) through
 the real runner and probes, so the overhead of recording and comparing taps shows next to the stacks' own
-compute (compare with bench/layer_timing.py, which runs the stacks without probes).
+compute (`dsv4-drift bench` times each stack alone and in the lockstep, without a profiler).
 """
 
 from __future__ import annotations

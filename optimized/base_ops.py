@@ -21,6 +21,7 @@ from reference.layer import share_rows
 from reference.ops.attention import KeySet
 from reference.ops.compressor import pool_new_windows, visible_rows
 from reference.ops.mhc import HCMix, sinkhorn
+from reference.ops.moe import expert_groups
 from reference.ops.rope import apply_rope, cos_sin
 
 LINEAR_PRECISION = {
@@ -251,15 +252,15 @@ def swiglu_fp32(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
 def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
     """FP4 experts (e2m1, per-32 UE8M0) with FP8 1×128 activations, fp32 accumulation; SwiGLU and the
     routing weight in fp32, cast to bf16 before W2 (official); the sum over experts accumulated in fp32."""
-    per_slot = torch.zeros(*routing.expert_ids.shape, y.shape[-1], dtype=torch.float32, device=y.device)
-    xq = fp8_activation(y)
-    for e in torch.unique(routing.expert_ids).tolist():
-        tok, slot = torch.nonzero(routing.expert_ids == e, as_tuple=True)
+    S, k = routing.expert_ids.shape
+    per_slot = torch.empty(S * k, y.shape[-1], dtype=torch.float32, device=y.device)  # every pair is written once
+    xq, weights = fp8_activation(y), routing.weights.flatten()
+    for e, tokens, pairs in expert_groups(routing.expert_ids):
         w1, w3, w2 = (ctx.weight(f"ffn.experts.{e}.{p}.weight") for p in ("w1", "w3", "w2"))
-        x = xq[tok]
-        h = swiglu_fp32(bf16(x @ w1.T), bf16(x @ w3.T), ctx.cfg.swiglu_limit) * routing.weights[tok, slot, None]
-        per_slot[tok, slot] = bf16(fp8_activation(bf16(h)) @ w2.T)
-    return per_slot.sum(1)
+        x = xq[tokens]
+        h = swiglu_fp32(bf16(x @ w1.T), bf16(x @ w3.T), ctx.cfg.swiglu_limit) * weights[pairs, None]
+        per_slot[pairs] = bf16(fp8_activation(bf16(h)) @ w2.T)
+    return per_slot.view(S, k, -1).sum(1)
 
 
 def chunk_state_carry(ctx: OpContext, state: Any) -> Any:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from optimized.base_ops import BASE_OPS, swiglu_fp32
-from optimized.numerics import DenseCache, bf16, rms_norm_bf16
+from optimized.numerics import bf16, rms_norm_bf16
 from optimized.ops import OpContext, OpTable
 from optimized.paged_cache import IndexKeyCache, LatentCache
 from optimized.patching import PHASES, PatchChoice
@@ -31,6 +31,7 @@ from reference.ops.norms import unweighted_rms_norm
 from reference.ops.rope import apply_rope, cos_sin, layer_inverse_frequencies
 from reference.probes import NULL_SINK, ProbeSink
 from reference.quant import hadamard_matrix
+from reference.weights.dense_cache import DenseCache
 from reference.weights.source import TensorBundle, WeightSource
 
 DEFAULT_CHUNK_SIZE = 8192  # optimized-stack §7 / §8: the deployed --chunked-prefill-size
@@ -66,11 +67,13 @@ class OptimizedLayer:
     """Block `layer` of the optimized engine for one variant (its patch choices)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, weights: TensorBundle, choices: Sequence[PatchChoice],
-                 device: torch.device | str = "cpu", options: EngineOptions = EngineOptions()) -> None:
+                 device: torch.device | str = "cpu", options: EngineOptions = EngineOptions(),
+                 dense: DenseCache | None = None) -> None:
+        """`dense`: dequantized weights shared with the other stacks of this layer (a new cache when None)."""
         self.cfg, self.layer, self.weights = cfg, layer, weights
         self.kind, self.ratio = cfg.layer_kind(layer), cfg.compress_ratio(layer)
         self.device, self.options = torch.device(device), options
-        self.dense = DenseCache()
+        self.dense = dense if dense is not None else DenseCache()
         self.tables = {phase: OpTable(BASE_OPS, list(choices), phase) for phase in PHASES}
         self.stock_tables = {phase: OpTable(BASE_OPS, [], phase) for phase in PHASES}
         self.hadamard = hadamard_matrix(cfg.index_head_dim, device=self.device) if self.kind == "csa" else None
@@ -189,6 +192,8 @@ class OptimizedLayer:
         for start in range(0, positions.numel(), block):
             blk = slice(start, start + block)
             pos = positions[blk]
+            sampled = torch.nonzero(sink.sampled(pos)).flatten() if any(
+                sink.wants(tap) for tap in ("attn.probs", "indexer.scores", "indexer.site")) else None  # one read
             window_slots = pos[:, None] + torch.arange(-cfg.sliding_window + 1, 1, device=self.device)[None, :]
             window_slots = torch.where(window_slots >= 0, window_slots, -1)
             comp_slots = torch.full((pos.numel(), 0), -1, dtype=torch.int64, device=self.device)
@@ -202,13 +207,10 @@ class OptimizedLayer:
                 logits = ctx.call("indexer_logits", q=q_idx[blk], weights=idx_weights[blk], positions=pos)
                 row_ids, valid = ctx.call("indexer_topk", logits=logits, positions=pos, k=cfg.index_topk)
                 if sink.wants("indexer.scores"):
-                    pick = sink.sampled(pos)
-                    sink.emit("indexer.scores", pos[pick], scores=logits[pick])
-                if sink.wants("indexer.site"):
-                    pick = sink.sampled(pos)
-                    if bool(pick.any()):
-                        self._emit_indexer_site(ctx, sink, pos[pick], q_idx[blk][pick], idx_weights[blk][pick],
-                                                row_ids[pick], valid[pick])
+                    sink.emit("indexer.scores", pos[sampled], scores=logits[sampled])
+                if sink.wants("indexer.site") and sampled.numel():
+                    self._emit_indexer_site(ctx, sink, pos[sampled], q_idx[blk][sampled], idx_weights[blk][sampled],
+                                            row_ids[sampled], valid[sampled])
                 if sink.wants("indexer.selected"):
                     sink.emit("indexer.selected", pos, row_ids=row_ids, valid=valid)
                 comp_slots = torch.where(valid, row_ids, -1)
@@ -217,11 +219,9 @@ class OptimizedLayer:
                               sink=sink_logit, comp_lanes=lanes, comp_length=length)
             if sink.wants("attn.lse"):
                 sink.emit("attn.lse", pos, lse=lse)
-            if sink.wants("attn.probs"):
-                pick = sink.sampled(pos)
-                if bool(pick.any()):
-                    self._emit_probs(ctx, sink, pos[pick], q[blk][pick], window_slots[pick], comp_slots[pick],
-                                     sink_logit)
+            if sink.wants("attn.probs") and sampled.numel():
+                self._emit_probs(ctx, sink, pos[sampled], q[blk][sampled], window_slots[sampled], comp_slots[sampled],
+                                 sink_logit)
             out[blk] = o
 
         o = bf16(apply_rope(out, cos[:, None], sin[:, None], inverse=True))
@@ -277,11 +277,12 @@ class OptimizedModel:
     """Embedding (bf16), the blocks of the optimized engine run layer-major, fp32 LM head."""
 
     def __init__(self, source: WeightSource, choices: Sequence[PatchChoice] = (), device: torch.device | str = "cpu",
-                 options: EngineOptions = EngineOptions()) -> None:
+                 options: EngineOptions = EngineOptions(), top_dense: DenseCache | None = None) -> None:
+        """`top_dense`: the fp32 head weights, shared with other engines of the same run (a new cache when None)."""
         self.source, self.cfg, self.choices = source, source.config, list(choices)
         self.device, self.options = torch.device(device), options
         self._top: TensorBundle | None = None
-        self._top_dense = DenseCache()
+        self._top_dense = top_dense if top_dense is not None else DenseCache()
 
     @property
     def top(self) -> TensorBundle:
@@ -293,9 +294,10 @@ class OptimizedModel:
         e = self.source.embed_rows(token_ids, self.device).to(torch.bfloat16)
         return e[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
 
-    def layer(self, layer: int, weights: TensorBundle | None = None) -> OptimizedLayer:
+    def layer(self, layer: int, weights: TensorBundle | None = None, dense: DenseCache | None = None
+              ) -> OptimizedLayer:
         return OptimizedLayer(self.cfg, layer, weights or self.source.layer(layer, self.device), self.choices,
-                              self.device, self.options)
+                              self.device, self.options, dense)
 
     def run_layer(self, block: OptimizedLayer, streams: torch.Tensor, token_ids: torch.Tensor,
                   segments: Sequence[int], n_prompt: int, sink: ProbeSink = NULL_SINK) -> torch.Tensor:

@@ -8,11 +8,9 @@ an fp32 matmul of the rounded operands is the kernel's result but for summation 
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from reference.quant import QuantizedTensor, fp8_fake_quant
+from reference.quant import fp8_fake_quant
 
 ACT_BLOCK = 128  # FP8 activation quantization: one UE8M0 scale per token per 128 K-elements
 ACT_AMAX_FLOOR = 1e-4  # official act_quant floor on amax
@@ -26,34 +24,6 @@ def bf16(x: torch.Tensor) -> torch.Tensor:
 def fp8_activation(x: torch.Tensor) -> torch.Tensor:
     """Per-token FP8 e4m3 quantization with a power-of-two scale per 128 K-elements (official act_quant)."""
     return fp8_fake_quant(x.float(), block=ACT_BLOCK, amax_floor=ACT_AMAX_FLOOR)
-
-
-class DenseCache:
-    """Dequantized fp32 copies of stored weights, made once per layer (the kernels read the stored bits;
-    the emulation multiplies the exactly dequantized values, which is the same arithmetic).
-
-    Copies are kept only up to `budget_bytes`: a full-width layer's 768 expert matrices (256 experts × w1, w3,
-    w2 of 2048 × 4096) are 256·3·2048·4096·4 B = 25.8 GB in fp32, so past the budget a tensor is dequantized on
-    every use instead (cheap next to the GEMM that uses it). The 4 GB default holds a Flash layer's attention,
-    indexer and shared-expert weights (< 1 GB in fp32) with room for the experts used most."""
-
-    def __init__(self, budget_bytes: int = 4 << 30) -> None:
-        self._cache: dict[str, torch.Tensor] = {}
-        self.budget_bytes, self.used_bytes = budget_bytes, 0
-
-    def get(self, name: str, stored: torch.Tensor | QuantizedTensor | Callable[[], torch.Tensor | QuantizedTensor],
-            device: torch.device) -> torch.Tensor:
-        """fp32 value of `stored` (or of what the callable returns, called only on a miss), cached by name."""
-        t = self._cache.get(name)
-        if t is None:
-            if callable(stored) and not isinstance(stored, torch.Tensor):
-                stored = stored()
-            t = stored.dequantize(torch.float32) if isinstance(stored, QuantizedTensor) else stored.float()
-            t = t.to(device)
-            if self.used_bytes + t.numel() * 4 <= self.budget_bytes:
-                self._cache[name] = t
-                self.used_bytes += t.numel() * 4
-        return t
 
 
 def fp8_linear(x: torch.Tensor, weight_fp32: torch.Tensor) -> torch.Tensor:

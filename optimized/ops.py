@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from optimized.numerics import DenseCache
+from reference.weights.dense_cache import DenseCache
 from optimized.op_specs import OP_SPECS, OpSpec
 from optimized.patching import PatchChoice, PluginOpError
 from optimized.state import EngineState

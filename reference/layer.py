@@ -27,24 +27,28 @@ from reference.ops.norms import rms_norm
 from reference.ops.rope import apply_rope, cos_sin, layer_inverse_frequencies
 from reference.probes import NULL_SINK, ProbeSink
 from reference.quant import fp4_fake_quant, fp8_fake_quant, hadamard_matrix
+from reference.weights.dense_cache import DenseCache
 from reference.weights.source import TensorBundle
 
 QUERY_BLOCK_BUDGET_ELEMENTS = 1 << 25
-"""Temporaries per query block, in elements (~128 MB in fp32; 8× that on a GPU): bounds memory at any
-sequence length."""
+"""Temporaries per query block on the CPU, in elements (~128 MB in fp32): bounds memory at any sequence length."""
 
+QUERY_BLOCK_DEVICE_FRACTION = 1 / 16
+"""On a GPU, a query block's temporaries may take this share of the device's memory (8.8 GB of an H200's 141 GB).
+The share is of the device's total memory, not of what is free when the block starts: free memory depends on what
+the caching allocator holds at that moment, and a block size that moved with it would move the bits of every
+blocked reduction between runs, and between the ranks of a sharded run (harness.run.distributed)."""
 
-EXPERT_CACHE_BYTES = 1 << 30
-"""Dequantized experts stay cached for a layer's lifetime only if all of them fit in 1 GiB (flash-mini: 1.5 MB;
-Flash: 25 GB, so there each expert is dequantized when used)."""
 
 MAX_QUERY_BLOCK = 256
 """Window keys are a band shared by a block: B queries see B+W−1 rows, so blocks much longer than the
-window waste work on masked band entries; 256 keeps the band under 3× the window."""
-
+window waste work on masked band entries; 256 keeps the band under 3× the window. (Measured on an H200, Flash at
+30K tokens: 1024-query blocks made the yardstick ~1.8× slower and the attention probes ~2.6× slower, the band's
+masked entries travelling into every sampled attention row.)"""
 
 def query_block_size(cfg: ModelConfig, kind: str, main_rows: int, index_rows: int, device: torch.device) -> int:
-    """Queries per block so that a block's temporaries stay within the device's element budget."""
+    """Queries per block so that a block's temporaries stay within the device's budget: a fixed element budget
+    on the CPU, a share of the device's memory on a GPU."""
     n_keys = cfg.sliding_window + MAX_QUERY_BLOCK
     per_query = 0
     if kind == "csa":
@@ -54,7 +58,10 @@ def query_block_size(cfg: ModelConfig, kind: str, main_rows: int, index_rows: in
     elif kind == "hca":
         n_keys += main_rows + 1
     per_query += n_keys * 3 * cfg.num_attention_heads  # logits, exp, probs
-    budget = QUERY_BLOCK_BUDGET_ELEMENTS * (8 if device.type == "cuda" else 1)
+    if device.type == "cuda":
+        budget = int(torch.cuda.get_device_properties(device).total_memory * QUERY_BLOCK_DEVICE_FRACTION) // 4
+    else:
+        budget = QUERY_BLOCK_BUDGET_ELEMENTS
     return max(1, min(MAX_QUERY_BLOCK, budget // per_query))
 
 
@@ -101,7 +108,10 @@ class ReferenceLayer:
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, weights: TensorBundle, dtype: torch.dtype = torch.float32,
-                 parity: ParityOptions = ParityOptions(), device: torch.device | str = "cpu") -> None:
+                 parity: ParityOptions = ParityOptions(), device: torch.device | str = "cpu",
+                 dense: DenseCache | None = None) -> None:
+        """`dense`: the layer's dequantized fp32 weights shared with the other stacks (a new cache when None); the
+        experts are read from it, one at a time, and converted to `dtype` when used."""
         if dtype not in (torch.float32, torch.float64, torch.bfloat16):
             raise ValueError(f"the reference graph runs in float32, float64 or (yardstick) bfloat16, not {dtype}")
         self.cfg, self.layer, self.dtype, self.parity, self.device = cfg, layer, dtype, parity, torch.device(device)
@@ -110,7 +120,7 @@ class ReferenceLayer:
         self.weights = weights
         w = lambda name: weights.dense(name, dtype).to(self.device)  # noqa: E731
         self.w = {name: w(name) for name in weights.names() if not name.startswith("ffn.experts.")}
-        self._expert_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.dense = dense if dense is not None else DenseCache()
         self.inv_freq = layer_inverse_frequencies(cfg, layer).to(self.device)
         if self.kind != "swa":
             self.compressor_w = self._compressor_weights("attn.compressor")
@@ -204,25 +214,27 @@ class ReferenceLayer:
         for start in range(0, positions.numel(), block):
             blk = slice(start, start + block)
             pos = positions[blk]
-            band, band_pos, band_valid = window_band(history, history_start, pos, cfg.sliding_window)
+            first, last = state.position + start, state.position + start + pos.numel() - 1  # known here: no read
+            band, band_pos, band_valid = window_band(history, history_start, pos, cfg.sliding_window, (first, last))
             visible = visible_rows(pos, self.ratio) if self.ratio else None
+            n_vis = (last + 1) // self.ratio if self.ratio else 0  # visible_rows of the block's last query
+            sampled = torch.nonzero(sink.sampled(pos)).flatten() \
+                if sink.wants("attn.probs") or sink.wants("indexer.scores") else None  # one read per block
             comp = KeySet(no_rows, torch.zeros(pos.numel(), 0, dtype=torch.bool, device=self.device))
             comp_rows = torch.zeros(pos.numel(), 0, dtype=torch.int64, device=self.device)
             if self.kind == "hca":  # every complete block is a key: the rows shared by the whole query block
-                rows = state.compressor.rows[: int(visible[-1])]
+                rows = state.compressor.rows[:n_vis]
                 ids = torch.arange(rows.shape[0], device=self.device)
                 comp = KeySet(rows, ids[None, :] < visible[:, None])
                 comp_rows = torch.where(comp.valid, ids[None, :], -1)
             elif self.kind == "csa":  # the indexer's top-k rows, gathered per query
-                scores = indexer_scores(q_idx[blk], idx_weights[blk], state.indexer.rows[: int(visible[-1])])
+                scores = indexer_scores(q_idx[blk], idx_weights[blk], state.indexer.rows[:n_vis])
                 chosen, chosen_valid = select_rows(scores, pos, self.ratio, cfg.index_topk)
                 if sink.wants("indexer.scores"):
-                    pick = sink.sampled(pos)
-                    hidden = torch.arange(scores.shape[1], device=self.device)[None] >= visible[pick][:, None]
-                    sink.emit("indexer.scores", pos[pick], scores=scores[pick].masked_fill(hidden, float("-inf")))
+                    hidden = torch.arange(scores.shape[1], device=self.device)[None] >= visible[sampled][:, None]
+                    sink.emit("indexer.scores", pos[sampled], scores=scores[sampled].masked_fill(hidden, float("-inf")))
                 if sink.wants("indexer.selected"):
                     sink.emit("indexer.selected", pos, row_ids=chosen, valid=chosen_valid)
-                n_vis = int(visible[-1])
                 if share_rows(n_vis, chosen.shape[-1], cfg.num_attention_heads, self.device):
                     picked = torch.zeros(pos.numel(), n_vis + 1, dtype=torch.bool, device=self.device)
                     picked.scatter_(1, torch.where(chosen_valid, chosen, n_vis), True)
@@ -235,10 +247,9 @@ class ReferenceLayer:
                     comp_rows = torch.where(chosen_valid, chosen, -1)
             res = sparse_attention_with_sink(q[blk], [KeySet(band, band_valid), comp], w["attn.attn_sink"])
             if sink.wants("attn.probs"):
-                pick = sink.sampled(pos)
                 window_pos = torch.where(band_valid, band_pos[None, :], -1)
-                sink.emit("attn.probs", pos[pick], window_pos=window_pos[pick], comp_rows=comp_rows[pick],
-                          probs=res.probs[pick], sink_prob=res.sink_prob[pick], max_logit=res.max_logit[pick])
+                sink.emit("attn.probs", pos[sampled], window_pos=window_pos[sampled], comp_rows=comp_rows[sampled],
+                          probs=res.probs[sampled], sink_prob=res.sink_prob[sampled], max_logit=res.max_logit[sampled])
             if sink.wants("attn.lse"):
                 sink.emit("attn.lse", pos, lse=res.lse)
             out[blk] = res.out
@@ -279,15 +290,7 @@ class ReferenceLayer:
         return moe_forward(y, routing, self._expert, shared, cfg.swiglu_limit)
 
     def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Expert e's dequantized weights; kept for the layer's lifetime only when all experts together are small
-        (EXPERT_CACHE_BYTES), so a full-width layer never holds 256 dequantized experts at once."""
-        cached = self._expert_cache.get(e)
-        if cached is not None:
-            return cached
-        weights = tuple(self.weights.dense(f"ffn.experts.{e}.{p}.weight", self.dtype).to(self.device)
-                        for p in ("w1", "w3", "w2"))
-        cfg = self.cfg
-        total = cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size * weights[0].element_size()
-        if total <= EXPERT_CACHE_BYTES:
-            self._expert_cache[e] = weights
-        return weights
+        """Expert e's dequantized weights in the layer's dtype, through the layer's shared cache (a full-width layer's
+        256 experts are 25.8 GB in fp32: the cache keeps what its budget allows and dequantizes the rest on use)."""
+        names = (f"ffn.experts.{e}.{p}.weight" for p in ("w1", "w3", "w2"))
+        return tuple(self.dense.get(n, self.weights.stored(n), self.device).to(self.dtype) for n in names)

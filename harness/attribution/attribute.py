@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pandas as pd
 
@@ -196,9 +196,16 @@ def analyze(run_dir: Path, patch_ids: list[str], policy: str | Path | None) -> t
     return Attribution(patch_ids, blame_matrix(metrics, patch_ids, n_layers), divergences, full_fails), gate
 
 
+def run_lockstep(spec: RunSpec, store: RunStore, progress=None) -> None:
+    """One layer-major pass in this process."""
+    LockstepRunner(spec, store, progress).run()
+
+
 def run_attribution(spec: RunSpec, store: RunStore, manifest: dict[str, Any], policy: str | Path | None,
-                    progress=None, interactions: str = "auto") -> Attribution:
-    """The whole of `dsv4-drift attribute`: the pass, the analysis, the optional pair pass, attribution.json."""
+                    progress=None, interactions: str = "auto",
+                    execute: Callable[[RunSpec, RunStore, Any], None] = run_lockstep) -> Attribution:
+    """The whole of `dsv4-drift attribute`: the pass, the analysis, the optional pair pass, attribution.json.
+    `execute` runs a pass (in this process, or sharded: harness.run.distributed)."""
     choices = [c for v in spec.variants for c in v.choices]
     spec.variants = attribution_variants(choices)
     spec.local = True
@@ -207,7 +214,7 @@ def run_attribution(spec: RunSpec, store: RunStore, manifest: dict[str, Any], po
          "description": c.patch.description} for c in v.choices]} for v in spec.variants]
     manifest["attribution"] = {"patches": [c.id for c in choices]}
     store.create(manifest)
-    LockstepRunner(spec, store, progress).run()
+    execute(spec, store, progress)
     ids = [c.id for c in choices]
     result, gate = analyze(store.dir, ids, policy)
     wants_pairs = interactions == "always" or (interactions == "auto" and result.full_fails and not result.ranking())
@@ -215,7 +222,7 @@ def run_attribution(spec: RunSpec, store: RunStore, manifest: dict[str, Any], po
         pair_store = RunStore(store.dir / "interactions")
         pair_spec = RunSpec(**{**spec.__dict__, "variants": [spec.variants[0]] + pair_variants(choices, ids)})
         pair_store.create({**manifest, "attribution": {"patches": ids, "pass": "interactions"}})
-        LockstepRunner(pair_spec, pair_store, progress).run()
+        execute(pair_spec, pair_store, progress)
         pair_gate = gate_run(pair_store.dir, policy)
         for a, b in combinations(ids, 2):
             for d in first_divergences(pair_gate, pair(a, b), f"{a}+{b}"):

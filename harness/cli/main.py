@@ -16,6 +16,7 @@ import traceback
 import torch
 
 from harness.errors import UsageError
+from harness.run.distributed import RankFailed
 from optimized.patching import PluginOpError
 
 EXIT_CODES = {0: "success (the gate passes)", 1: "regression (the gate fails)", 2: "usage or input error",
@@ -23,7 +24,8 @@ EXIT_CODES = {0: "success (the gate passes)", 1: "regression (the gate fails)", 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from harness.cli.commands import attribute, checkpoint, forward, gate, patches, report, run, scenarios, selftest
+    from harness.cli.commands import attribute, bench, checkpoint, forward, gate, patches, report, run, scenarios, \
+        selftest
 
     parser = argparse.ArgumentParser(
         prog="dsv4-drift",
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint.add_parser(sub)
     attribute.add_parser(sub)
     selftest.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 
@@ -62,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     except PluginOpError as e:
         print(f"dsv4-drift {args.command}: plugin fault: {e}", file=sys.stderr)
         return 3
+    except RankFailed as e:  # a rank of a sharded run (its own traceback is above)
+        print(f"dsv4-drift {args.command}: {e}", file=sys.stderr)
+        return 3 if e.plugin_fault else 4
     except OSError as e:  # a file or directory the command reads or writes (disk full, permissions)
         where = f"{e.filename}: " if e.filename else ""
         print(f"dsv4-drift {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)

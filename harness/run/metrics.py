@@ -3,7 +3,9 @@
 Each comparator returns per-position values of its canonical metrics. A metric is either a *mean*
 metric (a bin's value is the mean of its positions' values) or a *ratio* metric (a bin's value is
 computed from summed numerators and denominators, e.g. rel_l2 = sqrt(Σ‖a−b‖² / Σ‖b‖²), so bins
-combine exactly). All arithmetic is fp64 on the CPU side of the comparison.
+combine exactly). All arithmetic is fp64: dense taps and the sampled attention rows and indexer scores are compared
+on the device that holds them (one fp64 pass on a GPU instead of a copy to the host and a pass on the CPU per batch;
+on a CPU both are the same), discrete taps (selections, routing) on the CPU.
 
 Canonical names (README, metrics glossary): streams.{rel_l2,cosine,sqnr_db,max_abs,bias},
 attn.{tv,kl,js,out_rel_l2,lse_delta,max_logit_delta}, indexer.{recall,mass_recall,boundary_recall,flips},
@@ -240,11 +242,11 @@ def _max_id(*tensors: torch.Tensor) -> int:
 
 
 def _membership(rows: torch.Tensor, valid: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """[B, k] row ids with validity -> dense [B, n_rows] membership."""
-    member = torch.zeros(rows.shape[0], n_rows + 1, dtype=torch.bool)
+    """[B, k] row ids with validity -> dense [B, n_rows] membership (on the rows' device)."""
+    member = torch.zeros(rows.shape[0], n_rows + 1, dtype=torch.bool, device=rows.device)
     rows = rows.long()
     idx = torch.where(valid & (rows < n_rows) & (rows >= 0), rows, n_rows)  # invalid picks land in a spill column
-    return member.scatter_(1, idx.cpu(), True)[:, :n_rows]
+    return member.scatter_(1, idx, True)[:, :n_rows]
 
 
 def _picked_in(rows: torch.Tensor, valid: torch.Tensor, other: torch.Tensor, other_valid: torch.Tensor) -> torch.Tensor:
@@ -297,7 +299,7 @@ _NO_KEY = torch.iinfo(torch.int64).max
 
 def _key_codes(pos: torch.Tensor, tap: dict[str, torch.Tensor]) -> torch.Tensor:
     """One id per attended key: window key at position p → 2p, compressed row r → 2r+1, invalid → _NO_KEY."""
-    wpos, crow = tap["window_pos"].cpu().long(), tap["comp_rows"].cpu().long()
+    wpos, crow = tap["window_pos"].long(), tap["comp_rows"].long()
     return torch.cat([torch.where(wpos >= 0, 2 * wpos, _NO_KEY), torch.where(crow >= 0, 2 * crow + 1, _NO_KEY)], 1)
 
 
@@ -313,32 +315,33 @@ def key_union(codes_r: torch.Tensor, codes_v: torch.Tensor) -> tuple[torch.Tenso
     spill = both.shape[1]
     slot = torch.where(ordered == _NO_KEY, spill, slot)
     compact = torch.empty_like(slot).scatter_(1, order, slot)
-    codes = torch.full((both.shape[0], spill + 1), _NO_KEY, dtype=torch.long).scatter_(1, slot, ordered)
+    codes = torch.full((both.shape[0], spill + 1), _NO_KEY, dtype=torch.long, device=both.device).scatter_(1, slot,
+                                                                                                          ordered)
     return compact[:, : codes_r.shape[1]], compact[:, codes_r.shape[1]:], codes[:, :spill]
 
 
 def _scatter_probs(tap: dict[str, torch.Tensor], slots: torch.Tensor, n_slots: int) -> torch.Tensor:
-    probs = _cpu64(tap["probs"])
+    probs = _f64(tap["probs"])
     B, H, _ = probs.shape
-    out = torch.zeros(B, H, n_slots + 1, dtype=torch.float64)
+    out = torch.zeros(B, H, n_slots + 1, dtype=torch.float64, device=probs.device)
     return out.scatter_add_(2, slots[:, None, :].expand(B, H, -1), probs)[..., :n_slots]
 
 
 def _attended(slots: torch.Tensor, side_codes: torch.Tensor, n_slots: int) -> torch.Tensor:
     """[B, n_slots]: which compact keys this side attended (invalid keys go to the spill slot, dropped)."""
-    present = torch.zeros(slots.shape[0], n_slots + 1, dtype=torch.bool)
+    present = torch.zeros(slots.shape[0], n_slots + 1, dtype=torch.bool, device=slots.device)
     return present.scatter_(1, slots, side_codes != _NO_KEY)[:, :n_slots]
 
 
 def key_masks(ctx: CompareContext, pos: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per compact key: lies wholly before the query's turn; touches a needle."""
+    """Per compact key: lies wholly before the query's turn; touches a needle. (pos on the codes' device.)"""
     valid = codes != _NO_KEY
     window = valid & (codes % 2 == 0)
     index = torch.where(valid, codes // 2, 0)
     start, end = row_span(ctx, index) if ctx.ratio else (index, index + 1)
     start = torch.where(window, index, start)
     end = torch.where(window, index + 1, end)
-    early = valid & (end <= ctx.turn_start[pos.cpu()][:, None])
+    early = valid & (end <= ctx.turn_start.to(codes.device)[pos][:, None])
     if not ctx.needle_spans:
         return early, None
     needle = torch.zeros_like(valid)
@@ -350,13 +353,14 @@ def key_masks(ctx: CompareContext, pos: torch.Tensor, codes: torch.Tensor) -> tu
 def compare_attention(pos, ref, var, ctx) -> list[MetricValues]:
     """attn.probs at sampled queries: distance between the two attention distributions over the union of
     their keys plus the sink (TV, KL(ref‖opt), JS; mean over heads), indexer mass recall, and the
-    context-loss lens (mass on earlier turns and on needles)."""
+    context-loss lens (mass on earlier turns and on needles). Computed on the device holding the rows."""
+    pos = pos.to(ref["probs"].device)
     codes_r, codes_v = _key_codes(pos, ref), _key_codes(pos, var)
     slots_r, slots_v, codes = key_union(codes_r, codes_v)
     n_slots = codes.shape[1]
     pr, pv = _scatter_probs(ref, slots_r, n_slots), _scatter_probs(var, slots_v, n_slots)
-    P = torch.cat([pr, _cpu64(ref["sink_prob"])[..., None]], -1)
-    Q = torch.cat([pv, _cpu64(var["sink_prob"])[..., None]], -1)
+    P = torch.cat([pr, _f64(ref["sink_prob"])[..., None]], -1)
+    Q = torch.cat([pv, _f64(var["sink_prob"])[..., None]], -1)
     tv = 0.5 * (P - Q).abs().sum(-1)
     kl = (P * (torch.log(P.clamp_min(KL_FLOOR)) - torch.log(Q.clamp_min(KL_FLOOR)))).sum(-1)
     M = 0.5 * (P + Q)
@@ -368,7 +372,7 @@ def compare_attention(pos, ref, var, ctx) -> list[MetricValues]:
     js = 0.5 * (kl_to_m(P) + kl_to_m(Q))
     out = [MetricValues("attn.tv", pos, tv.mean(-1)), MetricValues("attn.kl", pos, kl.mean(-1)),
            MetricValues("attn.js", pos, js.mean(-1)),
-           MetricValues("attn.max_logit_delta", pos, (_cpu64(var["max_logit"]) - _cpu64(ref["max_logit"])).abs().mean(-1))]
+           MetricValues("attn.max_logit_delta", pos, (_f64(var["max_logit"]) - _f64(ref["max_logit"])).abs().mean(-1))]
 
     compressed = (codes != _NO_KEY) & (codes % 2 == 1)
     if ctx.layer_kind == "csa" and bool(compressed.any()):
@@ -381,14 +385,14 @@ def compare_attention(pos, ref, var, ctx) -> list[MetricValues]:
             out.append(MetricValues("indexer.mass_recall", pos[keep], ((mass * (in_ref & in_var)).sum(1) / on_ref)[keep]))
 
     early, needle = key_masks(ctx, pos, codes)
-    has_early = ctx.turn_start[pos.cpu()] > 0  # queries in a later turn: earlier turns exist to attend to
+    has_early = ctx.turn_start.to(pos.device)[pos] > 0  # queries in a later turn: earlier turns exist to attend to
     if bool(has_early.any()):
         m_ref = (pr * early[:, None, :]).sum(-1).mean(-1)
         m_opt = (pv * early[:, None, :]).sum(-1).mean(-1)
         out += [MetricValues("ctx.earlier_turn_mass_ref", pos[has_early], m_ref[has_early]),
                 MetricValues("ctx.earlier_turn_mass_opt", pos[has_early], m_opt[has_early])]
     if needle is not None:
-        has_needle = pos.cpu() >= min(e for _, e in ctx.needle_spans)  # a needle lies wholly in the past
+        has_needle = pos >= min(e for _, e in ctx.needle_spans)  # a needle lies wholly in the past
         if bool(has_needle.any()):
             n_ref = (pr * needle[:, None, :]).sum(-1).mean(-1)
             n_opt = (pv * needle[:, None, :]).sum(-1).mean(-1)
@@ -400,12 +404,14 @@ def compare_attention(pos, ref, var, ctx) -> list[MetricValues]:
 def compare_indexer_scores(pos, ref, var, ctx, ref_selected: dict[str, torch.Tensor], var_selected: dict[str, torch.Tensor]
                            ) -> list[MetricValues]:
     """Boundary-aware recall at sampled queries: reference picks whose score is within BOUNDARY_REL·|s_k| of
-    the k-th picked score are ties, not drift; recall is measured over the remaining picks."""
-    scores = _cpu64(ref["scores"])
-    rows_r, valid_r = ref_selected["row_ids"].cpu().long(), ref_selected["valid"].cpu()
+    the k-th picked score are ties, not drift; recall is measured over the remaining picks. Computed on the device
+    holding the scores."""
+    scores = _f64(ref["scores"])
+    pos, dev = pos.to(scores.device), scores.device
+    rows_r, valid_r = ref_selected["row_ids"].to(dev).long(), ref_selected["valid"].to(dev)
     n_rows = scores.shape[1]
     s_ref = _membership(rows_r, valid_r, n_rows)
-    s_opt = _membership(var_selected["row_ids"].cpu(), var_selected["valid"].cpu(), n_rows)
+    s_opt = _membership(var_selected["row_ids"].to(dev), var_selected["valid"].to(dev), n_rows)
     picked = torch.where(s_ref, scores, torch.full_like(scores, math.inf))
     kth = picked.amin(1)  # the weakest reference pick
     delta = BOUNDARY_REL * kth.abs()

@@ -85,6 +85,8 @@ class RecordingSink:
     def __init__(self, n_positions: int, sampled: torch.Tensor, dump: "DumpSink | None" = None) -> None:
         self.n = n_positions
         self.sampled_mask = sampled  # [T] bool
+        self._sampled_list: list[bool] = sampled.tolist()
+        self._mask_on: dict[torch.device, torch.Tensor] = {}  # the mask on each device asked (no sync per query)
         self.dense: dict[str, dict[str, torch.Tensor]] = {}
         self.rows: dict[str, dict[str, torch.Tensor]] = {}
         self.samples: dict[str, dict[int, dict[str, torch.Tensor]]] = {t: {} for t in SAMPLED_TAPS}
@@ -94,7 +96,10 @@ class RecordingSink:
         return tap in DENSE_TAPS or tap in ROW_TAPS or tap in SAMPLED_TAPS or (self.dump is not None and self.dump.wants(tap))
 
     def sampled(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.sampled_mask[positions.cpu()].to(positions.device)
+        mask = self._mask_on.get(positions.device)
+        if mask is None:
+            mask = self._mask_on[positions.device] = self.sampled_mask.to(positions.device)
+        return mask[positions]
 
     def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
         if self.dump is not None and self.dump.wants(tap):
@@ -119,9 +124,9 @@ class RecordingSink:
                     store[name] = torch.zeros((self.n,) + tuple(v.shape[1:]), dtype=v.dtype, device=v.device)
                 store[name][ids] = v
         elif tap in SAMPLED_TAPS:
-            keep = torch.nonzero(self.sampled_mask[positions.cpu()]).flatten()
-            for i in keep.tolist():
-                self.samples[tap][int(positions[i])] = {k: v[i].detach().cpu() for k, v in values.items()}
+            at = positions.tolist()  # kept where they are: they are compared on their device (metrics.py)
+            for i in (i for i, p in enumerate(at) if self._sampled_list[p]):
+                self.samples[tap][at[i]] = {k: v[i].detach() for k, v in values.items()}
 
     def at(self, tap: str, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         return {k: v[positions] for k, v in self.dense[tap].items()}
@@ -153,6 +158,8 @@ class ComparingSink:
     dump: "DumpSink | None" = None
     _held: dict[str, list[tuple[int, dict[str, torch.Tensor]]]] = field(
         default_factory=lambda: {"attn.probs": [], "indexer.scores": []})
+    _finite_notes: list[tuple[str, list[tuple[str, int]], torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """Per emission with floating fields: (tap, [(field, rows)], positions, [any NaN/Inf, first bad flat row])."""
 
     BATCH_POSITIONS = 32
     """At Flash width an attention row is compared over ≤ ~2,000 key slots × 64 heads in fp64: 32 positions keep
@@ -201,12 +208,14 @@ class ComparingSink:
                 continue
             if held and (len(held) >= self.BATCH_POSITIONS or bool(self.phase_of[held[0][0]] != self.phase_of[p])):
                 self._compare_held(tap)
-            held.append((p, {k: v[i].detach().cpu() for k, v in values.items()}))
+            held.append((p, {k: v[i].detach() for k, v in values.items()}))
 
     def finish(self) -> None:
-        """Compare the sampled entries still held: call once the stack has run the layer."""
+        """Compare the sampled entries still held and record this stack's first non-finite value, if any: call
+        once the stack has run the layer."""
         for tap in self._held:
             self._compare_held(tap)
+        self._record_first_non_finite()
 
     def _compare_held(self, tap: str) -> None:
         held = self._held[tap]
@@ -220,7 +229,7 @@ class ComparingSink:
         if tap == "attn.probs":
             self._add(tap, COMPARATORS[tap](pos, ref, var, self.ctx))
             return
-        ref_selected = {k: v.cpu() for k, v in self.record.at("indexer.selected", pos).items()}
+        ref_selected = self.record.at("indexer.selected", pos)
         self._add(tap, compare_indexer_scores(pos, ref, None, self.ctx, ref_selected, var))
 
     def _add(self, tap: str, values: list[MetricValues]) -> None:
@@ -228,22 +237,42 @@ class ComparingSink:
             self.acc.add(tap, mv)
 
     def _check_finite(self, tap: str, positions: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
-        """Record the first tap (in emission order: the data flow) where this stack produced NaN/Inf, in any
-        floating field of any tap it emits (−inf allowed only as a mask value: MASKED_FIELDS)."""
-        if any(f.variant == self.variant and f.mode == self.mode for f in self.findings):
+        """Note, without waiting for the device, where this emission first holds NaN/Inf in any floating field
+        (−inf allowed only as a mask value: MASKED_FIELDS); finish() reads every emission's note at once and
+        records the first (in emission order: the data flow) as this stack's finding."""
+        if self._has_finding():
             return
+        names, row_bad = [], []
         for name, v in values.items():
             if not v.is_floating_point():
                 continue
-            if bool(torch.isfinite(v.sum(dtype=torch.float64))):  # one reduction; NaN/Inf anywhere poisons it
-                continue
             bad = (torch.isnan(v) | (v == float("inf"))) if (tap, name) in MASKED_FIELDS else ~torch.isfinite(v)
-            if bool(bad.any()):
-                first = int(torch.nonzero(bad.flatten(1).any(1) if bad.dim() > 1 else bad).flatten()[0])
-                pos = int(positions[first]) if positions.numel() > first else -1
-                phase = "decode" if pos >= 0 and bool(self.phase_of[pos]) else "prefill"
-                self.findings.append(Finding(self.variant, self.mode, self.layer, tap, name, phase, pos))
-                return
+            names.append((name, bad.shape[0] if bad.dim() else 1))
+            row_bad.append(bad.flatten(1).any(1) if bad.dim() > 1 else bad.reshape(-1))
+        if not row_bad or all(r.numel() == 0 for r in row_bad):
+            return
+        flags = torch.cat(row_bad)  # field-major: the first True is the first bad row of the first bad field
+        self._finite_notes.append((tap, names, positions, torch.stack([flags.any().long(), flags.byte().argmax()])))
+
+    def _has_finding(self) -> bool:
+        return any(f.variant == self.variant and f.mode == self.mode for f in self.findings)
+
+    def _record_first_non_finite(self) -> None:
+        """One device read for the whole layer: the first emission that held NaN/Inf becomes the Finding."""
+        notes, self._finite_notes = self._finite_notes, []
+        if not notes or self._has_finding():
+            return
+        read = torch.stack([n[3] for n in notes]).tolist()
+        for (tap, names, positions, _), (any_bad, first) in zip(notes, read):
+            if not any_bad:
+                continue
+            for name, rows in names:
+                if first < rows:
+                    pos = int(positions[first]) if positions.numel() > first else -1
+                    phase = "decode" if pos >= 0 and bool(self.phase_of[pos]) else "prefill"
+                    self.findings.append(Finding(self.variant, self.mode, self.layer, tap, name, phase, pos))
+                    return
+                first -= rows
 
 
 class DumpSink:

@@ -28,7 +28,9 @@ from optimized.ops import OpContext, Routing
 from optimized.patching import Patch, PatchChoice
 from reference.layer import ParityOptions, ReferenceLayer
 from reference.model import ReferenceModel, ensure_no_tf32, segment_lengths
-from reference.weights.source import WeightSource
+from reference.weights.dense_cache import DenseCache
+from reference.weights.prefetch import PrefetchingSource
+from reference.weights.source import TensorBundle, WeightSource
 
 YARDSTICK = "yardstick"
 ANSWER_TAP = "needle.lens"
@@ -143,6 +145,7 @@ class LockstepRunner:
         self.progress = progress or (lambda event: None)
         self.cfg = spec.source.config
         self.device = torch.device(spec.device)
+        self.weights = PrefetchingSource(spec.source)  # layer L+1's weights are made while layer L computes
         self.ids = torch.tensor(spec.prompt_ids + spec.decode_ids, dtype=torch.int64, device=self.device)
         self.variant_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size)
         self.reference_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.reference_chunk_size)
@@ -151,9 +154,11 @@ class LockstepRunner:
         self.phase_of = torch.zeros(spec.n_total, dtype=torch.bool)
         self.phase_of[spec.n_prompt :] = True
         self.turn_start = turn_starts(spec.turn_of_position)
-        self.reference = ReferenceModel(spec.source, spec.reference_dtype, self.device, spec.parity)
-        self.yardstick = ReferenceModel(spec.source, torch.bfloat16, self.device)
-        self.engines = {v.name: OptimizedModel(spec.source, v.choices, self.device, spec.engine) for v in spec.variants}
+        self.reference = ReferenceModel(self.weights, spec.reference_dtype, self.device, spec.parity)
+        self.yardstick = ReferenceModel(self.weights, torch.bfloat16, self.device)
+        self.head = DenseCache()  # the engines' fp32 head weights, made once for all of them
+        self.engines = {v.name: OptimizedModel(self.weights, v.choices, self.device, spec.engine, self.head)
+                        for v in spec.variants}
         self.findings: list[Finding] = []
         self.where: dict[str, Any] = {"layer": 0, "stack": "reference", "mode": "global"}
         """The layer, stack and mode running now: recorded in the manifest when the run stops on an error."""
@@ -169,6 +174,7 @@ class LockstepRunner:
         already written stay, and `run --resume` continues from the last saved state."""
         ensure_no_tf32()
         n_layers = self.cfg.num_hidden_layers if end_layer is None else min(end_layer, self.cfg.num_hidden_layers)
+        self.weights.until = n_layers
         if streams is None:
             streams = self.initial_streams()
         streams = {k: v.to(self.device) for k, v in streams.items()}
@@ -179,9 +185,7 @@ class LockstepRunner:
                 t0 = time.perf_counter()
                 streams = self.run_layer(layer, streams)
                 self.store.write_findings([f.to_dict() for f in self.findings])
-                if self._should_save_streams(streams, layer, last_save):
-                    self.store.save_streams(layer, streams)
-                    last_save = time.perf_counter()
+                last_save = self._save_state(layer, streams, last_save)
                 self.progress({"event": "layer_done", "layer": layer, "layers": n_layers,
                                "seconds": time.perf_counter() - t0})
             if end_layer is None:
@@ -220,6 +224,13 @@ class LockstepRunner:
     STATE_SMALL_BYTES = 256 * 2**20
     STATE_EVERY_S = 60.0
 
+    def _save_state(self, layer: int, streams: dict[str, torch.Tensor], last_save: float) -> float:
+        """Save the resume state after this layer when it is due (_should_save_streams); when it was last saved."""
+        if not self._should_save_streams(streams, layer, last_save):
+            return last_save
+        self.store.save_streams(layer, streams)
+        return time.perf_counter()
+
     def _should_save_streams(self, streams: dict[str, torch.Tensor], layer: int, last_save: float) -> bool:
         """Resume state after this layer? Always when it is small (the demo's 28 MB); for large ones (Flash at
         27K tokens: fp32 reference + bf16 stacks ≈ 27K·4·4096·(4+2+2) B = 3.5 GB, seconds to write) at most once
@@ -229,27 +240,30 @@ class LockstepRunner:
         return (size <= self.STATE_SMALL_BYTES or layer == self.cfg.num_hidden_layers - 1
                 or time.perf_counter() - last_save >= self.STATE_EVERY_S)
 
-    def run_layer(self, layer: int, streams: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def run_layer(self, layer: int, streams: dict[str, torch.Tensor], weights: TensorBundle | None = None
+                  ) -> dict[str, torch.Tensor]:
+        """Every stack and mode over layer `layer`; its rows written. `weights`: the layer's, when the caller has
+        them (a benchmark that timed their making), else from the (prefetching) source."""
         spec, cfg = self.spec, self.cfg
-        weights = spec.source.layer(layer, self.device)
+        weights = weights if weights is not None else self.weights.layer(layer, self.device)
         dump = DumpSink(spec.dump_taps, spec.dump_positions) if spec.dump_taps else None
         record = RecordingSink(spec.n_total, self.sampled, dump)
         if dump:
             dump.prefix = "reference/"
+        dense = DenseCache.for_device(self.device, self.ranks_per_device)  # dequantized weights shared by the stacks
         self._enter(layer, "reference", "global")
         ref_in = streams["reference"]
-        ref_out = self.reference.run_layer(ReferenceLayer(cfg, layer, weights, spec.reference_dtype, spec.parity,
-                                                          self.device),
-                                           ref_in, self.ids, self.reference_segments, record)
+        ref_out = self._reference_layer(ReferenceLayer(cfg, layer, weights, spec.reference_dtype, spec.parity,
+                                                       self.device, dense), ref_in, record)
         ctx = CompareContext(cfg.layer_kind(layer), cfg.compress_ratio(layer), cfg.sliding_window,
                              torch.tensor(spec.turn_of_position), self.turn_start, spec.needle_spans)
         ref_answers = self.lens.read(self.reference.logits, ref_out) if self.lens else None
-        rows: list[dict] = []
+        rows: dict[tuple[str, str], list[dict]] = {}
         new_streams = {"reference": ref_out}
-        yard_layer = ReferenceLayer(cfg, layer, weights, torch.bfloat16, ParityOptions(), self.device) \
+        yard_layer = ReferenceLayer(cfg, layer, weights, torch.bfloat16, ParityOptions(), self.device, dense) \
             if spec.yardstick else None
         engine_layers: dict[str, OptimizedLayer] = {}
-        for name, mode in spec.stacks():
+        for name, mode in self.own_stacks():
             self._enter(layer, name, mode)
             acc = LayerAccumulator(self.plan)
             if dump:
@@ -260,11 +274,11 @@ class LockstepRunner:
                 out = self.yardstick.run_layer(yard_layer, x_in, self.ids, self.variant_segments, sink)
             else:
                 if mode == "forced":
-                    engine = OptimizedModel(spec.source, self._choices(name) + [PatchChoice(forcing_patch(record), {})],
-                                            self.device, spec.engine)
-                    block = engine.layer(layer, weights)
+                    engine = OptimizedModel(self.weights, self._choices(name) + [PatchChoice(forcing_patch(record), {})],
+                                            self.device, spec.engine, self.head)
+                    block = engine.layer(layer, weights, dense)
                 else:
-                    block = engine_layers.get(name) or self.engines[name].layer(layer, weights)
+                    block = engine_layers.get(name) or self.engines[name].layer(layer, weights, dense)
                     engine_layers[name] = block
                 out = self.engines[name].run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink)
             sink.finish()
@@ -274,11 +288,29 @@ class LockstepRunner:
                     acc.add(ANSWER_TAP, mv)
             if mode == "global":
                 new_streams[name] = out
-            rows += acc.rows(name, mode, layer)
-        self.store.write_layer(layer, rows)
-        if dump and dump.tensors:
-            self.store.write_dump(f"layer-{layer:03d}", dump.tensors)
+            rows[(name, mode)] = acc.rows(name, mode, layer)
+        self._write_layer(layer, rows, dump.tensors if dump else {})
         return new_streams
+
+    # The steps a sharded run (harness.run.distributed) does differently: which stacks this process runs, where
+    # the reference's taps come from, and who writes what the stacks measured.
+    ranks_per_device = 1
+    """Processes sharing this process's device (their caches split its memory)."""
+
+    def own_stacks(self) -> list[tuple[str, str]]:
+        """The (stack, mode) pairs this process runs: all of them."""
+        return self.spec.stacks()
+
+    def _reference_layer(self, block: ReferenceLayer, ref_in: torch.Tensor, record: RecordingSink) -> torch.Tensor:
+        """The reference over the layer, its taps recorded."""
+        return self.reference.run_layer(block, ref_in, self.ids, self.reference_segments, record)
+
+    def _write_layer(self, layer: int, rows: dict[tuple[str, str], list[dict]], dumped: dict[str, torch.Tensor]
+                     ) -> None:
+        """The layer's rows, in stack order, and its dumped tensors, to the store."""
+        self.store.write_layer(layer, [r for key in self.spec.stacks() if key in rows for r in rows[key]])
+        if dumped:
+            self.store.write_dump(f"layer-{layer:03d}", dumped)
 
     def _enter(self, layer: int, stack: str, mode: str) -> None:
         self.where = {"layer": layer, "stack": stack, "mode": mode}
@@ -294,8 +326,10 @@ class LockstepRunner:
         pos = torch.nonzero(sampled_positions(spec, spec.logits_sample_every)).flatten()
         ref_logits = self.reference.logits(streams["reference"][pos.to(self.device)])
         ref_answers = self.lens.read(self.reference.logits, streams["reference"]) if self.lens else None
-        rows: list[dict] = []
+        rows: dict[tuple[str, str], list[dict]] = {}
         for name in ([YARDSTICK] if spec.yardstick else []) + [v.name for v in spec.variants]:
+            if (name, "global") not in self.own_stacks():
+                continue
             model = self.yardstick if name == YARDSTICK else self.engines[name]
             logits = model.logits(streams[name][pos.to(self.device)]).float()
             acc = LayerAccumulator(self.plan)
@@ -308,6 +342,6 @@ class LockstepRunner:
                 bad = int(pos[torch.nonzero(~torch.isfinite(logits).all(-1)).flatten()[0]])
                 self.findings.append(Finding(name, "global", self.cfg.num_hidden_layers, "logits", "logits",
                                              "decode" if bad >= spec.n_prompt else "prefill", bad))
-            rows += acc.rows(name, "global", self.cfg.num_hidden_layers)
-        self.store.write_layer(self.cfg.num_hidden_layers, rows)
+            rows[(name, "global")] = acc.rows(name, "global", self.cfg.num_hidden_layers)
+        self._write_layer(self.cfg.num_hidden_layers, rows, {})
         self.store.write_findings([f.to_dict() for f in self.findings])

@@ -15,7 +15,7 @@ from harness.run.environment import environment_record
 from harness.errors import UsageError
 from harness.run.greedy import greedy_decode_ids
 from harness.run.runner import RunSpec, VariantSpec
-from harness.scenario import Scenario
+from harness.scenario import Scenario, parse_scenario
 from harness.scenario.prompt import PromptPlan, resolve_prompt
 from optimized.patching import PatchChoice, PatchError, PatchRegistry, shadowed_patches
 from optimized.registry import default_registry
@@ -124,6 +124,23 @@ def build_run_spec(scenario: Scenario, overrides: Overrides, decode_ids: list[in
         dump_taps=scenario.probes.dump.tap_names(), dump_positions=list(scenario.probes.dump.positions),
         device=device)
     return spec, plan
+
+
+def scenario_from_manifest(manifest: dict[str, Any]) -> Scenario:
+    """The scenario a run was started from, parsed again from the text its manifest keeps."""
+    sc = manifest["scenario"]
+    return parse_scenario(sc["text"], sc["file"], Path(sc["file"]).parent if sc["file"] != "<string>" else None)
+
+
+def spec_from_manifest(manifest: dict[str, Any], device: str | None = None) -> RunSpec:
+    """The RunSpec of an existing run, rebuilt from its manifest (scenario text, overrides, decode ids): for
+    `run --resume`, and for every rank of a sharded run. `device` replaces the recorded one."""
+    scenario = scenario_from_manifest(manifest)
+    ov = manifest["overrides"]
+    overrides = Overrides(device or ov["device"], ov["patches"], tuple(ov["patch_modules"]), ov.get("local"),
+                          ov.get("threads"))
+    spec, _ = build_run_spec(scenario, overrides, decode_ids=manifest["prompt"]["decode_ids"])
+    return spec
 
 
 def manifest_for(scenario: Scenario, scenario_text: str, overrides: Overrides, spec: RunSpec,

@@ -23,6 +23,7 @@ from optimized.base_ops import swiglu_fp32
 from optimized.numerics import bf16
 from optimized.ops import OpContext, Routing
 from optimized.patching import Patch
+from reference.ops.moe import expert_groups
 from reference.quant import FP4_MAX, QuantizedTensor, blockwise_amax_last, expand_blocks_last, round_to_e2m1, \
     round_to_e4m3
 
@@ -74,11 +75,12 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
             quantized_input[stored_scale] = act(y, stored_scale)
         return quantized_input[stored_scale][tok]
 
-    per_slot = torch.zeros(*routing.expert_ids.shape, y.shape[-1], dtype=torch.float32, device=y.device)
-    for e in torch.unique(routing.expert_ids).tolist():
-        tok, slot = torch.nonzero(routing.expert_ids == e, as_tuple=True)
+    S, k = routing.expert_ids.shape
+    per_slot = torch.empty(S * k, y.shape[-1], dtype=torch.float32, device=y.device)  # every pair is written once
+    weights = routing.weights.flatten()
+    for e, tok, pairs in expert_groups(routing.expert_ids):
         (w1, s1), (w3, s3), (w2, s2) = (_nvfp4_weight(ctx, f"ffn.experts.{e}.{p}.weight") for p in ("w1", "w3", "w2"))
         h = swiglu_fp32(bf16(act_input(s1, tok) @ w1.T), bf16(act_input(s3, tok) @ w3.T), ctx.cfg.swiglu_limit)
-        h = bf16(h * routing.weights[tok, slot, None])
-        per_slot[tok, slot] = bf16(act(h, s2) @ w2.T)
-    return per_slot.sum(1)
+        h = bf16(h * weights[pairs, None])
+        per_slot[pairs] = bf16(act(h, s2) @ w2.T)
+    return per_slot.view(S, k, -1).sum(1)

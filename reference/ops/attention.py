@@ -26,16 +26,18 @@ def kv_path(x: torch.Tensor, wkv: torch.Tensor, kv_norm: torch.Tensor, cos: torc
     return apply_rope(rms_norm(x @ wkv.T, kv_norm, eps), cos, sin)
 
 
-def window_band(kv_history: torch.Tensor, history_start: int, positions: torch.Tensor, window: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def window_band(kv_history: torch.Tensor, history_start: int, positions: torch.Tensor, window: int,
+                first_last: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The windows W_t = positions max(0, t−W+1) … t (§4.4) of a block of consecutive queries, as one band.
 
     kv_history [N, d] holds positions history_start … history_start+N−1. Returns the rows every query of
     the block may see ([Nw, d], shared: no per-query copies), their positions [Nw], and which query sees
-    which row [B, Nw] (key position in [t−W+1, t]).
+    which row [B, Nw] (key position in [t−W+1, t]). `first_last`, the block's first and last position when the
+    caller knows them, spares reading them back from the device.
     """
-    lo = max(history_start, int(positions[0]) - window + 1)
-    hi = int(positions[-1]) + 1
+    first, last = first_last if first_last is not None else (int(positions[0]), int(positions[-1]))
+    lo = max(history_start, first - window + 1)
+    hi = last + 1
     key_pos = torch.arange(lo, hi, device=positions.device)
     offset = positions[:, None] - key_pos[None, :]
     valid = (offset >= 0) & (offset < window)

@@ -48,18 +48,35 @@ def swiglu_expert(y: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch
     return (F.silu(g) * u) @ w2.T
 
 
+def expert_groups(expert_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, tokens, pairs) for every expert some token picked: the tokens in ascending order and their flat
+    (token·k + slot) pair indices — what `torch.nonzero(expert_ids == e)` gives per expert, from one stable sort of
+    the pairs by expert and one host read (the per-expert counts) instead of a search and a read per expert."""
+    flat = expert_ids.flatten()
+    order = torch.argsort(flat, stable=True)  # by expert; within an expert, pairs (hence tokens) in ascending order
+    counts = torch.bincount(flat).tolist()
+    tokens = order // expert_ids.shape[-1]
+    groups, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            groups.append((e, tokens[start : start + n], order[start : start + n]))
+            start += n
+    return groups
+
+
 def moe_forward(y: torch.Tensor, routing: Routing,
                 expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                 shared_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, limit: float) -> torch.Tensor:
     """Σ_{e∈ids} w_e·expert_e(y) + shared(y). Tokens are grouped per expert; expert weights are
     materialised one expert at a time (`expert_weights(e)` -> (w1, w3, w2)) so only one is resident.
     Each (token, slot) result lands in its own row of a [S, k, D] buffer, summed over slots in slot order."""
-    per_slot = torch.zeros(*routing.expert_ids.shape, y.shape[-1], dtype=y.dtype, device=y.device)
-    for e in torch.unique(routing.expert_ids).tolist():
-        token_idx, slot = torch.nonzero(routing.expert_ids == e, as_tuple=True)
+    S, k = routing.expert_ids.shape
+    per_slot = torch.empty(S * k, y.shape[-1], dtype=y.dtype, device=y.device)  # every pair is written once
+    weights = routing.weights.flatten()
+    for e, tokens, pairs in expert_groups(routing.expert_ids):
         w1, w3, w2 = expert_weights(e)
-        per_slot[token_idx, slot] = swiglu_expert(y[token_idx], w1, w3, w2, limit) * routing.weights[token_idx, slot, None]
-    out = per_slot.sum(1)
+        per_slot[pairs] = swiglu_expert(y[tokens], w1, w3, w2, limit) * weights[pairs, None]
+    out = per_slot.view(S, k, -1).sum(1)
     if shared_weights is not None:
         out = out + swiglu_expert(y, *shared_weights, limit)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -13,6 +14,8 @@ from harness.attribution.plan import attribution_variants
 from harness.cli.paths import new_output_dir
 from harness.cli.threads import add_threads_argument, torch_threads
 from harness.errors import UsageError
+from harness.run.distributed import run_sharded
+from harness.run.memory import check_fits
 from harness.run.setup import Overrides, build_run_spec, default_out_dir, manifest_for, shadowing_warnings
 from harness.run.runner import RunSpec
 from harness.scenario import find_scenario, load_scenario
@@ -37,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run every pair of patches in a second pass: when needed (auto), always, or never")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cpu)")
     add_threads_argument(p)
+    p.add_argument("--devices", type=int, metavar="N",
+                   help="shard the variants over N processes through torch.distributed (as `run --devices`)")
     p.add_argument("--out", type=Path, metavar="RUN_DIR", help="run directory (default: reports/<scenario>-<UTC time>)")
     p.add_argument("--no-report", action="store_true", help="do not write report.html")
     p.set_defaults(func=run)
@@ -52,8 +57,9 @@ def patches_of(spec: RunSpec) -> list:
 
 
 def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, ...], policy: str | None,
-              device: str | None, out: Path | None, interactions: str = "auto", progress=None):
-    """Programmatic entry (selftest and tests use it): returns (Attribution, run directory)."""
+              device: str | None, out: Path | None, interactions: str = "auto", progress=None, devices: int = 1):
+    """Programmatic entry (selftest and tests use it): returns (Attribution, run directory). `devices` > 1 shards
+    each pass over that many processes."""
     from harness.run.runner import VariantSpec
 
     path = find_scenario(scenario_ref)
@@ -72,7 +78,13 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
             console(stderr=True).print(f"[yellow]warning[/]: {warning}", soft_wrap=True)
         spec.variants = [VariantSpec("patches", choices)]
         manifest = manifest_for(scenario, path.read_text(), overrides, spec, plan)
-    result = run_attribution(spec, store, manifest, policy, progress, interactions)
+        check_fits(RunSpec(**{**spec.__dict__, "variants": attribution_variants(choices), "local": True}), devices)
+    if devices > 1:
+        threads = torch.get_num_threads()
+        result = run_attribution(spec, store, manifest, policy, progress, interactions,
+                                 lambda s, st, _: run_sharded(devices, s, st, threads))
+    else:
+        result = run_attribution(spec, store, manifest, policy, progress, interactions)
     return result, store.dir
 
 
@@ -89,8 +101,10 @@ def run(args: argparse.Namespace) -> int:
                 bar.update(task, description=f"layer {event['layer'] + 1} · {event['stack']} · {event['mode']}")
                 bar.advance(task)
 
+        if args.devices is not None and args.devices < 1:
+            raise UsageError(f"--devices {args.devices}: give at least 1")
         result, run_dir = attribute(args.scenario, args.patches, tuple(args.patch_module), args.policy, args.device,
-                                    args.out, args.interactions, progress)
+                                    args.out, args.interactions, progress, args.devices or 1)
     table = Table(title="attribution: first divergence beyond the gate")
     for col in ("patch", "phase", "first layer", "metric", "value", "bound"):
         table.add_column(col)

@@ -8,15 +8,20 @@ import resource
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from harness.errors import UsageError
-from harness.run.setup import Overrides, build_run_spec, default_out_dir, manifest_for, prompt_digest, shadowing_warnings
+from harness.run.distributed import Group, RunRecipe, from_environment, run_share, run_sharded
+from harness.run.memory import check_fits
+from harness.run.setup import (Overrides, build_run_spec, default_out_dir, manifest_for, prompt_digest,
+                               shadowing_warnings, spec_from_manifest)
 from harness.run.runner import LockstepRunner, RunSpec
-from harness.scenario import find_scenario, load_scenario, parse_scenario
+from harness.scenario import find_scenario, load_scenario
 from harness.run.store import RunStore
 from harness.cli.paths import new_output_dir
 from harness.cli.summary import summary_table
@@ -50,6 +55,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="complete an interrupted or failed run with identical numbers (its scenario, options and "
                         "thread count come from its manifest)")
     add_threads_argument(p)
+    p.add_argument("--devices", type=int, metavar="N",
+                   help="shard the stacks over N processes through torch.distributed: NCCL with --device cuda (one "
+                        "GPU each; ranks share GPUs when there are fewer), gloo on the CPU; the reference runs once "
+                        "per layer and rank 0 writes the run directory, which equals a one-process run's. Under "
+                        "torchrun, its WORLD_SIZE ranks instead (give --out)")
     p.add_argument("--no-gate", action="store_true",
                    help="do not gate the run (no gate.json; the report is then not gated and not coloured)")
     p.add_argument("--keep-state", action="store_true",
@@ -63,29 +73,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = console(stderr=True)
-    if args.resume:
-        if args.scenario or args.patches or args.patch_module or args.local is not None:
-            raise UsageError("--resume takes the scenario and options from the run's manifest; give nothing else")
-        store = RunStore(args.resume)
-        try:
-            manifest = store.read_manifest()
-        except FileNotFoundError as e:
-            raise UsageError(str(e)) from None
-        if manifest.get("status") == "complete":
-            raise UsageError(f"--resume {args.resume}: the run is complete; there is nothing to resume")
-        threads = args.threads or manifest["overrides"].get("threads") or manifest["environment"].get("torch_threads")
-    else:
-        threads = args.threads
+    if args.devices is not None and args.devices < 1:
+        raise UsageError(f"--devices {args.devices}: give at least 1")
+    group = from_environment(args.device or "cpu")  # under torchrun: this process's rank
+    if group is not None and group.rank != 0:
+        return _follow(group)
+    if group is not None and not (args.out or args.resume):
+        _lead(group, None)
+        raise UsageError("under torchrun, give --out RUN_DIR (every rank needs the same run directory)")
+    try:
+        threads, store, manifest = _resume_inputs(args) if args.resume else (args.threads, None, None)
+    except BaseException:
+        if group is not None:
+            _lead(group, None)
+        raise
     with torch_threads(threads) as note:
-        if args.resume:
-            spec, store, start, streams = _resume(store, manifest, args)
-        else:
-            spec, store = _start(args, torch.get_num_threads())
-            start, streams = 0, None
+        try:
+            if args.resume:
+                spec, store, start, streams = _resume(store, manifest, args)
+            else:
+                spec, store = _start(args, torch.get_num_threads())
+                start, streams = 0, None
+        except BaseException:
+            if group is not None:  # the other ranks wait for the run: tell them there is none
+                _lead(group, None)
+            raise
         if note:  # once, when the inputs are known to be good and the layers start
             out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
+        threads_now = torch.get_num_threads()
+        execute = None
+        if group is not None:
+            recipe = _lead(group, RunRecipe.of(spec, store.dir, threads_now, start))
+            execute = lambda: run_share(group, recipe)  # noqa: E731
+        elif (args.devices or 1) > 1:
+            execute = lambda: run_sharded(args.devices, spec, store, threads_now, start)  # noqa: E731
         try:
-            segments, seconds, peaks = _run_layers(spec, store, start, streams, out)
+            segments, seconds, peaks = _run_layers(spec, store, start, streams, out, execute)
         except PluginOpError as e:
             raise PluginOpError(f"{e} — {store.dir} is marked failed and keeps the layers it finished; fix the "
                                 f"patch and continue with `dsv4-drift run --resume {store.dir}`") from e
@@ -112,6 +135,21 @@ def run(args: argparse.Namespace) -> int:
     return exit_code
 
 
+def _resume_inputs(args: argparse.Namespace) -> tuple[int | None, RunStore, dict]:
+    """For --resume: the thread count (asked for, else the run's own), the run's store and its manifest."""
+    if args.scenario or args.patches or args.patch_module or args.local is not None:
+        raise UsageError("--resume takes the scenario and options from the run's manifest; give nothing else")
+    store = RunStore(args.resume)
+    try:
+        manifest = store.read_manifest()
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    if manifest.get("status") == "complete":
+        raise UsageError(f"--resume {args.resume}: the run is complete; there is nothing to resume")
+    threads = args.threads or manifest["overrides"].get("threads") or manifest["environment"].get("torch_threads")
+    return threads, store, manifest
+
+
 def _start(args: argparse.Namespace, threads: int) -> tuple[RunSpec, RunStore]:
     """A new run: the scenario and overrides resolved, the run directory created (and proven writable before the
     prompt is built, as that may already compute: a greedy decode)."""
@@ -126,7 +164,9 @@ def _start(args: argparse.Namespace, threads: int) -> tuple[RunSpec, RunStore]:
         spec, plan = build_run_spec(scenario, overrides)
         for warning in shadowing_warnings(spec.variants):
             out.print(f"[yellow]warning[/]: {warning}", soft_wrap=True)
-        store.create(manifest_for(scenario, path.read_text(), overrides, spec, plan))
+        estimate = check_fits(spec, args.devices or 1)  # refused here, with the numbers, if it would not fit
+        store.create({**manifest_for(scenario, path.read_text(), overrides, spec, plan),
+                      "memory_estimate": estimate.to_dict()})
     out.print(f"[bold]{scenario.name}[/]: {spec.n_prompt} prompt + {len(spec.decode_ids)} decode tokens, "
               f"{spec.source.config.num_hidden_layers} layers, variants "
               f"{', '.join(v.name for v in spec.variants)}, {threads} thread(s) → {store.dir}")
@@ -136,12 +176,7 @@ def _start(args: argparse.Namespace, threads: int) -> tuple[RunSpec, RunStore]:
 def _resume(store: RunStore, manifest: dict, args: argparse.Namespace
             ) -> tuple[RunSpec, RunStore, int, dict[str, torch.Tensor] | None]:
     """An interrupted or failed run, rebuilt from its manifest, from the layer after its saved state."""
-    sc = manifest["scenario"]
-    scenario = parse_scenario(sc["text"], sc["file"], Path(sc["file"]).parent if sc["file"] != "<string>" else None)
-    ov = manifest["overrides"]
-    overrides = Overrides(args.device or ov["device"], ov["patches"], tuple(ov["patch_modules"]), ov.get("local"),
-                          ov.get("threads"))
-    spec, _ = build_run_spec(scenario, overrides, decode_ids=manifest["prompt"]["decode_ids"])
+    spec = spec_from_manifest(manifest, args.device)
     if prompt_digest(spec.prompt_ids) != manifest["prompt"]["digest"]:
         raise UsageError(f"--resume {store.dir}: the scenario now resolves to a different prompt; cannot resume")
     start, streams = 0, None
@@ -158,9 +193,10 @@ def _resume(store: RunStore, manifest: dict, args: argparse.Namespace
 
 
 def _run_layers(spec: RunSpec, store: RunStore, start: int, streams: dict[str, torch.Tensor] | None,
-                out: Console) -> tuple[list[dict], float, dict[str, float]]:
-    """The lockstep pass with a progress bar (one line per layer in logs); each segment's time and peak memory go
-    into the manifest. Returns the segments, this segment's seconds and its peaks."""
+                out: Console, sharded: Callable[[], None] | None = None) -> tuple[list[dict], float, dict[str, float]]:
+    """The lockstep pass with a progress bar (one line per layer in logs), or `sharded`, a sharded run whose rank 0
+    prints a line per layer; each segment's time and peak memory (this process's: a sharded run's ranks keep
+    their own) go into the manifest. Returns the segments, this segment's seconds and its peaks."""
     n_layers = spec.source.config.num_hidden_layers
     stacks = 1 + len(spec.stacks())
     if spec.device.startswith("cuda"):
@@ -169,6 +205,24 @@ def _run_layers(spec: RunSpec, store: RunStore, start: int, streams: dict[str, t
     segments = store.read_manifest().get("segments", [])
     segments.append({"start_layer": start, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                      "seconds": 0.0, "device": spec.device, "threads": torch.get_num_threads()})
+    if sharded is not None:
+        sharded()
+    else:
+        _run_with_bar(spec, store, start, streams, out, segments, t0, stacks, n_layers)
+    seconds = time.perf_counter() - t0
+    peaks = {"peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+    if spec.device.startswith("cuda"):
+        peaks["peak_device_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    segments[-1].update(seconds=round(seconds, 2), **peaks)
+    # wall_seconds: every segment of a resumed run (the layers a kill interrupted mid-way are not counted)
+    store.update_manifest(segments=segments, wall_seconds=round(sum(s["seconds"] for s in segments), 2),
+                          **_max_peaks(segments))
+    return segments, seconds, peaks
+
+
+def _run_with_bar(spec: RunSpec, store: RunStore, start: int, streams: dict[str, torch.Tensor] | None, out: Console,
+                  segments: list[dict], t0: float, stacks: int, n_layers: int) -> None:
+    """The one-process lockstep with a live bar; after every layer its segment's seconds go into the manifest."""
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=out, transient=True) as bar:
         task = bar.add_task("starting", total=(n_layers - start) * stacks)
@@ -189,15 +243,23 @@ def _run_layers(spec: RunSpec, store: RunStore, start: int, streams: dict[str, t
                               f"({time.perf_counter() - t0:.0f} s elapsed)")
 
         LockstepRunner(spec, store, progress).run(start, streams)
-    seconds = time.perf_counter() - t0
-    peaks = {"peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
-    if spec.device.startswith("cuda"):
-        peaks["peak_device_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    segments[-1].update(seconds=round(seconds, 2), **peaks)
-    # wall_seconds: every segment of a resumed run (the layers a kill interrupted mid-way are not counted)
-    store.update_manifest(segments=segments, wall_seconds=round(sum(s["seconds"] for s in segments), 2),
-                          **_max_peaks(segments))
-    return segments, seconds, peaks
+
+
+def _lead(group: Group, recipe: RunRecipe | None) -> RunRecipe | None:
+    """Rank 0 under torchrun: send every rank the run to share (None: the run does not start)."""
+    sent = [recipe]
+    dist.broadcast_object_list(sent, src=0)
+    return recipe
+
+
+def _follow(group: Group) -> int:
+    """Rank > 0 under torchrun: run its share of what rank 0 sends (rank 0 reports; 2 when it never starts)."""
+    received: list[RunRecipe | None] = [None]
+    dist.broadcast_object_list(received, src=0)
+    if received[0] is None:
+        return 2
+    run_share(group, received[0])
+    return 0
 
 
 def _gate(store: RunStore, out: Console):

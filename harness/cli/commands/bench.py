@@ -1,0 +1,109 @@
+"""`dsv4-drift bench`: where a run's time goes, per layer, on this machine (issue #14; DESIGN §8)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from rich.table import Table
+
+from harness.cli.console import console
+from harness.cli.paths import writable_file
+from harness.cli.threads import add_threads_argument, torch_threads
+from harness.errors import UsageError
+from harness.run.benchmark import STACKS, BenchResult, run_bench
+from harness.run.environment import environment_record
+from harness.run.setup import check_device
+from reference.config import PRESETS, get_preset
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", help="per-layer time of weights, each stack and mode, probes and store; tokens/s, peak memory, FLOP/s",
+        description="Runs the chosen layers of a synthetic-weights run of the given shape: each layer's weights, "
+                    "each stack alone (reference, yardstick, base, all), then the layer through the lockstep runner "
+                    "with every probe (reference, then yardstick, base and all, global and local) and the store. "
+                    "Prints a table and, with --json, writes every number with the device, threads and versions. "
+                    "The reference's achieved FLOP/s is set against the device's fp32 matmul rate, measured first.")
+    p.add_argument("--model", default="flash-mini", choices=sorted(PRESETS), metavar="PRESET",
+                   help="model preset (default flash-mini; flash is the full width)")
+    p.add_argument("--tokens", type=int, default=8192, metavar="N", help="prompt tokens (default 8192)")
+    p.add_argument("--decode", type=int, default=8, metavar="N", help="teacher-forced decode steps (default 8)")
+    p.add_argument("--chunk-size", type=int, default=8192, metavar="N", help="engine prefill chunk (default 8192)")
+    p.add_argument("--layers", default="0-3", metavar="LIST",
+                   help="layers to measure: comma list and ranges, e.g. 0-3 or 2,3 (default 0-3: SWA, CSA and HCA)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cpu)")
+    add_threads_argument(p)
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers as JSON")
+    p.set_defaults(func=run)
+
+
+def parse_layers(text: str, n_layers: int) -> list[int]:
+    """'0-3,7' → [0, 1, 2, 3, 7]; a layer outside the model is a usage error naming the flag."""
+    layers: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            layers += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise UsageError(f"--layers {text!r}: expected a comma list of layers and ranges, e.g. 0-3 or 2,5") from None
+    bad = [x for x in layers if not 0 <= x < n_layers]
+    if bad or not layers:
+        raise UsageError(f"--layers {text!r}: layers run from 0 to {n_layers - 1}")
+    return layers
+
+
+def run(args: argparse.Namespace) -> int:
+    out = console(stderr=True)
+    cfg = get_preset(args.model)
+    layers = parse_layers(args.layers, cfg.num_hidden_layers)
+    if args.tokens < 1 or args.decode < 0 or args.chunk_size < 1:
+        raise UsageError("--tokens and --chunk-size must be positive and --decode not negative")
+    device = check_device(args.device)
+    if args.json:
+        writable_file(args.json, "--json")
+    with torch_threads(args.threads) as note:
+        if note:
+            out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
+        out.print(f"[bold]bench[/]: {cfg.name}, {args.tokens} prompt + {args.decode} decode tokens, chunk "
+                  f"{args.chunk_size}, layers {layers}, {device}, {torch.get_num_threads()} thread(s)")
+        result = run_bench(cfg, args.tokens, args.decode, layers, device, args.chunk_size, out.print)
+    console().print(bench_table(result))
+    record = {**result.to_dict(cfg), "environment": environment_record(device)}
+    projected = record["projected_run_s"]
+    if projected is not None:
+        console().print(f"projected run of all {cfg.num_hidden_layers} layers: {projected:.0f} s "
+                        "(mean measured layer per layer kind; weights overlapped)")
+    predicted = result.predicted["device_gib" if device.startswith("cuda") else "host_gib"]
+    measured = max((lb.peak_device_gib or 0.0) for lb in result.layers) if device.startswith("cuda") \
+        else result.peak_host_gib
+    terms = result.predicted["device_terms_gib" if device.startswith("cuda") else "host_terms_gib"]
+    console().print(f"peak memory: {measured:.1f} GiB measured, {predicted:.1f} GiB predicted (harness.run.memory: "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in terms.items()) + ")")
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+        out.print(f"wrote {args.json}")
+    return 0
+
+
+def bench_table(result: BenchResult) -> Table:
+    """One row per layer, seconds: weights, each stack alone (no probes), each stack and mode in the lockstep with
+    its probes, what the probes add, the store; then tokens/s, peak device memory and the reference's achieved
+    share of the measured fp32 peak."""
+    modes = [("reference", "global")] + [(s, m) for s in ("yardstick", "base", "all") for m in ("global", "local")]
+    short = {"reference": "ref", "yardstick": "yard", "base": "base", "all": "all"}
+    table = Table(title=f"{result.model}: {result.tokens}+{result.decode} tokens on {result.device_name} "
+                        f"({result.threads} thread(s)); seconds per layer; 'g'/'l' = global/local in the lockstep")
+    for col in ["layer", "kind", "weights", *(f"{short[s]} alone" for s in STACKS),
+                *(short[s] + (" g" if m == "global" else " l") for s, m in modes), "probes", "store", "total",
+                "tok/s", "peak GiB", "ref/fp32 peak"]:
+        table.add_column(col, justify="right", overflow="fold")
+    for lb in result.layers:
+        share = lb.reference_flop / lb.alone_s["reference"] / result.fp32_peak_flops
+        table.add_row(str(lb.layer), lb.kind, f"{lb.weights_s:.2f}", *(f"{lb.alone_s[s]:.2f}" for s in STACKS),
+                      *(f"{lb.runner_s.get(f'{s}/{m}', 0.0):.2f}" for s, m in modes), f"{lb.probes_s:.2f}",
+                      f"{lb.store_s:.2f}", f"{lb.run_s:.2f}", f"{(result.tokens + result.decode) / lb.run_s:,.0f}",
+                      "—" if lb.peak_device_gib is None else f"{lb.peak_device_gib:.1f}", f"{100 * share:.0f}%")
+    return table

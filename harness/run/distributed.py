@@ -1,0 +1,343 @@
+"""A run sharded over several processes through torch.distributed (issue #14): NCCL on GPUs, gloo on CPUs.
+
+The layer-major lockstep splits cleanly by stack. At every layer:
+
+1. rank 0 produces the reference's pass (its output streams and every recorded tap) and broadcasts it: the
+   reference runs once per layer, whatever the number of ranks;
+2. each rank runs its share of the (stack, mode) pairs against those taps — pair i of `RunSpec.stacks()` runs on
+   rank i mod N, so a stack's global mode, which carries its own streams from layer to layer, always runs on the
+   same rank, and any number of ranks works;
+3. the rows, the new NaN/Inf findings and the dumped tensors are gathered to rank 0, which writes the layer in the
+   order a single process writes it; the findings reach every rank (a stack's logits check reads them).
+
+The run directory is rank 0's alone, written as a one-process run writes it, so `--resume` works the same and a
+sharded run's metrics.parquet equals a one-process run's (each stack computes on the same inputs in the same
+order). The final logits are compared by the rank that holds each stack's streams. The resume state gathers every
+stack's streams to rank 0 when it is due.
+
+`launch` starts the ranks as local processes (`dsv4-drift run --devices N`); under `torchrun`, `from_environment`
+joins the group torchrun describes. A rank that dies stops the others (`launch` ends them) and the run fails with a
+message naming it; the layers written so far stay valid.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from harness.run.probes import Finding, RecordingSink
+from harness.run.runner import LockstepRunner, RunSpec, VariantSpec
+from harness.run.setup import load_registry, scenario_from_manifest, spec_from_manifest
+from harness.run.store import RunStore
+from reference.layer import ReferenceLayer
+
+ALIGN = 8
+"""Tensors travel as bytes in one buffer per broadcast, each starting at a multiple of 8 bytes (the largest element
+size sent), so every one can be viewed back in its own dtype."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """This process's place in the run: rank, number of ranks, its device, and how many ranks share that device."""
+
+    rank: int
+    world: int
+    device: str
+    ranks_per_device: int = 1
+
+    def broadcast_tensors(self, tree: Any, src: int) -> Any:
+        """A nested structure of dicts (and lists) with tensor leaves, from rank `src` to every rank, on each rank's
+        device: its layout as one object, its tensors as one byte buffer."""
+        leaves: list[torch.Tensor] = []
+        layout = [_layout(tree, leaves) if self.rank == src else None]
+        dist.broadcast_object_list(layout, src)
+        shapes = _leaf_shapes(layout[0])
+        sizes = [_padded(_nbytes(shape, dtype)) for shape, dtype in shapes]
+        if self.rank == src:
+            buffer = torch.cat([_as_bytes(t, size) for t, size in zip(leaves, sizes)]) if leaves else \
+                torch.zeros(0, dtype=torch.uint8, device=self.device)
+        else:
+            buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+        dist.broadcast(buffer, src)
+        parts = iter(buffer.split(sizes))
+        restored = [_from_bytes(next(parts), shape, dtype) for shape, dtype in shapes]
+        return _build(layout[0], iter(restored))
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def _layout(tree: Any, leaves: list[torch.Tensor]) -> Any:
+    """The structure with each tensor replaced by ('tensor', shape, dtype), the tensors appended to `leaves`."""
+    if isinstance(tree, torch.Tensor):
+        leaves.append(tree)
+        return ("tensor", tuple(tree.shape), tree.dtype)
+    if isinstance(tree, dict):
+        return {k: _layout(v, leaves) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_layout(v, leaves) for v in tree]
+    return tree
+
+
+def _leaf_shapes(layout: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    if isinstance(layout, tuple) and layout and layout[0] == "tensor":
+        return [(layout[1], layout[2])]
+    if isinstance(layout, dict):
+        return [s for v in layout.values() for s in _leaf_shapes(v)]
+    if isinstance(layout, list):
+        return [s for v in layout for s in _leaf_shapes(v)]
+    return []
+
+
+def _build(layout: Any, tensors: Any) -> Any:
+    if isinstance(layout, tuple) and layout and layout[0] == "tensor":
+        return next(tensors)
+    if isinstance(layout, dict):
+        return {k: _build(v, tensors) for k, v in layout.items()}
+    if isinstance(layout, list):
+        return [_build(v, tensors) for v in layout]
+    return layout
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty(0, dtype=dtype).element_size()
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _as_bytes(t: torch.Tensor, size: int) -> torch.Tensor:
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return torch.cat([flat, flat.new_zeros(size - flat.numel())]) if size > flat.numel() else flat
+
+
+def _from_bytes(raw: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return raw[: _nbytes(shape, dtype)].view(dtype).reshape(shape).clone()
+
+
+class ShardedRunner(LockstepRunner):
+    """The lockstep runner as one rank of a sharded run (the module docstring says who does what)."""
+
+    def __init__(self, spec: RunSpec, store: RunStore, group: Group, progress: Callable | None = None) -> None:
+        super().__init__(spec, store, progress if group.rank == 0 else None)
+        self.group = group
+        self.ranks_per_device = group.ranks_per_device
+
+    def own_stacks(self) -> list[tuple[str, str]]:
+        return [pair for i, pair in enumerate(self.spec.stacks()) if i % self.group.world == self.group.rank]
+
+    def _reference_layer(self, block: ReferenceLayer, ref_in: torch.Tensor, record: RecordingSink) -> torch.Tensor:
+        """Rank 0 runs the reference; every rank receives its output and its recorded taps."""
+        tree = None
+        if self.group.rank == 0:
+            out = super()._reference_layer(block, ref_in, record)
+            tree = {"out": out, "dense": record.dense, "rows": record.rows, "samples": record.samples}
+        tree = self.group.broadcast_tensors(tree, src=0)
+        if self.group.rank != 0:
+            record.dense.update(tree["dense"])
+            record.rows.update(tree["rows"])
+            for tap, entries in tree["samples"].items():
+                record.samples.setdefault(tap, {}).update(entries)
+        return tree["out"]
+
+    def _write_layer(self, layer: int, rows: dict[tuple[str, str], list[dict]], dumped: dict[str, torch.Tensor]
+                     ) -> None:
+        """Rows and dumps gathered to rank 0, which writes them; this layer's findings reach every rank, in stack
+        order (a one-process run finds them in that order)."""
+        mine = [f for f in self.findings if f.layer == layer]
+        gathered = self.group.all_gather_objects(
+            (rows, [f.to_dict() for f in mine], {k: v.cpu() for k, v in dumped.items()} if self.group.rank else {}))
+        order = {pair: i for i, pair in enumerate(self.spec.stacks())}
+        found = [Finding(**f) for _, fs, _ in gathered for f in fs]
+        found.sort(key=lambda f: order.get((f.variant, f.mode), len(order)))
+        self.findings[:] = [f for f in self.findings if f.layer != layer] + found
+        if self.group.rank == 0:
+            all_rows = {k: v for r, _, _ in gathered for k, v in r.items()}
+            all_dumped = {**dumped, **{k: v for _, _, d in gathered for k, v in d.items()}}
+            super()._write_layer(layer, all_rows, all_dumped)
+
+    def _save_state(self, layer: int, streams: dict[str, torch.Tensor], last_save: float) -> float:
+        """Rank 0 decides whether the state is due; if so every rank sends it the global streams it holds."""
+        due = [self.group.rank == 0 and self._should_save_streams(streams, layer, last_save)]
+        dist.broadcast_object_list(due, src=0)
+        if not due[0]:
+            return last_save
+        gathered = dict(streams)
+        for src in range(1, self.group.world):
+            mine = {k: v for k, v in streams.items() if k != "reference"} if self.group.rank == src else None
+            received = self.group.broadcast_tensors(mine, src)
+            if self.group.rank == 0:
+                gathered.update(received)
+        if self.group.rank != 0:
+            return last_save
+        self.store.save_streams(layer, gathered)
+        return time.perf_counter()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(device: str, rank: int) -> tuple[str, int]:
+    """The device rank `rank` runs on, and how many ranks share it: CUDA ranks spread over the visible GPUs
+    (cuda:rank mod count; two ranks share one GPU when there is one); CPU ranks share the CPU."""
+    if not device.startswith("cuda"):
+        return "cpu", 0
+    count = torch.cuda.device_count()
+    return f"cuda:{rank % count}", count
+
+
+def join_group(rank: int, world: int, device: str) -> Group:
+    """Initialise torch.distributed for this rank (MASTER_ADDR/MASTER_PORT in the environment): NCCL when each rank
+    has a GPU of its own, gloo on the CPU and when ranks share a GPU (NCCL refuses two ranks on one device:
+    "Duplicate GPU detected", seen on an H200)."""
+    own, count = rank_device(device, rank)
+    sharing = -(-world // count) if count else 1
+    if own.startswith("cuda"):
+        torch.cuda.set_device(own)
+    nccl = own.startswith("cuda") and sharing == 1
+    dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world,
+                            device_id=torch.device(own) if nccl else None)
+    return Group(rank, world, own, sharing)
+
+
+def from_environment(device: str) -> Group | None:
+    """The group torchrun describes (WORLD_SIZE > 1, RANK), joined; None outside torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    return join_group(int(os.environ["RANK"]), world, device)
+
+
+class RankFailed(RuntimeError):
+    """A rank of a sharded run stopped with an error (the message names it)."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.plugin_fault = "PluginOpError" in message  # a patch's op raised on that rank (exit code 3)
+
+
+def launch(world: int, worker: Callable[..., None], *args: Any) -> None:
+    """Run worker(rank, world, *args) in `world` local processes joined as one group; when a rank fails, the others
+    are ended and RankFailed names it."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    try:
+        mp.start_processes(_entry, args=(world, worker, args), nprocs=world, join=True, start_method="spawn")
+    except mp.ProcessRaisedException as e:
+        raise RankFailed(e.error_index, f"rank {e.error_index} of {world} failed: "
+                                        f"{str(e).strip().splitlines()[-1]}") from None
+    except mp.ProcessExitedException as e:
+        raise RankFailed(e.error_index, f"rank {e.error_index} of {world} died (exit code {e.exit_code}"
+                                        f"{', signal ' + e.signal_name if e.signal_name else ''})") from None
+
+
+def _entry(rank: int, world: int, worker: Callable[..., None], args: tuple) -> None:
+    try:
+        worker(rank, world, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class ReadOnlyStore(RunStore):
+    """A rank's view of the run directory beside rank 0: it reads (the manifest, findings and resume state a
+    resumed run starts from) and writes nothing, as rank 0 writes everything."""
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        pass
+
+    def write_layer(self, layer: int, rows: list[dict[str, Any]]) -> None:
+        pass
+
+    def write_findings(self, findings: list[dict[str, Any]]) -> None:
+        pass
+
+    def save_streams(self, layer: int, streams: dict[str, torch.Tensor]) -> None:
+        pass
+
+    def write_dump(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class RunRecipe:
+    """What each rank needs to rebuild the run itself (patches, plugins and weight sources do not travel between
+    processes): the run directory, whose manifest holds the scenario, overrides and decode ids; the variants (patch
+    ids and options), local mode, device, threads and the layer to start at."""
+
+    run_dir: str
+    device: str
+    threads: int
+    variants: tuple[tuple[str, tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]], ...]
+    local: bool
+    start_layer: int = 0
+
+    @classmethod
+    def of(cls, spec: RunSpec, run_dir: Path, threads: int, start_layer: int = 0) -> "RunRecipe":
+        variants = tuple((v.name, tuple((c.id, tuple(sorted(c.options.items()))) for c in v.choices))
+                         for v in spec.variants)
+        return cls(str(run_dir), spec.device, threads, variants, spec.local, start_layer)
+
+    def spec(self, manifest: dict[str, Any], device: str) -> RunSpec:
+        spec = spec_from_manifest(manifest, device)
+        registry = load_registry(list(scenario_from_manifest(manifest).stacks.patch_modules)  # as build_run_spec
+                                 + list(manifest["overrides"]["patch_modules"]))
+        spec.variants = [VariantSpec(name, registry.choose([pid for pid, _ in patches],
+                                                           {pid: dict(opts) for pid, opts in patches}))
+                         for name, patches in self.variants]
+        spec.local = self.local
+        return spec
+
+
+def run_rank(rank: int, world: int, recipe: RunRecipe) -> None:
+    """One rank of a sharded run started by `launch`: join the group, then run its share."""
+    torch.set_num_threads(recipe.threads)
+    torch.set_float32_matmul_precision("highest")
+    run_share(join_group(rank, world, recipe.device), recipe)
+
+
+def run_share(group: Group, recipe: RunRecipe) -> None:
+    """This rank's share of the run: rebuild it from the run directory and run it (rank 0 prints a line a layer)."""
+    rank, world = group.rank, group.world
+    store = RunStore(recipe.run_dir) if rank == 0 else ReadOnlyStore(recipe.run_dir)
+    spec = recipe.spec(store.read_manifest(), group.device)
+    streams = store.load_streams()[1] if recipe.start_layer > 0 else None
+    t0 = time.perf_counter()
+
+    def progress(event: dict[str, Any]) -> None:
+        if event["event"] == "layer_done":
+            print(f"layer {event['layer'] + 1}/{event['layers']} done in {event['seconds']:.1f} s "
+                  f"({time.perf_counter() - t0:.0f} s elapsed, {world} ranks)", flush=True)
+
+    ShardedRunner(spec, store, group, progress).run(recipe.start_layer, streams)
+
+
+def run_sharded(world: int, spec: RunSpec, store: RunStore, threads: int, start_layer: int = 0) -> None:
+    """The run in `world` local processes. A rank that fails fails the run: the manifest says `failed`, names the
+    rank, and keeps the layers rank 0 wrote (`run --resume` continues from its last saved state)."""
+    try:
+        launch(world, run_rank, RunRecipe.of(spec, store.dir, threads, start_layer))
+    except RankFailed as e:
+        manifest = store.read_manifest()
+        if manifest.get("status") == "running":  # rank 0 was ended before it could say so itself
+            store.update_manifest(status="failed", failure={"rank": e.rank, "error": str(e),
+                                                            "state_layer": manifest.get("state_layer")})
+        raise

@@ -1,0 +1,166 @@
+"""A run's peak memory, predicted from its config, prompt length and stacks before it starts (issue #14).
+
+The prediction adds up what a layer-major run holds at its busiest moment (DESIGN §8: one layer's weights per
+stack family, no T×T buffers, activations O(T·hc·D)); each term is named, so the message that refuses a run says
+what would not fit and which setting changes it:
+
+- **weights**: two layers in their stored formats (the one in use and the next, made in the background);
+- **dequantized weights**: the layer's fp32 copies shared by every stack (reference.weights.dense_cache), up to
+  the cache's budget;
+- **reference layers**: the reference's non-expert weights in its dtype and the yardstick's in bf16;
+- **output heads**: the LM head stored, and in the reference's, the yardstick's and the engines' dtypes (the needle
+  lens reads logits after every layer);
+- **streams**: every stack's input and output streams [T, hc, D] (fp32 or fp64 for the reference, bf16 else);
+- **recorded taps**: the reference's dense taps of one layer, per position (probes.DENSE_TAPS);
+- **working set**: the largest temporaries of one pass — the reference's whole-prompt projections and MoE
+  buffers ([T, H·d] queries three times, [T·k, D] expert slots twice), or an engine chunk's.
+
+On a GPU the device holds all of it and the host a copy of the streams when the resume state is saved; on a CPU
+the host holds everything. The estimate is checked against a measured peak in `dsv4-drift bench`'s output.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from harness.run.runner import RunSpec
+from reference.config import ModelConfig
+from reference.weights.dense_cache import CPU_BUDGET_BYTES, DEVICE_BUDGET_FRACTION
+from reference.weights.schema import layer_specs
+
+STORED_BYTES_PER_ELEMENT = {"fp8_block128": 1 + 1 / 128**2, "fp4_mx32": 0.5 + 1 / 32, "bf16": 2, "f32": 4, "i64": 8}
+"""Bytes per element in each storage format, scales included (spec §8.3)."""
+
+PROCESS_BYTES = {"cpu": 0.4 * 2**30, "cuda": 1.8 * 2**30}
+"""Host memory of the process before any tensor: the Python interpreter, torch and (with CUDA) its libraries and
+context (measured: tiny-smoke's peak RSS, 0.4 GiB on a CPU here and 1.8 GiB on an H200)."""
+
+HEADROOM = 0.92
+"""Share of a device's (or the host's available) memory a run may plan to use: the CUDA context, the caching
+allocator's fragmentation and the other processes on the machine need the rest."""
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted peak bytes per named term, on the run's device and on the host."""
+
+    device: str
+    device_terms: dict[str, float]
+    host_terms: dict[str, float]
+
+    @property
+    def device_bytes(self) -> float:
+        return sum(self.device_terms.values())
+
+    @property
+    def host_bytes(self) -> float:
+        return sum(self.host_terms.values())
+
+    def to_dict(self) -> dict[str, object]:
+        gib = 2.0**30
+        return {"device": self.device, "device_gib": round(self.device_bytes / gib, 2),
+                "host_gib": round(self.host_bytes / gib, 2),
+                "device_terms_gib": {k: round(v / gib, 2) for k, v in self.device_terms.items()},
+                "host_terms_gib": {k: round(v / gib, 2) for k, v in self.host_terms.items()}}
+
+
+def _layer_bytes(cfg: ModelConfig, layer: int) -> tuple[float, float, float]:
+    """(stored bytes, fp32 bytes of every float tensor, fp32 bytes of the routed experts) of one layer."""
+    stored = dense = experts = 0.0
+    for spec in layer_specs(cfg, layer):
+        stored += spec.numel * STORED_BYTES_PER_ELEMENT[spec.storage]
+        if spec.storage != "i64":
+            dense += spec.numel * 4
+            if spec.name.startswith("ffn.experts."):
+                experts += spec.numel * 4
+    return stored, dense, experts
+
+
+def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
+    """The estimate for one process of a run sharded over `world` (each holds the streams of its share of the
+    stacks, and all the rest)."""
+    cfg = spec.source.config
+    T, n, D, H, hd = spec.n_total, cfg.hc_mult, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    ref_size = torch.empty(0, dtype=spec.reference_dtype).element_size()
+    layers = [_layer_bytes(cfg, layer) for layer in range(cfg.num_hidden_layers)]
+    stored = max(s for s, _, _ in layers)
+    dense = max(d for _, d, _ in layers)
+    experts = max(e for _, _, e in layers)
+    nvfp4 = any(c.id == "nvfp4-experts" for v in spec.variants for c in v.choices)
+    device = torch.device(spec.device)
+    budget = (torch.cuda.get_device_properties(device).total_memory * DEVICE_BUDGET_FRACTION
+              if device.type == "cuda" else CPU_BUDGET_BYTES)
+    global_stacks = -(-(int(spec.yardstick) + len(spec.variants)) // world)
+    taps_per_token = (ref_size * (2 * D + 2 * D + n * D + n * D + H + 2 * n + n * n)  # attn/moe out, mixed, streams
+                      + 4 * cfg.n_routed_experts + 12 * cfg.num_experts_per_tok  # router
+                      + 9 * cfg.index_topk)  # indexer.selected: int64 ids + bool
+    reference_pass = T if spec.reference_chunk_size is None else min(T, spec.reference_chunk_size)
+    working = max(reference_pass * ref_size * (3 * H * hd + 2 * cfg.num_experts_per_tok * D),
+                  min(T, spec.chunk_size) * 4 * (3 * H * hd + 2 * cfg.num_experts_per_tok * D))
+    non_expert = dense - experts
+    vocab = cfg.vocab_size * D
+    terms = {
+        "weights (2 layers, stored)": 2 * stored,
+        "dequantized weights (shared)": min(budget, dense + (experts if nvfp4 else 0)),
+        "reference layers": non_expert * (ref_size / 4) + non_expert / 2,
+        "output heads": vocab * (2 + ref_size + 2 + 4),  # stored; reference, yardstick and engines (shared)
+        "streams": 2 * T * n * D * (ref_size + 2 * global_stacks),
+        "recorded taps": T * taps_per_token,
+        "working set": working,
+    }
+    state_copy = T * n * D * (ref_size + 2 * global_stacks)  # the resume state, on the host when it is saved
+    host = {"process (torch and its libraries)": PROCESS_BYTES[device.type], "resume state copy": state_copy}
+    if device.type == "cuda":
+        return MemoryEstimate(spec.device, terms, host)
+    return MemoryEstimate(spec.device, {}, {**terms, **host})
+
+
+def available_host_bytes() -> float:
+    """MemAvailable from /proc/meminfo (what the host can give without swapping); physical memory elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def fit_problem(estimate: MemoryEstimate, device_capacity: float | None, host_capacity: float) -> str | None:
+    """Why the run would not fit (with the numbers and the setting to change), or None when it fits."""
+    gib = 2.0**30
+    for where, total, capacity, terms in (("device", estimate.device_bytes, device_capacity, estimate.device_terms),
+                                          ("host", estimate.host_bytes, host_capacity, estimate.host_terms)):
+        if capacity is None or total <= HEADROOM * capacity:
+            continue
+        largest = sorted(terms.items(), key=lambda kv: -kv[1])[:3]
+        advice = {
+            "streams": "a shorter prompt, fewer variants, or --devices N to shard them",
+            "working set": "prefill.reference_chunk_size (e.g. 8192) to run the reference's prompt in chunks",
+            "recorded taps": "a shorter prompt",
+            "weights (2 layers, stored)": "a device with more memory",
+            "dequantized weights (shared)": "a device with more memory",
+        }
+        hints = "; ".join(f"{name}: {advice.get(name, 'fewer stacks')}" for name, _ in largest)
+        return (f"predicted peak {where} memory {total / gib:.1f} GiB exceeds {HEADROOM:.0%} of the "
+                f"{capacity / gib:.1f} GiB available (largest: "
+                + ", ".join(f"{name} {value / gib:.1f} GiB" for name, value in largest)
+                + f"). To fit, change — {hints}")
+    return None
+
+
+def check_fits(spec: RunSpec, world: int = 1) -> MemoryEstimate:
+    """The run's estimate; a UsageError naming the numbers and the setting to change when it would not fit."""
+    from harness.errors import UsageError
+
+    estimate = predict_memory(spec, world)
+    device = torch.device(spec.device)
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    problem = fit_problem(estimate, capacity, available_host_bytes() / (1 if capacity else world))
+    if problem:
+        raise UsageError(problem)
+    return estimate

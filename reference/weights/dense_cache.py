@@ -1,0 +1,57 @@
+"""Exactly dequantized fp32 copies of a layer's stored weights, made once and shared by every stack (issue #14).
+
+The reference, the yardstick and every optimized variant compute with the same fp32 master values (the exact
+dequantization of the stored FP8/FP4 bits; the kernels read those bits, the emulation multiplies the dequantized
+values, which is the same arithmetic). A layer-major run can dequantize each tensor once per layer and hand the
+same copy to all of them, instead of once per stack, prefill chunk and decode step: a Flash layer's 768 expert
+matrices were dequantized ~10,000 times per layer through the runner (measured on an H200 at 30K tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from reference.quant import QuantizedTensor
+
+CPU_BUDGET_BYTES = 4 << 30
+"""On the CPU: a Flash layer's attention, indexer and shared-expert weights (< 1 GB in fp32) with room for the
+experts used most; the small presets' layers fit whole (flash-mini's experts: 1.5 MB)."""
+
+DEVICE_BUDGET_FRACTION = 0.35
+"""On a GPU: this share of the device's memory (49 GB of an H200's 141 GB). A Flash layer's experts are
+256·3·2048·4096·4 B = 25.8 GB in fp32 and their NVFP4 forms (nvfp4-experts) as much again; 49 GB holds the first
+whole and most of the second, and leaves the rest of a 100 GB peak budget to streams, taps and caches."""
+
+
+class DenseCache:
+    """fp32 values of stored tensors by name, kept up to `budget_bytes` (past it, a tensor is dequantized on every
+    use instead: cheap next to the GEMM that uses it)."""
+
+    def __init__(self, budget_bytes: int = CPU_BUDGET_BYTES) -> None:
+        self._cache: dict[str, torch.Tensor] = {}
+        self.budget_bytes, self.used_bytes = budget_bytes, 0
+
+    @classmethod
+    def for_device(cls, device: torch.device | str, sharing: int = 1) -> "DenseCache":
+        """A cache sized for a run on `device`: CPU_BUDGET_BYTES, or DEVICE_BUDGET_FRACTION of a GPU's memory split
+        between the `sharing` processes that run on it."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            return cls(int(torch.cuda.get_device_properties(device).total_memory * DEVICE_BUDGET_FRACTION / sharing))
+        return cls()
+
+    def get(self, name: str, stored: torch.Tensor | QuantizedTensor | Callable[[], torch.Tensor | QuantizedTensor],
+            device: torch.device) -> torch.Tensor:
+        """fp32 value of `stored` (or of what the callable returns, called only on a miss), cached by name."""
+        t = self._cache.get(name)
+        if t is None:
+            if callable(stored) and not isinstance(stored, torch.Tensor):
+                stored = stored()
+            t = stored.dequantize(torch.float32) if isinstance(stored, QuantizedTensor) else stored.float()
+            t = t.to(device)
+            if self.used_bytes + t.numel() * 4 <= self.budget_bytes:
+                self._cache[name] = t
+                self.used_bytes += t.numel() * 4
+        return t

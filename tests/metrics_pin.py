@@ -1,0 +1,68 @@
+"""A fixed tiny run's metrics, pinned bit for bit: every speed change must leave them unchanged (issue #14).
+
+The run is `dsv4-drift run tiny-smoke --patches all --local --threads 1` (reference, yardstick, base and every
+patch; global and local; every probe) on the CPU. Parallel sums change with the thread count, so the run is pinned
+at one thread. Its metrics are sorted by their key columns and each row is written with `float.hex` values, so a
+digest changes when any value changes in its last bit. Digests are kept per (variant, mode, layer), so a failing
+pin says where the numbers moved.
+
+Regenerate the pin only when numerics change on purpose (a metric, a stack or the synthetic weights), and say so in
+the commit:
+
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python tests/metrics_pin.py --write
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+PIN_FILE = ROOT / "tests" / "data" / "tiny-smoke-pin.json"
+PIN_ARGS = ["run", "tiny-smoke", "--patches", "all", "--local", "--threads", "1", "--no-gate", "--no-report"]
+KEY_COLUMNS = ["variant", "mode", "layer", "phase", "chunk", "step", "turn", "pos_bin", "pos_end", "tap", "metric"]
+
+
+def metrics_digests(metrics: pd.DataFrame) -> dict[str, str]:
+    """sha256 per (variant, mode, layer) of the sorted rows, values as float.hex, plus '*' over all rows."""
+    rows = metrics.sort_values(KEY_COLUMNS).reset_index(drop=True)
+    lines = ["|".join([*(str(r[c]) for c in KEY_COLUMNS), float(r["value"]).hex(), float(r["max"]).hex(),
+                       str(int(r["count"]))]) for r in rows.to_dict("records")]
+    groups: dict[str, list[str]] = {}
+    for r, line in zip(rows.to_dict("records"), lines):
+        groups.setdefault(f"{r['variant']}/{r['mode']}/{r['layer']}", []).append(line)
+    digests = {k: hashlib.sha256("\n".join(v).encode()).hexdigest() for k, v in sorted(groups.items())}
+    digests["*"] = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    return digests
+
+
+def run_pinned(out_dir: Path, extra_args: tuple[str, ...] = ()) -> Path:
+    """Run the pinned scenario in a fresh process (one thread) and return its metrics.parquet."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "harness.cli", *PIN_ARGS, *extra_args, "--out", str(out_dir)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the pinned run failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return out_dir / "metrics.parquet"
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        digests = metrics_digests(pd.read_parquet(run_pinned(Path(tmp) / "run")))
+    if "--write" in sys.argv:
+        PIN_FILE.write_text(json.dumps({"command": "dsv4-drift " + " ".join(PIN_ARGS), "digests": digests},
+                                       indent=1) + "\n")
+        print(f"wrote {PIN_FILE}")
+    else:
+        print(json.dumps(digests, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""A run sharded over several processes (torch.distributed, gloo on the CPU) writes what one process writes
+(issue #14): the same metrics.parquet, row for row and bit for bit, and the same findings; a rank that dies fails the
+run with a message naming it, and the layers written before stay."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from harness.run.distributed import free_port
+from metrics_pin import PIN_ARGS, ROOT, run_pinned
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    return run_pinned(tmp_path_factory.mktemp("one") / "run").parent
+
+
+def assert_same_run(sharded: Path, one: Path) -> None:
+    a, b = pq.read_table(one / "metrics.parquet"), pq.read_table(sharded / "metrics.parquet")
+    assert a.num_rows == b.num_rows and a.equals(b), (
+        f"{sharded} differs from the one-process run: {b.num_rows} rows against {a.num_rows}")
+    assert (sharded / "findings.json").read_text() == (one / "findings.json").read_text()
+    assert json.loads((sharded / "manifest.json").read_text())["status"] == "complete"
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_sharded_run_writes_the_one_process_runs_metrics(one_process, tmp_path, ranks):
+    sharded = run_pinned(tmp_path / "run", ("--devices", str(ranks))).parent
+    assert_same_run(sharded, one_process)
+
+
+def test_torchrun_ranks_write_the_one_process_runs_metrics(one_process, tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "-m", "harness.cli", "--", *PIN_ARGS, "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_run(out, one_process)
+
+
+DYING_PLUGIN = '''
+import os
+import torch.distributed as dist
+from optimized.patching import Patch
+
+dies = Patch("dies-on-rank-1", phases=("prefill", "decode"), description="rank 1 exits at layer 2")
+
+@dies.op("hc_post")
+def hc_post(ctx, f, streams, mix):
+    if ctx.layer == 2 and dist.is_initialized() and dist.get_rank() == 1:
+        os._exit(7)
+    return ctx.base(f=f, streams=streams, mix=mix)
+'''
+
+
+def test_a_rank_that_dies_fails_the_run_naming_it_and_the_written_layers_stay(tmp_path):
+    plugin = tmp_path / "dies.py"
+    plugin.write_text(DYING_PLUGIN)
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "harness.cli", "run", "tiny-smoke", "--patches", "dies-on-rank-1",
+                           "--patch-module", str(plugin), "--local", "--threads", "1", "--no-gate", "--no-report",
+                           "--devices", "2", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 4, done.stderr[-3000:]
+    assert "rank 1 of 2 died (exit code 7)" in done.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["failure"]["rank"] == 1, manifest.get("failure")
+    written = pq.read_table(out / "metrics.parquet").column("layer").to_pylist()
+    assert set(written) == {0, 1}, f"expected layers 0 and 1 written before the rank died, found {sorted(set(written))}"

@@ -1,0 +1,131 @@
+"""The pieces issue #14 added for speed and scale: `dsv4-drift bench`, the memory prediction that refuses a run
+that would not fit, the weight prefetch, the per-layer dequantized-weight cache and the grouped MoE."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness.cli.main import main
+from harness.run.benchmark import reference_flops
+from harness.run.memory import MemoryEstimate, fit_problem, predict_memory
+from harness.run.setup import Overrides, build_run_spec
+from harness.scenario import find_scenario, load_scenario
+from reference.config import TINY, get_preset
+from reference.ops.moe import Routing, moe_forward, swiglu_expert
+from reference.weights.dense_cache import DenseCache
+from reference.weights.prefetch import PrefetchingSource
+from reference.weights.synthetic import SyntheticWeights
+
+
+def test_bench_writes_a_row_per_layer_with_every_part_and_the_flop_rate(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "tiny", "--tokens", "200", "--decode", "2", "--chunk-size", "128",
+                 "--layers", "2-3", "--threads", "1", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert [row["layer"] for row in record["layers"]] == [2, 3]
+    row = record["layers"][0]
+    assert set(row["alone_s"]) == {"reference", "yardstick", "base", "all"}
+    assert set(row["runner_s"]) == {"reference/global"} | {f"{s}/{m}" for s in ("yardstick", "base", "all")
+                                                           for m in ("global", "local")}
+    assert row["run_s"] > 0 and row["weights_s"] > 0 and row["tokens_per_s"] > 0
+    assert record["fp32_peak_flops"] > 0 and 0 < row["reference_share_of_peak"] < 1
+    assert record["environment"]["torch_threads"] == 1
+    assert "peak memory:" in capsys.readouterr().out
+
+
+def test_bench_refuses_a_layer_outside_the_model():
+    assert main(["bench", "--model", "tiny", "--layers", "0-9"]) == 2
+
+
+def test_the_reference_flop_count_matches_the_design_floor_at_flash_30k():
+    """DESIGN §8: ~8·10¹⁴ FLOP for the fp32 reference at 30,720 tokens (+64 decode), all 43 layers."""
+    cfg = get_preset("flash")
+    total = sum(reference_flops(cfg, layer, 30784) for layer in range(cfg.num_hidden_layers))
+    assert 7e14 < total < 1e15, total
+
+
+def _spec(name: str, patches: str = "all"):
+    return build_run_spec(load_scenario(find_scenario(name)), Overrides(patches=patches))[0]
+
+
+def test_the_memory_estimate_grows_with_the_prompt_and_the_stacks():
+    small, large = _spec("tiny-smoke", "none"), _spec("tiny-smoke", "all")
+    assert predict_memory(large).host_terms["streams"] > predict_memory(small).host_terms["streams"]
+    long = _spec("tiny-smoke", "none")
+    long.prompt_ids = long.prompt_ids * 4
+    assert predict_memory(long).host_bytes > predict_memory(small).host_bytes
+    sharded = predict_memory(large, world=2)
+    assert sharded.host_terms["streams"] < predict_memory(large).host_terms["streams"]
+
+
+def test_a_run_that_would_not_fit_is_refused_with_the_numbers_and_the_setting_to_change():
+    gib = 2.0**30
+    estimate = MemoryEstimate("cuda", {"streams": 90 * gib, "working set": 40 * gib, "recorded taps": 5 * gib}, {})
+    problem = fit_problem(estimate, device_capacity=141 * gib, host_capacity=100 * gib)
+    assert problem is not None
+    assert "135.0 GiB" in problem and "141.0 GiB" in problem and "streams 90.0 GiB" in problem
+    assert "--devices N" in problem and "prefill.reference_chunk_size" in problem
+    assert fit_problem(estimate, device_capacity=200 * gib, host_capacity=100 * gib) is None
+
+
+def test_the_flash_30k_budget_shape_is_predicted_under_the_h200s_memory():
+    spec = build_run_spec(load_scenario(find_scenario("flash-30k")), Overrides(patches="all"),
+                          decode_ids=[1000] * 64)[0]
+    estimate = predict_memory(spec)
+    assert 20 * 2**30 < estimate.host_bytes < 0.92 * 141e9, estimate.to_dict()
+
+
+def test_prefetched_layers_equal_the_sources_in_any_order():
+    source = SyntheticWeights(TINY, 0)
+    prefetching = PrefetchingSource(source)
+    for layer in (0, 1, 3, 2, 4):  # in order (the next is prefetched), then out of order
+        a, b = prefetching.layer(layer), source.layer(layer)
+        assert a.names() == b.names()
+        for name in a.names():
+            x, y = a.stored(name), b.stored(name)
+            if isinstance(x, torch.Tensor):
+                assert torch.equal(x, y), name
+            else:
+                assert torch.equal(x.codes.view(torch.uint8), y.codes.view(torch.uint8)) and torch.equal(x.scale, y.scale)
+    assert prefetching.top_level() is prefetching.top_level()  # the LM head once for every stack
+
+
+def test_the_dense_cache_keeps_what_its_budget_allows_and_gives_the_same_values():
+    weights = SyntheticWeights(TINY, 0).layer(2)
+    names = [n for n in weights.names() if n.startswith("ffn.experts.")][:4]
+    one = weights.stored(names[0]).dequantize(torch.float32)
+    cache = DenseCache(budget_bytes=one.numel() * 4 * 2)
+    values = [cache.get(n, weights.stored(n), torch.device("cpu")) for n in names]
+    assert cache.used_bytes == one.numel() * 4 * 2
+    assert cache.get(names[0], weights.stored(names[0]), torch.device("cpu")) is values[0]
+    for n, v in zip(names, values):
+        assert torch.equal(v, weights.dense(n))
+
+
+@pytest.mark.parametrize("tokens,k,experts", [(300, 6, 16), (1, 6, 16), (77, 2, 8)])
+def test_grouped_moe_is_bit_identical_to_a_search_per_expert(tokens, k, experts):
+    g = torch.Generator().manual_seed(tokens)
+    D, inter = 40, 24
+    y = torch.randn(tokens, D, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    w = torch.rand(tokens, k, generator=g)
+    mats = {e: (torch.randn(inter, D, generator=g), torch.randn(inter, D, generator=g),
+                torch.randn(D, inter, generator=g)) for e in range(experts)}
+    per_slot = torch.zeros(tokens, k, D)
+    for e in torch.unique(ids).tolist():  # the loop the grouped version replaced
+        t, s = torch.nonzero(ids == e, as_tuple=True)
+        per_slot[t, s] = swiglu_expert(y[t], *mats[e], 7.0) * w[t, s, None]
+    grouped = moe_forward(y, Routing(torch.zeros(tokens, experts), ids, w), lambda e: mats[e], None, 7.0)
+    assert torch.equal(grouped, per_slot.sum(1))
+
+
+def test_run_refuses_before_any_compute_when_the_host_would_not_hold_it(tmp_path, monkeypatch, capsys):
+    import harness.run.memory as memory
+
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 0.1 * 2**30)
+    assert main(["run", "tiny-smoke", "--out", str(tmp_path / "run"), "--no-report", "--threads", "1"]) == 2
+    assert "predicted peak host memory" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "metrics.parquet").exists()
