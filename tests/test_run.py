@@ -21,7 +21,7 @@ from harness.run.store import METRICS_SCHEMA, RunStore
 
 CANONICAL_METRICS = {
     "streams.rel_l2", "streams.cosine", "streams.sqnr_db", "attn.tv", "attn.kl", "attn.js", "attn.out_rel_l2",
-    "attn.lse_delta", "indexer.recall", "indexer.mass_recall", "indexer.boundary_recall", "indexer.flips",
+    "attn.lse_delta", "indexer.recall", "indexer.mass_recall", "indexer.boundary_recall", "indexer.fp8_boundary_recall", "indexer.flips",
     "mhc.pre_rel_err", "mhc.post_rel_err", "mhc.comb_rel_err", "mhc.ds_residual", "moe.flip_rate", "moe.weight_l1",
     "logits.kl", "logits.top1_agree", "ctx.earlier_turn_mass_ref", "ctx.earlier_turn_mass_opt", "ctx.needle_recall",
 }
@@ -56,7 +56,7 @@ def test_run_directory_holds_manifest_metrics_and_every_canonical_metric(tiny_ru
     assert set(df["layer"]) == set(range(layers + 1))  # + the final logits row
     assert CANONICAL_METRICS <= set(df["metric"]), CANONICAL_METRICS - set(df["metric"])
     for phase in ("prefill", "decode"):
-        assert CANONICAL_METRICS - {"ctx.needle_recall", "indexer.boundary_recall"} <= set(
+        assert CANONICAL_METRICS - {"ctx.needle_recall", "indexer.boundary_recall", "indexer.fp8_boundary_recall"} <= set(
             df[df["phase"] == phase]["metric"]), phase
     # every metric can be read against the yardstick at the same place
     assert {"yardstick", "base", "all"} <= set(df["variant"])

@@ -98,6 +98,7 @@ METRICS: dict[str, MetricRule] = {
     # mass of a unit is a sum of jumps in [0, 1], whose variance is at most its mean: a Poisson count's bound holds
     "indexer.mass_recall": MetricRule(("attn.probs",), "lower", _ONE_POSITION, decisions="1"),
     "indexer.boundary_recall": MetricRule(("indexer.scores",), "lower", _ONE_PICK, decisions="index_topk"),
+    "indexer.fp8_boundary_recall": MetricRule(("indexer.scores",), "lower", _ONE_PICK, decisions="index_topk"),
     # recalls over a subset of the picks (earlier turns, needles): one pick is 1/|subset| of a query's recall,
     # often far more than 1/k (a needle may hold 3 of a query's 512 picks): a query decides |subset| picks
     "ctx.earlier_turn_recall": MetricRule(("indexer.selected",), "lower", _ONE_SUBSET_PICK,

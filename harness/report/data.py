@@ -56,6 +56,7 @@ METRICS: dict[str, MetricInfo] = {
     "indexer.recall": MetricInfo("indexer", "indexer recall@k", "higher", "linear"),
     "indexer.mass_recall": MetricInfo("indexer", "indexer mass recall", "higher", "linear"),
     "indexer.boundary_recall": MetricInfo("indexer", "indexer boundary-aware recall", "higher", "linear"),
+    "indexer.fp8_boundary_recall": MetricInfo("indexer", "indexer recall outside FP8 ties", "higher", "linear"),
     "indexer.flips": MetricInfo("indexer", "indexer flips per query", "lower", "linear"),
     "indexer.rows_rel_l2": MetricInfo("indexer", "indexer-compressor rows rel L2", "lower", "log"),
     "compressor.rows_rel_l2": MetricInfo("indexer", "compressor rows rel L2", "lower", "log"),
