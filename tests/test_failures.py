@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from harness.cli.main import main
-from harness.cli.threads import available_cores, default_threads, oversubscription
+from harness.cli.threads import available_cores, default_threads, oversubscription, narrow_model_threads
 from harness.report.html import extract_payload
 from harness.run.store import RunStore
 from optimized.patching import Patch, PatchError, PatchRegistry, shadowed_patches
@@ -640,3 +640,18 @@ def test_token_spans_print_half_open_everywhere(capsys):
     assert main(["scenarios", "render", "tiny-smoke"]) == 0
     out = capsys.readouterr().out
     assert "[79, 85)" in out and "positions [0, 46)" in out and "–84" not in out
+
+
+def test_a_narrow_model_defaults_to_one_thread_unless_threads_are_asked_for():
+    """hidden 64 computes in ops too small for a second thread (README: Threads); an explicit --threads, a GPU run
+    and a wide model keep their count."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert narrow_model_threads(2, 64, "cpu") is None and torch.get_num_threads() == 2, "asked for: kept"
+        assert narrow_model_threads(None, 64, "cuda") is None and torch.get_num_threads() == 2
+        assert narrow_model_threads(None, 4096, "cpu") is None and torch.get_num_threads() == 2
+        note = narrow_model_threads(None, 64, "cpu")
+        assert torch.get_num_threads() == 1 and "hidden size 64" in note and "--threads N" in note
+    finally:
+        torch.set_num_threads(before)

@@ -5,6 +5,11 @@ for each other at every parallel region (tiny-smoke on two cores with a load ave
 threads, 11 s with 1), so the default here is the cores this process may run on (`os.sched_getaffinity`; fewer
 when OMP_NUM_THREADS says so), and a run that starts on a loaded machine says so once, with the thread count
 likely to be faster.
+
+A narrow model is the exception: at hidden size 64 (flash-mini, the CPU demo) every op is too small for torch's
+intra-op threads to pay for their hand-offs, and a second thread only adds waiting (the demo on two idle cores:
+180 s with 2 threads, 140 s with 1; 31 s of the 2-thread run is system time). Without `--threads`, a CPU run of
+such a model takes one thread (`narrow_model_threads`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,22 @@ def default_threads() -> int:
         return cores
 
 
+NARROW_HIDDEN = 512
+"""Below this hidden size a CPU run defaults to one thread. Measured at 64 (flash-mini: 1 thread 22% faster on two
+idle cores); Flash (4096) keeps every core. Between the two nothing was measured: 512 keeps the rule to models
+whose largest GEMM rows (hidden × a few hundred) stay far below the ~10⁶ elements where threads start to pay."""
+
+
+def narrow_model_threads(requested: int | None, hidden_size: int, device: str) -> str | None:
+    """Without an explicit --threads, a CPU run of a model narrower than NARROW_HIDDEN uses one thread (see the
+    module docstring). Returns a note saying so, or None when the count is left alone."""
+    if requested is not None or device != "cpu" or hidden_size >= NARROW_HIDDEN or torch.get_num_threads() == 1:
+        return None
+    torch.set_num_threads(1)
+    return (f"1 thread: at hidden size {hidden_size} ops are too small for several threads to pay "
+            "(give --threads N to override; README: Threads)")
+
+
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, metavar="N",
                         help=f"CPU threads for torch (default: the cores this process may use, or OMP_NUM_THREADS "
@@ -55,6 +76,11 @@ def oversubscription(threads: int, cores: int, load_average: float) -> str | Non
     return None
 
 
+def oversubscription_note(threads: int) -> str | None:
+    """oversubscription() for this process: its cores and the machine's 1-minute load average."""
+    return oversubscription(threads, available_cores(), os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)
+
+
 @contextmanager
 def torch_threads(requested: int | None) -> Iterator[str | None]:
     """Run a command with `requested` torch threads (default: default_threads()), restoring the previous count
@@ -66,6 +92,6 @@ def torch_threads(requested: int | None) -> Iterator[str | None]:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        yield oversubscription(threads, cores, os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)
+        yield oversubscription_note(threads)
     finally:
         torch.set_num_threads(before)

@@ -12,7 +12,7 @@ from rich.table import Table
 from harness.attribution.attribute import run_attribution
 from harness.attribution.plan import attribution_variants
 from harness.cli.paths import new_output_dir
-from harness.cli.threads import add_threads_argument, torch_threads
+from harness.cli.threads import add_threads_argument, narrow_model_threads, torch_threads
 from harness.errors import UsageError
 from harness.run.distributed import run_sharded
 from harness.run.memory import check_fits
@@ -57,9 +57,10 @@ def patches_of(spec: RunSpec) -> list:
 
 
 def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, ...], policy: str | None,
-              device: str | None, out: Path | None, interactions: str = "auto", progress=None, devices: int = 1):
+              device: str | None, out: Path | None, interactions: str = "auto", progress=None, devices: int = 1,
+              threads: int | None = None):
     """Programmatic entry (selftest and tests use it): returns (Attribution, run directory). `devices` > 1 shards
-    each pass over that many processes."""
+    each pass over that many processes; `threads` is the --threads asked for (None: a narrow model runs on one)."""
     from harness.run.runner import VariantSpec
 
     path = find_scenario(scenario_ref)
@@ -70,6 +71,9 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
             raise UsageError(f"--out {store.dir} already holds a run; choose another --out")
         overrides = Overrides(device, patches, patch_modules)
         spec, plan = build_run_spec(scenario, overrides)
+        narrow = narrow_model_threads(threads, spec.source.config.hidden_size, spec.device)
+        if narrow:
+            console(stderr=True).print(f"[yellow]note[/]: {narrow}", soft_wrap=True)
         choices = patches_of(spec)
         if not choices:
             raise UsageError("nothing to attribute: no patches selected (give --patches or a scenario with patched "
@@ -104,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         if args.devices is not None and args.devices < 1:
             raise UsageError(f"--devices {args.devices}: give at least 1")
         result, run_dir = attribute(args.scenario, args.patches, tuple(args.patch_module), args.policy, args.device,
-                                    args.out, args.interactions, progress, args.devices or 1)
+                                    args.out, args.interactions, progress, args.devices or 1, args.threads)
     table = Table(title="attribution: first divergence beyond the gate")
     for col in ("patch", "phase", "first layer", "metric", "value", "bound"):
         table.add_column(col)

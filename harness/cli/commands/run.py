@@ -26,7 +26,8 @@ from harness.run.store import RunStore
 from harness.cli.paths import new_output_dir
 from harness.cli.summary import summary_table
 from harness.cli.console import console
-from harness.cli.threads import add_threads_argument, torch_threads
+from harness.cli.threads import (add_threads_argument, default_threads, narrow_model_threads, oversubscription_note,
+                                 torch_threads)
 from optimized.patching import PluginOpError
 
 DEFAULT_SCENARIO = "demo-cpu"
@@ -92,8 +93,10 @@ def run(args: argparse.Namespace) -> int:
             if args.resume:
                 spec, store, start, streams = _resume(store, manifest, args)
             else:
-                spec, store = _start(args, torch.get_num_threads())
+                spec, store = _start(args)
                 start, streams = 0, None
+                if torch.get_num_threads() != (threads or default_threads()):  # narrowed: the note's count is stale
+                    note = oversubscription_note(torch.get_num_threads())
         except BaseException:
             if group is not None:  # the other ranks wait for the run: tell them there is none
                 _lead(group, None)
@@ -150,7 +153,7 @@ def _resume_inputs(args: argparse.Namespace) -> tuple[int | None, RunStore, dict
     return threads, store, manifest
 
 
-def _start(args: argparse.Namespace, threads: int) -> tuple[RunSpec, RunStore]:
+def _start(args: argparse.Namespace) -> tuple[RunSpec, RunStore]:
     """A new run: the scenario and overrides resolved, the run directory created (and proven writable before the
     prompt is built, as that may already compute: a greedy decode)."""
     out = console(stderr=True)
@@ -162,6 +165,9 @@ def _start(args: argparse.Namespace, threads: int) -> tuple[RunSpec, RunStore]:
             raise UsageError(f"--out {store.dir} already holds a run (use --resume to continue it, or another --out)")
         overrides = Overrides(args.device, args.patches, tuple(args.patch_module), args.local, args.threads)
         spec, plan = build_run_spec(scenario, overrides)
+        narrow = narrow_model_threads(args.threads, spec.source.config.hidden_size, spec.device)
+        if narrow:
+            out.print(f"[yellow]note[/]: {narrow}", soft_wrap=True)
         for warning in shadowing_warnings(spec.variants):
             out.print(f"[yellow]warning[/]: {warning}", soft_wrap=True)
         estimate = check_fits(spec, args.devices or 1)  # refused here, with the numbers, if it would not fit
@@ -169,7 +175,7 @@ def _start(args: argparse.Namespace, threads: int) -> tuple[RunSpec, RunStore]:
                       "memory_estimate": estimate.to_dict()})
     out.print(f"[bold]{scenario.name}[/]: {spec.n_prompt} prompt + {len(spec.decode_ids)} decode tokens, "
               f"{spec.source.config.num_hidden_layers} layers, variants "
-              f"{', '.join(v.name for v in spec.variants)}, {threads} thread(s) → {store.dir}")
+              f"{', '.join(v.name for v in spec.variants)}, {torch.get_num_threads()} thread(s) → {store.dir}")
     return spec, store
 
 

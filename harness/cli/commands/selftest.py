@@ -39,14 +39,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def check_fault(name: str, scenario: str, out_dir: Path) -> dict:
+def check_fault(name: str, scenario: str, out_dir: Path, threads: int | None = None) -> dict:
     """One fault: attribution over {benign, fault}; the verdict must name the fault and its phase, the benign
     patch must not diverge, and the gate must fail. The benign change comes first: patches apply in order, so where
     both override one op the fault (later) replaces the decoy in their combined variant, not the other way."""
     patch, phase = FAULTS[name]
     module = "harness.attribution.faults"
     result, run_dir = attribute(scenario, f"{benign_change.id},{patch.id}", (module,), None, None,
-                                out_dir / patch.id, interactions="never")
+                                out_dir / patch.id, interactions="never", threads=threads)
     verdict = result.verdict()
     benign_divergences = result.divergences.get(benign_change.id, [])
     problems = []
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         rows = []
         for name in names:
             out.print(f"selftest: injecting {name} …")
-            rows.append(check_fault(name, args.scenario, base))
+            rows.append(check_fault(name, args.scenario, base, args.threads))
     table = Table(title=f"selftest on {args.scenario}")
     for col in ("fault class", "patch", "expected phase", "verdict", "result"):
         table.add_column(col)
