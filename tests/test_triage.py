@@ -26,6 +26,7 @@ def test_a_failing_patched_variant_is_triaged_to_its_patch_phase_and_layer(tmp_p
     assert attribution["first_divergence"]["mma-sparse-decode"] == [], "a decode-only patch cannot fail in prefill"
     triage_manifest = json.loads((out / "triage" / "manifest.json").read_text())
     assert triage_manifest["end_layer"] == 1 and triage_manifest["triage"]["of"] == "mma-sparse-decode+nvfp4-experts"
+    assert not (out / "state").exists() and not (out / "triage" / "state").exists(), "no resume state is left behind"
     assert "nvfp4-experts" in (out / "report.html").read_text(), "the report's banner shows the verdict"
 
 

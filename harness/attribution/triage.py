@@ -65,6 +65,7 @@ def triage(spec: RunSpec, run_dir: Path, gate: GateResult, manifest: dict[str, A
         {"name": v.name, "patches": [{"id": c.id} for c in v.choices]} for v in pass_spec.variants]},
         "triage": {"of": variant.name, "patches": ids, "layers": [0, last_layer]}})
     LockstepRunner(pass_spec, store, progress).run(end_layer=last_layer + 1)
+    store.delete_state()  # a triage pass is never resumed: its streams would only take disk (Flash at 27K: 3.5 GB)
     pass_gate = gate_run(store.dir, allow_incomplete=True)
     divergences = {pid: [d for d in first_divergences(pass_gate, only(pid), pid) if d.first_layer <= last_layer]
                    for pid in ids}
