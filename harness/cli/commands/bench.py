@@ -70,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"[bold]bench[/]: {cfg.name}, {args.tokens} prompt + {args.decode} decode tokens, chunk "
                   f"{args.chunk_size}, layers {layers}, {device}, {torch.get_num_threads()} thread(s)")
         result = run_bench(cfg, args.tokens, args.decode, layers, device, args.chunk_size, out.print)
+        environment = environment_record(device)  # inside: the thread count it ran with, not the caller's
     console().print(bench_table(result))
-    record = {**result.to_dict(cfg), "environment": environment_record(device)}
+    record = {**result.to_dict(cfg), "environment": environment}
     projected = record["projected_run_s"]
     if projected is not None:
         console().print(f"projected run of all {cfg.num_hidden_layers} layers: {projected:.0f} s "
