@@ -189,3 +189,39 @@ def test_sparse_attention_gets_kernel_lanes_and_old_plugins_keep_working(tmp_pat
     for row in range(lanes.shape[0]):  # the valid picks first, in the lanes below comp_length
         n = int(length[row])
         assert sorted(lanes[row, :n].tolist()) == sorted(slots[row][valid[row]].tolist())
+
+
+def _scenario_naming_a_plugin(tmp_path: Path) -> Path:
+    """tiny-smoke with a variant that names the README's fused-w13 loader bug, a plugin the file does not load."""
+    text = (Path(__file__).resolve().parents[1] / "scenarios" / "tiny-smoke.yaml").read_text()
+    text = text.replace("    - name: all\n      patches: all",
+                        "    - name: fused\n      patches: [nvfp4-experts, fused-w13-scale]")
+    assert "fused-w13-scale" in text
+    path = tmp_path / "fused.yaml"
+    path.write_text(text.replace("# yaml-language-server: $schema=scenario.schema.json\n", ""))
+    return path
+
+
+def test_a_scenario_may_name_patches_from_plugins_given_beside_it(tmp_path):
+    """`run FILE --patch-module P` (and the pytest plugin's patch_modules) validates the file's variants against the
+    built-ins plus P: a held-back bug written as a plugin can be named in a scenario without editing the file."""
+    from harness.scenario import load_scenario
+
+    scenario = _scenario_naming_a_plugin(tmp_path)
+    plugin = tmp_path / "fused_w13.py"
+    plugin.write_text(FUSED_W13)
+    with pytest.raises(Exception, match="unknown patch 'fused-w13-scale'"):
+        load_scenario(scenario)
+    loaded = load_scenario(scenario, default_registry([str(plugin)]))
+    assert loaded.stacks.variant("fused").patches == ("nvfp4-experts", "fused-w13-scale")
+
+
+def test_a_broken_plugin_beside_a_scenario_names_the_flag(tmp_path, capsys):
+    from harness.cli.main import main
+
+    bad = tmp_path / "bad.py"
+    bad.write_text("raise ImportError('boom')\n")
+    code = main(["run", str(_scenario_naming_a_plugin(tmp_path)), "--patch-module", str(bad),
+                 "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--patch-module: patch module" in err and "boom" in err and "Traceback" not in err

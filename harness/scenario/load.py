@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from optimized.patching import PatchRegistry
+
 from harness.scenario.schema import Scenario
 from harness.scenario.validation import suggest, validate_located
 from harness.scenario.yaml_source import Issue, Located, ScenarioError, load_located, read_located
@@ -20,14 +22,19 @@ def parse_scenario(text: str, file: str = "<string>", base_dir: str | Path | Non
     return _validate(load_located(text, file), file, Path(base_dir) if base_dir is not None else Path.cwd())
 
 
-def load_scenario(path: str | Path) -> Scenario:
-    """Read and validate a scenario file; raises ScenarioError listing every problem as file:line: field: problem."""
+def load_scenario(path: str | Path, plugins: PatchRegistry | None = None) -> Scenario:
+    """Read and validate a scenario file; raises ScenarioError listing every problem as file:line: field: problem.
+    `plugins` is a registry holding plugins given beside the file (`--patch-module`): its variants may name their
+    patches. The scenario's own `stacks.patch_modules` are loaded into it."""
     p = Path(path)
-    return _validate(read_located(p), str(p), p.resolve().parent)
+    return _validate(read_located(p), str(p), p.resolve().parent, plugins)
 
 
-def _validate(located: Located, file: str, base_dir: Path) -> Scenario:
-    return validate_located(Scenario, located, file, context={"base_dir": base_dir})
+def _validate(located: Located, file: str, base_dir: Path, plugins: PatchRegistry | None = None) -> Scenario:
+    context: dict = {"base_dir": base_dir}
+    if plugins is not None:
+        context["registry"] = plugins
+    return validate_located(Scenario, located, file, context=context)
 
 
 def shipped_scenarios() -> list[Path]:

@@ -420,9 +420,7 @@ class StacksSpec(Model):
         from optimized.patching import PatchError, load_plugin
         from optimized.registry import default_registry
 
-        registry = default_registry()
-        if isinstance(info.context, dict):
-            info.context["registry"] = registry
+        registry = _registry(info)  # the built-ins, plus any plugins given beside the file (load_scenario)
         resolved = []
         for index, spec in enumerate(specs):
             if spec.endswith(".py") or "/" in spec or "\\" in spec:

@@ -16,7 +16,8 @@ from harness.cli.threads import add_threads_argument, narrow_model_threads, torc
 from harness.errors import UsageError
 from harness.run.distributed import run_sharded
 from harness.run.memory import check_fits
-from harness.run.setup import Overrides, build_run_spec, default_out_dir, manifest_for, shadowing_warnings
+from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
+                               shadowing_warnings)
 from harness.run.runner import RunSpec
 from harness.scenario import find_scenario, load_scenario
 from harness.run.store import RunStore
@@ -64,7 +65,7 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
     from harness.run.runner import VariantSpec
 
     path = find_scenario(scenario_ref)
-    scenario = load_scenario(path)
+    scenario = load_scenario(path, load_registry(list(patch_modules)) if patch_modules else None)
     with new_output_dir(out or default_out_dir(scenario), "--out") as run_dir:
         store = RunStore(run_dir)
         if store.exists():

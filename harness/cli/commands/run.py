@@ -18,8 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from harness.errors import UsageError
 from harness.run.distributed import Group, RunRecipe, from_environment, run_share, run_sharded
 from harness.run.memory import check_fits
-from harness.run.setup import (Overrides, build_run_spec, default_out_dir, manifest_for, prompt_digest,
-                               shadowing_warnings, spec_from_manifest)
+from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
+                               prompt_digest, shadowing_warnings, spec_from_manifest)
 from harness.run.runner import LockstepRunner, RunSpec
 from harness.scenario import find_scenario, load_scenario
 from harness.run.store import RunStore
@@ -158,7 +158,7 @@ def _start(args: argparse.Namespace) -> tuple[RunSpec, RunStore]:
     prompt is built, as that may already compute: a greedy decode)."""
     out = console(stderr=True)
     path = find_scenario(args.scenario or DEFAULT_SCENARIO)
-    scenario = load_scenario(path)
+    scenario = load_scenario(path, load_registry(list(args.patch_module)) if args.patch_module else None)
     with new_output_dir(args.out or default_out_dir(scenario), "--out") as run_dir:
         store = RunStore(run_dir)
         if store.exists():
