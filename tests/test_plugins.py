@@ -225,3 +225,20 @@ def test_a_broken_plugin_beside_a_scenario_names_the_flag(tmp_path, capsys):
                  "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == 2 and "--patch-module: patch module" in err and "boom" in err and "Traceback" not in err
+
+
+def test_a_run_of_such_a_scenario_can_be_rebuilt_from_its_manifest(tmp_path):
+    """--resume and every rank of a sharded run parse the scenario again from the manifest: the --patch-module
+    plugins it was started with must be in that registry too."""
+    import json
+
+    from harness.cli.main import main
+    from harness.run.setup import spec_from_manifest
+
+    plugin = tmp_path / "fused_w13.py"
+    plugin.write_text(FUSED_W13)
+    out = tmp_path / "run"
+    assert main(["run", str(_scenario_naming_a_plugin(tmp_path)), "--patch-module", str(plugin), "--out", str(out),
+                 "--no-report", "--no-gate", "--no-local"]) == 0
+    spec = spec_from_manifest(json.loads((out / "manifest.json").read_text()))
+    assert [c.id for c in spec.variants[-1].choices] == ["nvfp4-experts", "fused-w13-scale"]

@@ -129,7 +129,9 @@ def build_run_spec(scenario: Scenario, overrides: Overrides, decode_ids: list[in
 def scenario_from_manifest(manifest: dict[str, Any]) -> Scenario:
     """The scenario a run was started from, parsed again from the text its manifest keeps."""
     sc = manifest["scenario"]
-    return parse_scenario(sc["text"], sc["file"], Path(sc["file"]).parent if sc["file"] != "<string>" else None)
+    modules = list(manifest.get("overrides", {}).get("patch_modules") or [])  # --patch-module plugins
+    return parse_scenario(sc["text"], sc["file"], Path(sc["file"]).parent if sc["file"] != "<string>" else None,
+                          load_registry(modules) if modules else None)
 
 
 def spec_from_manifest(manifest: dict[str, Any], device: str | None = None) -> RunSpec:

@@ -17,9 +17,11 @@ SCHEMA_FILE = SCENARIOS_DIR / "scenario.schema.json"
 """The scenario JSON Schema the shipped scenarios name in their `# yaml-language-server: $schema=…` line."""
 
 
-def parse_scenario(text: str, file: str = "<string>", base_dir: str | Path | None = None) -> Scenario:
-    """A Scenario from YAML text; relative paths resolve against `base_dir` (default: the current directory)."""
-    return _validate(load_located(text, file), file, Path(base_dir) if base_dir is not None else Path.cwd())
+def parse_scenario(text: str, file: str = "<string>", base_dir: str | Path | None = None,
+                   plugins: PatchRegistry | None = None) -> Scenario:
+    """A Scenario from YAML text; relative paths resolve against `base_dir` (default: the current directory);
+    `plugins` as for load_scenario."""
+    return _validate(load_located(text, file), file, Path(base_dir) if base_dir is not None else Path.cwd(), plugins)
 
 
 def load_scenario(path: str | Path, plugins: PatchRegistry | None = None) -> Scenario:
