@@ -26,8 +26,7 @@ from harness.run.store import RunStore
 from harness.cli.paths import new_output_dir
 from harness.cli.summary import summary_table
 from harness.cli.console import console
-from harness.cli.threads import (add_threads_argument, default_threads, narrow_model_threads, oversubscription_note,
-                                 torch_threads)
+from harness.cli.threads import add_threads_argument, narrow_model_threads, oversubscription_note, torch_threads
 from optimized.patching import PluginOpError
 
 DEFAULT_SCENARIO = "demo-cpu"
@@ -88,19 +87,18 @@ def run(args: argparse.Namespace) -> int:
         if group is not None:
             _lead(group, None)
         raise
-    with torch_threads(threads) as note:
+    with torch_threads(threads):
         try:
             if args.resume:
                 spec, store, start, streams = _resume(store, manifest, args)
             else:
-                spec, store = _start(args)
+                spec, store = _start(args)  # may narrow the thread count (narrow_model_threads)
                 start, streams = 0, None
-                if torch.get_num_threads() != (threads or default_threads()):  # narrowed: the note's count is stale
-                    note = oversubscription_note(torch.get_num_threads())
         except BaseException:
             if group is not None:  # the other ranks wait for the run: tell them there is none
                 _lead(group, None)
             raise
+        note = oversubscription_note(torch.get_num_threads())  # for the count the layers will run with
         if note:  # once, when the inputs are known to be good and the layers start
             out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
         threads_now = torch.get_num_threads()
