@@ -76,7 +76,8 @@ def read_baseline_values(path: Path) -> dict[tuple, float]:
             key = _key(entry)
             value = float(entry["value"])
         except (KeyError, TypeError, ValueError) as e:
-            raise UsageError(f"{path}: values[{i}]: needs {', '.join(ENTRY_KEYS)} and a numeric value ({e})") from None
+            raise UsageError(f"{path}: values[{i}]: needs {', '.join(ENTRY_KEYS)} and a numeric value, and an integer "
+                             f"{GROUP_KEYS[1]} where a {GROUP_KEYS[0]} other than layer is given ({e})") from None
         if not math.isfinite(value) or value < 0:
             raise UsageError(f"{path}: values[{i}]: value {entry['value']!r} must be a finite number ≥ 0")
         values[key] = value
@@ -93,7 +94,7 @@ def _entry(key: tuple, value: float) -> dict[str, Any]:
     entry = dict(zip(ENTRY_KEYS, key))
     scope, group = key[len(ENTRY_KEYS):]
     if scope != "layer":
-        entry |= {"scope": scope, "group": group}
+        entry |= dict(zip(GROUP_KEYS, (scope, group)))
     return entry | {"value": value}
 
 

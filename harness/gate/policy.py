@@ -309,7 +309,7 @@ class Policy(FileModel):
         if baseline is not None:
             baseline = Baseline.model_construct(slack=baseline.slack.at(f"{baseline_at}.baseline.slack", self.line_of))
         elif check.bound is None:
-            raise problem("required field is missing (absolute, yardstick or base; or give `baseline: {slack: X}` for "
+            raise problem(f"required field is missing ({', '.join(BOUND_KINDS)}; or give `baseline: {{slack: X}}` for "
                           "a non-regression check only)", at=("checks", index, "bound"))
         bound = check.bound
         if bound is not None:
@@ -321,7 +321,7 @@ class Policy(FileModel):
                           at=("checks", index, "scope"))
         aggregate, aggregate_at = given("aggregate")
         aggregate = aggregate or ("mean" if check.rule.discrete else "max")
-        if check.rule.discrete and bound is not None and bound.kind in RELATIVE_KINDS and aggregate != "mean":
+        if check.counted and aggregate != "mean":
             raise problem(f"{check.metric} is discrete: a relative bound counts the decisions a unit lost, which needs "
                           f"aggregate: mean (got {aggregate!r}); for the worst group use scope: bin, step, chunk or "
                           "turn", at=("checks", index, "aggregate") if aggregate_at == path else ("defaults",

@@ -10,8 +10,11 @@ on a CPU both are the same), discrete taps (selections, routing) on the CPU.
 Canonical names (README, metrics glossary): streams.{rel_l2,cosine,sqnr_db,max_abs,bias},
 attn.{tv,kl,js,out_rel_l2,lse_delta,max_logit_delta}, indexer.{recall,mass_recall,boundary_recall,fp8_boundary_recall,flips},
 mhc.{pre_rel_err,post_rel_err,comb_rel_err,ds_residual}, moe.{flip_rate,weight_l1,out_rel_l2},
+the fp32 decision sites mhc.{site_rel_err,twin_rel_err,site_ds_residual}, moe.{site_flip_rate,twin_flip_rate},
+indexer.{site_recall,twin_recall},
 logits.{kl,top1_agree,top1_flip_strict}, ctx.{earlier_turn_mass_ref,earlier_turn_mass_opt,needle_mass_ref,
-needle_mass_opt,earlier_turn_recall,needle_recall,earlier_turn_pick_share,needle_pick_share}, compressor.rows_rel_l2, indexer.rows_rel_l2.
+needle_mass_opt,earlier_turn_recall,needle_recall,earlier_turn_pick_share,needle_pick_share}, compressor.rows_rel_l2,
+indexer.rows_rel_l2; the needle answers (ctx.needle_answer, …) come from harness.run.needles.
 """
 
 from __future__ import annotations
@@ -189,8 +192,7 @@ def _set_overlap(ids_a: torch.Tensor, ids_b: torch.Tensor, valid_a: torch.Tensor
     ids_a, ids_b = ids_a.long().cpu(), ids_b.long().cpu()
     valid_a = torch.ones_like(ids_a, dtype=torch.bool) if valid_a is None else valid_a.cpu()
     valid_b = torch.ones_like(ids_b, dtype=torch.bool) if valid_b is None else valid_b.cpu()
-    n = _max_id(ids_a, ids_b) + 1
-    hit = valid_b & _membership(ids_a, valid_a, n).gather(1, ids_b.clamp(0, max(n - 1, 0))) if n else valid_b
+    hit = _picked_in(ids_b, valid_b, ids_a, valid_a)
     return hit.sum(1).double(), valid_b.sum(1).double()
 
 
