@@ -189,3 +189,62 @@ def test_indexer_scores_tie_at_the_kth_pick():
                     kth, nxt = finite.topk(CFG.index_topk + 1).values[-2:]
                     ties.append(float(kth - nxt) <= 2.0 ** (math.floor(math.log2(abs(float(kth)) + 1e-30)) - 7))
     assert len(ties) >= 10 and sum(ties) / len(ties) >= 0.25, (sum(ties), len(ties))
+
+
+# --------------------------------------------------------------------------- the uncalibrated profile
+
+
+def _weights_digests(source: SyntheticWeights) -> dict[str, str]:
+    """sha256 (first 16 hex) of every stored tensor's bytes (codes and scales) per bundle, and of every embed row."""
+    import hashlib
+
+    def raw(t: torch.Tensor) -> bytes:
+        return t.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+    out = {}
+    bundles = [("top", source.top_level())] + [(f"layer{L}", source.layer(L))
+                                               for L in range(source.config.num_hidden_layers)]
+    for key, bundle in bundles:
+        h = hashlib.sha256()
+        for name in sorted(bundle.names()):
+            value = bundle.stored(name)
+            h.update(name.encode())
+            for part in (value,) if isinstance(value, torch.Tensor) else (value.codes, value.scale, value.global_scale,
+                                                                          value.input_scale):
+                if part is not None:
+                    h.update(raw(part))
+        out[key] = h.hexdigest()[:16]
+    out["embed"] = hashlib.sha256(raw(source.embed_rows(torch.arange(source.config.vocab_size)))).hexdigest()[:16]
+    return out
+
+
+# Digests of SyntheticWeights(tiny, seed 0) as the generator made them before the profiles existed (commit
+# b7e328f, the code before 2026-12-01's calibration), computed there with this same function.
+UNCALIBRATED_TINY = {"top": "70a41ba2e883f56d", "layer0": "607a176ab6c16ec6", "layer1": "bd21b09981bb0a88",
+                     "layer2": "e7db9e46fe300826", "layer3": "1cd20a5c16841a4f", "layer4": "cb9c08c46b242722",
+                     "embed": "0ab0ad7806007b36"}
+
+
+def test_the_uncalibrated_profile_is_the_old_generator_bit_for_bit():
+    from reference.config import TINY
+
+    assert _weights_digests(SyntheticWeights(TINY, 0, "uncalibrated")) == UNCALIBRATED_TINY
+    assert _weights_digests(SyntheticWeights(TINY, 0, "calibrated")) != UNCALIBRATED_TINY, "the control differs"
+
+
+def test_synthetic_nvfp4_checkpoints_follow_the_profiles_global_scale_rule(tmp_path):
+    """uncalibrated writes the power-of-two globals of earlier checkpoints; calibrated ModelOpt-like ones."""
+    from safetensors import safe_open
+
+    from reference.config import TINY
+    from reference.weights.synth import write_synthetic_checkpoint
+
+    globals_of = {}
+    for profile in ("uncalibrated", "calibrated"):
+        out = write_synthetic_checkpoint(TINY, 0, tmp_path / profile, fmt="nvfp4", profile=profile)
+        globals_of[profile] = []
+        for shard in sorted(out.glob("*.safetensors")):
+            with safe_open(str(shard), "pt") as f:
+                globals_of[profile] += [float(f.get_tensor(k)) for k in f.keys() if k.endswith("weight_scale_2")]
+    assert globals_of["uncalibrated"] and all(math.log2(g).is_integer() for g in globals_of["uncalibrated"])
+    assert not all(math.log2(g).is_integer() for g in globals_of["calibrated"])

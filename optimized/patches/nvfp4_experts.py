@@ -1,8 +1,8 @@
 """O5 (optimized-stack §6): routed experts as ModelOpt NVFP4 with W4A4 activation quantization.
 
 Weights: e2m1 with one e4m3 scale per 16 inputs and one fp32 global scale per tensor — the checkpoint's
-own NVFP4 data when it has it, else converted losslessly from the FP4 (per-32 UE8M0) source
-(reference.quant.mx32_to_nvfp4). Activations (W4A4): every expert GEMM input is quantized at run time
+own NVFP4 data when it has it, else converted from the FP4 (per-32 UE8M0) source with the same e2m1 codes and
+block scales, the fp32 product block·global within 2^-23 of the FP4 value (reference.quant.mx32_to_nvfp4). Activations (W4A4): every expert GEMM input is quantized at run time
 to e2m1 with a dynamic e4m3 scale per 16 elements relative to a global `input_scale`
 (block scale = e4m3(amax/6/input_scale); x_q = e2m1(x / (block scale · input_scale))). The SwiGLU clamp
 is applied before the intermediate is re-quantized for W2.
@@ -12,7 +12,8 @@ Options:
   input_scale: "checkpoint" (use the stored input_scale, 1.0 where absent) or a number
   global_scale: "modelopt" (default: per-tensor global scales near amax/(6·448), as ModelOpt writes them, so a
                 gate/up pair's scales differ as in real checkpoints) or "pow2" (power-of-two globals, the rule
-                before 2026-12-01); either way the FP4 source converts losslessly (reference.quant.mx32_to_nvfp4)
+                before 2026-12-01: with profile uncalibrated it reproduces an earlier run bit for bit); pow2 is
+                exact, modelopt within 2^-23 relative of the FP4 value (reference.quant.mx32_to_nvfp4)
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ whose decisions all have wide margins hides every bug that only flips a near-tie
 any mass hides every bug in the sink. The `calibrated` profile (the default) sets those statistics from public
 evidence about real checkpoints and real serving bugs (`shared/calibration-evidence.md`); each number below
 carries its source. `uncalibrated` is the generator as it was before 2026-12-01, kept bit-for-bit so that
-earlier runs stay reproducible.
+earlier runs stay reproducible (tests/test_calibration.py pins its tensors' digests as that code made them). An
+earlier run's NVFP4 forms used the power-of-two global scale, which the profile names (`nvfp4_global_rule`, used by
+synthetic NVFP4 checkpoints); the `nvfp4-experts` patch builds its own form and takes the rule as its option
+`global_scale` (`pow2` to reproduce such a run).
 
 Statistics of the calibrated profile (each measured on the synthetic model by tests/test_calibration.py):
 - learned attention sinks: per-head sink mass spread from ~1% to heads where the sink takes most of the mass;
@@ -42,13 +45,16 @@ class Profile:
     name: str
     description: str
     calibrated: bool
+    nvfp4_global_rule: str
+    """How FP4 experts are given an NVFP4 global scale (reference.quant.mx32_to_nvfp4): `modelopt` spreads like a
+    real checkpoint's; `pow2` is what the generator did before 2026-12-01."""
 
 
 PROFILES: dict[str, Profile] = {
     "calibrated": Profile("calibrated", "statistics calibrated to public evidence, with planted retrieval circuits "
-                                        "(the default since 2026-12-01)", True),
+                                        "(the default since 2026-12-01)", True, "modelopt"),
     "uncalibrated": Profile("uncalibrated", "the synthetic generator before 2026-12-01, bit for bit (reproduces "
-                                            "earlier runs)", False),
+                                            "earlier runs)", False, "pow2"),
 }
 
 

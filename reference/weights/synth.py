@@ -5,7 +5,8 @@ from `SyntheticWeights`, whose stored values are exact FP8/FP4 quantizations:
 - `hf`: the exact fp32 dequantization of every tensor under `save_pretrained` names, loadable by
   transformers' `DeepseekV4ForCausalLM.from_pretrained`;
 - `official`: the stored bits (FP8 e4m3 + E8M0 block scales, packed e2m1 + E8M0 per-32 scales, BF16, F32, I64);
-- `nvfp4`: the official layout with routed experts converted losslessly to NVFP4 (`quant.mx32_to_nvfp4`).
+- `nvfp4`: the official layout with routed experts converted to NVFP4 (`quant.mx32_to_nvfp4`, with the profile's
+  global-scale rule: e2m1 codes and block scales exact, the fp32 product within 2^-23 of the FP4 value).
 Used by tests and to hand a real-looking checkpoint to a run without downloading one.
 """
 
@@ -48,7 +49,7 @@ def nvfp4_quantization_config(config: ModelConfig) -> dict[str, Any]:
             "kv_cache_quant_algo": None, "quantized_layers": experts}
 
 
-def _encode(name: str, value: Stored, fmt: str, dequantize_wo_a: bool) -> dict[str, torch.Tensor]:
+def _encode(name: str, value: Stored, fmt: str, dequantize_wo_a: bool, nvfp4_rule: str) -> dict[str, torch.Tensor]:
     """One tensor (official full name) -> the stored tensors of layout `fmt`, keyed by stored name."""
     if fmt == "hf":
         plain = value.dequantize(torch.float32) if isinstance(value, QuantizedTensor) else value
@@ -63,7 +64,7 @@ def _encode(name: str, value: Stored, fmt: str, dequantize_wo_a: bool) -> dict[s
         return {name: value.codes, scale_name(name): value.scale.view(torch.float8_e8m0fnu)}
     if fmt == "official":
         return {name: value.codes.view(torch.int8), scale_name(name): value.scale.view(torch.float8_e8m0fnu)}
-    nv = mx32_to_nvfp4(value)
+    nv = mx32_to_nvfp4(value, nvfp4_rule)
     parts = nvfp4_part_names(name)
     return {name: nv.codes, parts["scale"]: nv.scale, parts["global_scale"]: nv.global_scale.reshape(()),
             parts["input_scale"]: torch.tensor(NVFP4_INPUT_SCALE, dtype=torch.float32)}
@@ -112,7 +113,7 @@ def write_synthetic_checkpoint(config: ModelConfig, seed: int, out_dir: str | Pa
         tensors: dict[str, torch.Tensor] = {}
         for prefix, bundle in bundles:
             for name, value in bundle.tensors.items():
-                tensors.update(_encode(prefix + name, value, fmt, dequantize_wo_a))
+                tensors.update(_encode(prefix + name, value, fmt, dequantize_wo_a, source.profile.nvfp4_global_rule))
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in tensors})
         total_size += sum(t.numel() * t.element_size() for t in tensors.values())
