@@ -147,7 +147,7 @@ lanes_past_length_fault = Patch(
 
 
 @lanes_past_length_fault.op("sparse_attention")
-def _read_every_lane(ctx: OpContext, q, window_slots, comp_slots, sink, comp_lanes=None, comp_length=None):
+def _read_every_lane(ctx: OpContext, q, window_slots, comp_slots, sink, comp_lanes=None):
     if ctx.kind != "csa" or comp_lanes is None:
         return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_slots, sink=sink)
     return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_lanes, sink=sink)

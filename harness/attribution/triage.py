@@ -67,8 +67,7 @@ def triage(spec: RunSpec, run_dir: Path, gate: GateResult, manifest: dict[str, A
     LockstepRunner(pass_spec, store, progress).run(end_layer=last_layer + 1)
     store.delete_state()  # a triage pass is never resumed: its streams would only take disk (Flash at 27K: 3.5 GB)
     pass_gate = gate_run(store.dir, allow_incomplete=True)
-    divergences = {pid: [d for d in first_divergences(pass_gate, only(pid), pid) if d.first_layer <= last_layer]
-                   for pid in ids}
+    divergences = {pid: first_divergences(pass_gate, only(pid), pid) for pid in ids}  # the pass ends at last_layer
     matrix = blame_matrix(store.read_metrics().to_pandas(), ids, last_layer + 1)
     result = Attribution(ids, matrix, divergences, full_fails=True)
     return _write(run_dir, result, variant.name, last_layer, pass_dir=store.dir)

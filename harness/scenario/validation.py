@@ -71,9 +71,6 @@ class FileModel(Model):
             path = re.sub(r"(\.[^.\[\]]+|\[\d+\])$", "", path) if re.search(r"[.\[]", path) else ""
         return 1
 
-    def where(self, field_path: str) -> str:
-        return f"{self.file}:{self.line_of(field_path)}"
-
     def error(self, field_path: str, problem: str) -> ScenarioError:
         """An error pointing at a field, for problems found after loading (e.g. when the prompt is resolved)."""
         return self.error_type([Issue(self.file, self.line_of(field_path), field_path, problem)])

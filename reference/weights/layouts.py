@@ -325,10 +325,9 @@ def check_checkpoint(files: CheckpointFiles, config: ModelConfig, layout: str | 
         if L is not None and L >= config.num_hidden_layers:
             beyond.append(stored)
             continue
-        if L is not None and L < config.num_hidden_layers and L not in checked:
+        if L is not None and L not in checked:
             continue  # outside the requested layer filter: not examined
-        if L is not None and L < config.num_hidden_layers and _SCHEDULE_DEPENDENT.match(
-                official.removeprefix(layer_prefix(L))):
+        if L is not None and _SCHEDULE_DEPENDENT.match(official.removeprefix(layer_prefix(L))):
             routing = "hash" if config.is_hash_layer(L) else "learned"
             out.errors.append(
                 f"tensor {files.tensors[stored].where()}: the config describes layer {L} as "

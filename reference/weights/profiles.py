@@ -143,10 +143,6 @@ def router_logit_std(cfg: ModelConfig) -> float:
     return (lo + hi) / 2
 
 
-ROUTER_BIAS_STD = 0.05
-"""noaux_tc selection bias, relative to the logit std (the uncalibrated profile's 0.05 at σ = 1)."""
-
-
 # --------------------------------------------------------------------------- NVFP4 w1/w3 global-scale spread
 
 W13_LOG_RATIO_SCALE = 0.097

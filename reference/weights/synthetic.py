@@ -175,9 +175,9 @@ class SyntheticWeights:
             u = uniforms(stream_key(self.seed, layer, name + "#mass"), cfg.num_attention_heads)
             value = torch.tensor([profiles.sink_logit(cfg, layer, h, float(u[h])) for h in range(cfg.num_attention_heads)],
                                  dtype=torch.float32, device=device)
-        elif name == "ffn.gate.weight":  # the uncalibrated logit std is 1: rescale to the reference router's margins
-            value = value * profiles.router_logit_std(cfg)
-        elif name == "ffn.gate.bias":  # 0.05·z before: keep the bias's share of the logit spread
+        elif name in ("ffn.gate.weight", "ffn.gate.bias"):
+            # the uncalibrated logit std is 1 (bias 0.05·z): rescale both to the reference router's margins, so the
+            # bias keeps its share of the logit spread
             value = value * profiles.router_logit_std(cfg)
         elif name.startswith("ffn.experts.") and name.endswith((".w1.weight", ".w3.weight")):
             expert = name.split(".")[2]
