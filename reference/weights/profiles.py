@@ -175,11 +175,14 @@ def outlier_dim(cfg: ModelConfig) -> int:
 
 
 OUTLIER_CHANNEL_VALUE = 12.0
-"""The systematic outlier feature: the last residual dimension holds 6.0 in every token's embedding — LLM.int8()'s
+"""The systematic outlier feature: the last residual dimension holds 12.0 in every token's embedding — LLM.int8()'s
 outlier features (magnitude ≥ 6 where most hidden values are within ±1, in the same dimension across most
-tokens), ~6-9× the median |value| of the other dimensions (±1 codes, N(0, 1) elsewhere: median 0.67-1) — and,
-being constant, it is also a bias term the planted indexer heads read (Sun et al. 2024). A per-16 FP4 block
-holding it scales its e2m1 max (6) to the outlier (~6 after the input norm): entries below a quarter of the
-scale step (|x| < 0.25·amax/6 ≈ 0.25) round to zero, about a quarter of a N(0, 0.7) block's entries against a
-few percent in a block without it. FP8 e4m3 blocks (1×128) keep their small entries at this magnitude (its
-normals span 2^15); only a massive activation (10^3–10^5×, Sun et al.) would empty them."""
+tokens) — and, being constant, it is also a bias term the planted indexer heads read (Sun et al. 2024).
+Measured on flash-mini's embedding (D = 64; the other dimensions are ±1 codes and N(0, 1), median |value| 0.70):
+17× the median; after the input RMSNorm (RMS ≈ 1.7, raised by the outlier itself) ~7.1 against a median 0.41,
+well past LLM.int8()'s 6 (tests/test_calibration.py checks ≥ 6× the median in layer 0's attention input). A
+per-16 FP4 block holding it scales its e2m1 max (6) to the outlier: its step amax/6 ≈ 1.2 rounds the small entries
+of its block mates (|x| ≲ 0.3) to zero, which a block without it keeps (the test: at least twice the block mates'
+error).
+FP8 e4m3 blocks (1×128) keep their small entries at this magnitude (its normals span 2^15); only a massive
+activation (10^3–10^5×, Sun et al.) would empty them."""
