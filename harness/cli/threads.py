@@ -68,6 +68,8 @@ def oversubscription(threads: int, cores: int, load_average: float) -> str | Non
     if threads > cores:
         return (f"--threads {threads} is more than the {cores} core(s) this process may use: the threads will "
                 "wait for each other")
+    # half a core of slack: a load average is a decaying mean that an idle machine's daemons keep at a few tenths;
+    # the free cores round to the nearest whole one
     if load_average + threads > cores + 0.5:
         free = max(1, int(cores - load_average + 0.5))
         advice = f"--threads {free} is likely faster" if free < threads else "expect it to run slower"
@@ -85,7 +87,6 @@ def oversubscription_note(threads: int) -> str | None:
 def torch_threads(requested: int | None) -> Iterator[str | None]:
     """Run a command with `requested` torch threads (default: default_threads()), restoring the previous count
     afterwards (commands also run in-process: tests, the pytest plugin). Yields the oversubscription note."""
-    cores = available_cores()
     threads = default_threads() if requested is None else requested
     if threads < 1:
         raise UsageError(f"--threads {threads}: must be at least 1")
