@@ -118,7 +118,7 @@ def load_weight(ctx: OpContext, name: str, fmt: str) -> torch.Tensor:
     if not isinstance(stored, QuantizedTensor) or stored.format not in ("fp4_mx32", "nvfp4"):
         raise ValueError(f"'{name}' is not an FP4 or NVFP4 weight; it has no NVFP4 form")
     rule = "pow2" if fmt == "nvfp4-pow2" else "modelopt"
-    as_nvfp4 = (lambda: stored) if stored.format == "nvfp4" else (lambda: mx32_to_nvfp4(stored, rule))
+    as_nvfp4 = (lambda: stored) if stored.format == "nvfp4" else (lambda: mx32_to_nvfp4(stored, rule, name))
     return ctx.dense.get(f"{name}#{fmt}", as_nvfp4, ctx.device)
 
 

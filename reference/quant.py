@@ -298,7 +298,7 @@ def quantize_fp4_mx32(w: torch.Tensor) -> QuantizedTensor:
 NVFP4_GLOBAL_RULES = ("modelopt", "pow2")
 
 
-def mx32_to_nvfp4(q: QuantizedTensor, global_rule: str = "modelopt") -> QuantizedTensor:
+def mx32_to_nvfp4(q: QuantizedTensor, global_rule: str = "modelopt", name: str = "tensor") -> QuantizedTensor:
     """MXFP4 -> NVFP4 (spec §8.4) with the same e2m1 codes; per-16 e4m3 block scale = 2^e / global.
 
     The block scale 2^e·(2^k/global) must be exact in e4m3. `pow2`: global = 2^(emax−8), a power of two, so every
@@ -308,11 +308,12 @@ def mx32_to_nvfp4(q: QuantizedTensor, global_rule: str = "modelopt") -> Quantize
     global = 2^(emax−7)/f with f = 6·2^emax/amax rounded to 3 mantissa bits: the largest per-32 block holds
     amax = c·2^emax with c ∈ (3, 6], so f ∈ [1, 2) and global ≈ amax/(6·2^7) — ModelOpt's amax/(6·448) times the
     constant 3.5, tracking amax to within 1/16 — while block scales 2^(e−emax+7)·f stay exact e4m3 normals
-    (≤ 2^7·1.875 = 240, ≥ 2^-6 while the exponents span ≤ 13 binades; wider spans fall back to f = 1). Codes and block scales are then exactly the FP4 source's
-    value; the fp32 product block·global is within 2^-23 relative of 2^e (one rounding of 2^k/f).
+    (≤ 2^7·1.875 = 240, ≥ 2^-6 while the exponents span ≤ 13 binades; wider spans take the pow2 rule). Codes and
+    block scales are then exactly the FP4 source's value; the fp32 product block·global is within 2^-23 relative of
+    2^e (one rounding of 2^k/f). `name` is the tensor's, for errors.
     """
     if q.format != "fp4_mx32":
-        raise ValueError(f"expected an fp4_mx32 tensor, got {q.format}")
+        raise ValueError(f"{name}: expected an fp4_mx32 tensor, got {q.format}")
     if global_rule not in NVFP4_GLOBAL_RULES:
         raise ValueError(f"unknown NVFP4 global-scale rule {global_rule!r}; expected one of {NVFP4_GLOBAL_RULES}")
     exp = q.scale.to(torch.int32) - 127
@@ -328,7 +329,7 @@ def mx32_to_nvfp4(q: QuantizedTensor, global_rule: str = "modelopt") -> Quantize
         return QuantizedTensor("nvfp4", q.codes.clone(), block16, global_scale.reshape(()), None)
     rel = exp - emax + 8  # in [-9, 8] when the span is <= 17 binades
     if int(rel.min()) < -9:
-        raise ValueError("per-32 scales span more than 17 binades; NVFP4 conversion would not be lossless")
+        raise ValueError(f"{name}: per-32 scales span more than 17 binades; NVFP4 conversion would not be lossless")
     block16 = pow2(rel).repeat_interleave(2, dim=1).to(torch.float8_e4m3fn)
     global_scale = pow2(torch.tensor(emax - 8))
     return QuantizedTensor("nvfp4", q.codes.clone(), block16, global_scale.reshape(()), None)

@@ -64,7 +64,7 @@ def _encode(name: str, value: Stored, fmt: str, dequantize_wo_a: bool, nvfp4_rul
         return {name: value.codes, scale_name(name): value.scale.view(torch.float8_e8m0fnu)}
     if fmt == "official":
         return {name: value.codes.view(torch.int8), scale_name(name): value.scale.view(torch.float8_e8m0fnu)}
-    nv = mx32_to_nvfp4(value, nvfp4_rule)
+    nv = mx32_to_nvfp4(value, nvfp4_rule, name)
     parts = nvfp4_part_names(name)
     return {name: nv.codes, parts["scale"]: nv.scale, parts["global_scale"]: nv.global_scale.reshape(()),
             parts["input_scale"]: torch.tensor(NVFP4_INPUT_SCALE, dtype=torch.float32)}
