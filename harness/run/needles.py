@@ -78,10 +78,11 @@ class AnswerLens:
 
     def read(self, logits_fn: Callable[[torch.Tensor], torch.Tensor], streams: torch.Tensor) -> dict[str, torch.Tensor]:
         """answered [Q] bool, margin [Q] and logit of the answer [Q] (fp64) from a stack's logits at the queries."""
-        logits = logits_fn(streams[self.positions.to(streams.device)]).double().cpu()
-        answer_logit = logits.gather(1, self.answers[:, None]).squeeze(1)
-        others = logits.scatter(1, self.answers[:, None], float("-inf"))
-        margin = answer_logit - others.amax(1)
+        logits = logits_fn(streams[self.positions.to(streams.device)]).double()  # on the stack's device: exact ops
+        answers = self.answers[:, None].to(logits.device)
+        answer_logit = logits.gather(1, answers).squeeze(1)
+        margin = answer_logit - logits.scatter(1, answers, float("-inf")).amax(1)
+        margin, answer_logit = margin.cpu(), answer_logit.cpu()  # [Q] each, not the [Q, vocab] logits
         return {"answered": margin > 0, "margin": margin, "answer_logit": answer_logit}
 
     def compare(self, ref: dict[str, torch.Tensor], var: dict[str, torch.Tensor]) -> list[MetricValues]:
