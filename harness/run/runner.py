@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from harness.errors import UsageError
 from harness.run.aggregate import LayerAccumulator
 from harness.run.bins import BinPlan
 from harness.run.metrics import CompareContext, compare_logits
@@ -202,13 +203,14 @@ class LockstepRunner:
 
     def _record_stop(self, error: BaseException) -> None:
         """Mark the manifest `interrupted` (Ctrl-C, SIGTERM) or `failed`, with the layer and stack that stopped
-        and the error, unless the run directory itself cannot be written (that error is the one to report)."""
+        and the error, unless the run directory itself cannot be written or its manifest is damaged (UsageError):
+        raising here, inside the caller's handler, would hide the error that stopped the run."""
         status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
         try:
             saved = self.store.read_manifest().get("state_layer") if self.store.state_path.is_file() else None
             self.store.update_manifest(status=status, failure={**self.where, "error": f"{type(error).__name__}: "
                                                                                        f"{error}", "state_layer": saved})
-        except (OSError, ValueError):
+        except (OSError, ValueError, UsageError):
             pass
 
     def initial_streams(self) -> dict[str, torch.Tensor]:
