@@ -138,7 +138,7 @@ class ShardedRunner(LockstepRunner):
         self.ranks_per_device = group.ranks_per_device
 
     def own_stacks(self) -> list[tuple[str, str]]:
-        return [pair for i, pair in enumerate(self.spec.stacks()) if i % self.group.world == self.group.rank]
+        return self.spec.stacks_of_rank(self.group.rank, self.group.world)
 
     def _reference_layer(self, block: ReferenceLayer, ref_in: torch.Tensor, record: RecordingSink) -> torch.Tensor:
         """Rank 0 runs the reference; every rank receives its output and its recorded taps."""

@@ -79,9 +79,16 @@ def _layer_bytes(cfg: ModelConfig, layer: int) -> tuple[float, float, float]:
     return stored, dense, experts
 
 
+def _global_stacks_per_rank(spec: RunSpec, world: int) -> int:
+    """The most global-mode stacks (each holding its own streams) any rank of `world` runs, as the runner deals
+    them (RunSpec.stacks_of_rank): with local mode on, pairs alternate global/local, so with two ranks every global
+    pair lands on rank 0 and sharding saves no stream memory."""
+    return max(sum(mode == "global" for _, mode in spec.stacks_of_rank(rank, world)) for rank in range(world))
+
+
 def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
-    """The estimate for one process of a run sharded over `world` (each holds the streams of its share of the
-    stacks, and all the rest)."""
+    """The estimate for the busiest process of a run sharded over `world` (each holds the streams of its share of
+    the stacks, and all the rest; rank 0 also gathers every stack's streams when it saves the resume state)."""
     cfg = spec.source.config
     T, n, D, H, hd = spec.n_total, cfg.hc_mult, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     ref_size = torch.empty(0, dtype=spec.reference_dtype).element_size()
@@ -93,7 +100,8 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
     device = torch.device(spec.device)
     budget = (torch.cuda.get_device_properties(device).total_memory * DEVICE_BUDGET_FRACTION
               if device.type == "cuda" else CPU_BUDGET_BYTES)
-    global_stacks = -(-(int(spec.yardstick) + len(spec.variants)) // world)
+    global_stacks = _global_stacks_per_rank(spec, world)
+    all_global_stacks = _global_stacks_per_rank(spec, 1)
     taps_per_token = (ref_size * (2 * D + 2 * D + n * D + n * D + H + 2 * n + n * n)  # attn/moe out, mixed, streams
                       + 4 * cfg.n_routed_experts + 12 * cfg.num_experts_per_tok  # router
                       + 9 * cfg.index_topk)  # indexer.selected: int64 ids + bool
@@ -111,7 +119,7 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
         "recorded taps": T * taps_per_token,
         "working set": working,
     }
-    state_copy = T * n * D * (ref_size + 2 * global_stacks)  # the resume state, on the host when it is saved
+    state_copy = T * n * D * (ref_size + 2 * all_global_stacks)  # the resume state, gathered on rank 0's host
     host = {"process (torch and its libraries)": PROCESS_BYTES[device.type], "resume state copy": state_copy}
     if device.type == "cuda":
         return MemoryEstimate(spec.device, terms, host)

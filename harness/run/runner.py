@@ -89,6 +89,12 @@ class RunSpec:
             out += [(v.name, "forced") for v in self.variants]
         return out
 
+    def stacks_of_rank(self, rank: int, world: int) -> list[tuple[str, str]]:
+        """The (stack, mode) pairs rank `rank` of `world` runs: pair i of stacks() on rank i mod world, so a stack's
+        global mode, which carries its streams from layer to layer, always runs on the same rank. The one place
+        this deal is made, so the sharded runner and the memory estimate (harness.run.memory) agree about it."""
+        return self.stacks()[rank::world]
+
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
@@ -301,7 +307,7 @@ class LockstepRunner:
 
     def own_stacks(self) -> list[tuple[str, str]]:
         """The (stack, mode) pairs this process runs: all of them."""
-        return self.spec.stacks()
+        return self.spec.stacks_of_rank(0, 1)
 
     def _reference_layer(self, block: ReferenceLayer, ref_in: torch.Tensor, record: RecordingSink) -> torch.Tensor:
         """The reference over the layer, its taps recorded."""
