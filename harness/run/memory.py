@@ -6,7 +6,7 @@ what would not fit and which setting changes it:
 
 - **weights**: two layers in their stored formats (the one in use and the next, made in the background);
 - **dequantized weights**: the layer's fp32 copies shared by every stack (reference.weights.dense_cache), up to
-  the cache's budget;
+  the cache's budget (a GPU's share is split between the ranks on it);
 - **reference layers**: the reference's non-expert weights in its dtype and the yardstick's in bf16;
 - **output heads**: the LM head stored, and in the reference's, the yardstick's and the engines' dtypes (the needle
   lens reads logits after every layer);
@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.run.distributed import ranks_per_device
 from harness.run.runner import RunSpec
 from reference.config import ModelConfig
-from reference.weights.dense_cache import CPU_BUDGET_BYTES, DEVICE_BUDGET_FRACTION
+from reference.weights.dense_cache import DenseCache
 from reference.weights.schema import layer_specs
 
 STORED_BYTES_PER_ELEMENT = {"fp8_block128": 1 + 1 / 128**2, "fp4_mx32": 0.5 + 1 / 32, "bf16": 2, "f32": 4, "i64": 8}
@@ -98,8 +99,8 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
     experts = max(e for _, _, e in layers)
     nvfp4 = any(c.id == "nvfp4-experts" for v in spec.variants for c in v.choices)
     device = torch.device(spec.device)
-    budget = (torch.cuda.get_device_properties(device).total_memory * DEVICE_BUDGET_FRACTION
-              if device.type == "cuda" else CPU_BUDGET_BYTES)
+    # the runner's own cache budget (LockstepRunner.run_layer), split between the ranks that share a GPU
+    budget = DenseCache.for_device(device, ranks_per_device(spec.device, world)).budget_bytes
     global_stacks = _global_stacks_per_rank(spec, world)
     all_global_stacks = _global_stacks_per_rank(spec, 1)
     taps_per_token = (ref_size * (2 * D + 2 * D + n * D + n * D + H + 2 * n + n * n)  # attn/moe out, mixed, streams
@@ -162,12 +163,14 @@ def fit_problem(estimate: MemoryEstimate, device_capacity: float | None, host_ca
 
 
 def check_fits(spec: RunSpec, world: int = 1) -> MemoryEstimate:
-    """The run's estimate; a UsageError naming the numbers and the setting to change when it would not fit."""
+    """The run's estimate; a UsageError naming the numbers and the setting to change when it would not fit. The
+    estimate is one process's, so it is checked against that process's share of a GPU its ranks share."""
     from harness.errors import UsageError
 
     estimate = predict_memory(spec, world)
     device = torch.device(spec.device)
-    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    capacity = (torch.cuda.get_device_properties(device).total_memory / ranks_per_device(spec.device, world)
+                if device.type == "cuda" else None)
     problem = fit_problem(estimate, capacity, available_host_bytes() / (1 if capacity else world))
     if problem:
         raise UsageError(problem)
