@@ -140,11 +140,12 @@ class ShardedRunner(LockstepRunner):
     def own_stacks(self) -> list[tuple[str, str]]:
         return self.spec.stacks_of_rank(self.group.rank, self.group.world)
 
-    def _reference_layer(self, block: ReferenceLayer, ref_in: torch.Tensor, record: RecordingSink) -> torch.Tensor:
-        """Rank 0 runs the reference; every rank receives its output and its recorded taps."""
+    def _reference_layer(self, build: Callable[[], ReferenceLayer], ref_in: torch.Tensor, record: RecordingSink
+                         ) -> torch.Tensor:
+        """Rank 0 builds and runs the reference; every rank receives its output and its recorded taps."""
         tree = None
         if self.group.rank == 0:
-            out = super()._reference_layer(block, ref_in, record)
+            out = super()._reference_layer(build, ref_in, record)
             tree = {"out": out, "dense": record.dense, "rows": record.rows, "samples": record.samples}
         tree = self.group.broadcast_tensors(tree, src=0)
         if self.group.rank != 0:
