@@ -146,6 +146,22 @@ def test_attribute_and_selftest_report_a_plugin_fault_with_exit_3(tmp_path, caps
     assert "plugin fault: patch 'fault-x'" in one_line_error(capsys, "selftest")
 
 
+def test_a_damaged_manifest_does_not_hide_the_error_that_stopped_the_run(tmp_path):
+    """_record_stop runs inside the runner's `except BaseException`: a UsageError from reading a damaged manifest
+    would replace the failure being reported, so it is swallowed like an unwritable run directory."""
+    from types import SimpleNamespace
+
+    from harness.run.runner import LockstepRunner
+
+    store = RunStore(tmp_path / "run")
+    store.state_path.parent.mkdir(parents=True)
+    store.state_path.write_bytes(b"")
+    store.manifest_path.write_text("{not json")
+    runner = SimpleNamespace(store=store, where={"layer": 1, "stack": "base", "mode": "global"})
+    LockstepRunner._record_stop(runner, RuntimeError("the original failure"))  # type: ignore[arg-type]
+    assert store.manifest_path.read_text() == "{not json"
+
+
 def test_patch_option_values_are_checked_against_the_patchs_choices_before_any_compute(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["run", "tiny-smoke", "--patches", "triton-indexer:dot_precision=fp99", "--out", str(out)]) == 2

@@ -10,7 +10,8 @@ import torch
 
 from harness.cli.main import main
 from harness.run.benchmark import reference_flops
-from harness.run.memory import MemoryEstimate, fit_problem, predict_memory
+from harness.errors import UsageError
+from harness.run.memory import HEADROOM, MemoryEstimate, check_fits, fit_problem, predict_memory
 from harness.run.setup import Overrides, build_run_spec
 from harness.scenario import find_scenario, load_scenario
 from reference.config import TINY, get_preset
@@ -57,8 +58,12 @@ def test_the_memory_estimate_grows_with_the_prompt_and_the_stacks():
     long = _spec("tiny-smoke", "none")
     long.prompt_ids = long.prompt_ids * 4
     assert predict_memory(long).host_bytes > predict_memory(small).host_bytes
-    sharded = predict_memory(large, world=2)
-    assert sharded.host_terms["streams"] < predict_memory(large).host_terms["streams"]
+    # Pair i of spec.stacks() runs on rank i mod N. With local mode on the pairs alternate global/local, so with two
+    # ranks rank 0 runs every global stack and holds every stream: sharding saves nothing there. Without local mode
+    # the global stacks split between the ranks.
+    assert predict_memory(large, world=2).host_terms["streams"] == predict_memory(large).host_terms["streams"]
+    large.local = False
+    assert predict_memory(large, world=2).host_terms["streams"] < predict_memory(large).host_terms["streams"]
 
 
 def test_a_run_that_would_not_fit_is_refused_with_the_numbers_and_the_setting_to_change():
@@ -69,6 +74,23 @@ def test_a_run_that_would_not_fit_is_refused_with_the_numbers_and_the_setting_to
     assert "135.0 GiB" in problem and "141.0 GiB" in problem and "streams 90.0 GiB" in problem
     assert "--devices N" in problem and "prefill.reference_chunk_size" in problem
     assert fit_problem(estimate, device_capacity=200 * gib, host_capacity=100 * gib) is None
+
+
+def test_ranks_sharing_one_gpu_are_each_checked_against_their_share_of_it(monkeypatch):
+    """The estimate is one process's; two ranks on one GPU each get half of it (and half the dense cache's budget,
+    DenseCache.for_device), so a run that fits one process is refused for two."""
+    spec = _spec("tiny-smoke", "all")
+    spec.device = "cuda"
+    gpu = type("Props", (), {"total_memory": 0})()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
+    gpu.total_memory = 10 * 2**40
+    alone, shared = predict_memory(spec), predict_memory(spec, world=2)
+    assert alone.device_bytes == shared.device_bytes  # tiny: its layer is far under either cache budget
+    gpu.total_memory = int(1.5 * alone.device_bytes / HEADROOM)
+    assert check_fits(spec).device_bytes == alone.device_bytes
+    with pytest.raises(UsageError, match="predicted peak device memory"):
+        check_fits(spec, world=2)
 
 
 def test_the_flash_30k_budget_shape_is_predicted_under_the_h200s_memory():

@@ -138,13 +138,14 @@ class ShardedRunner(LockstepRunner):
         self.ranks_per_device = group.ranks_per_device
 
     def own_stacks(self) -> list[tuple[str, str]]:
-        return [pair for i, pair in enumerate(self.spec.stacks()) if i % self.group.world == self.group.rank]
+        return self.spec.stacks_of_rank(self.group.rank, self.group.world)
 
-    def _reference_layer(self, block: ReferenceLayer, ref_in: torch.Tensor, record: RecordingSink) -> torch.Tensor:
-        """Rank 0 runs the reference; every rank receives its output and its recorded taps."""
+    def _reference_layer(self, build: Callable[[], ReferenceLayer], ref_in: torch.Tensor, record: RecordingSink
+                         ) -> torch.Tensor:
+        """Rank 0 builds and runs the reference; every rank receives its output and its recorded taps."""
         tree = None
         if self.group.rank == 0:
-            out = super()._reference_layer(block, ref_in, record)
+            out = super()._reference_layer(build, ref_in, record)
             tree = {"out": out, "dense": record.dense, "rows": record.rows, "samples": record.samples}
         tree = self.group.broadcast_tensors(tree, src=0)
         if self.group.rank != 0:
@@ -203,12 +204,19 @@ def rank_device(device: str, rank: int) -> tuple[str, int]:
     return f"cuda:{rank % count}", count
 
 
+def ranks_per_device(device: str, world: int) -> int:
+    """How many of `world` ranks share one device, as rank_device spreads them: ceil(world / GPUs) on CUDA, 1 on the
+    CPU (its ranks share the host, not a device). Their dequantized-weight caches and the memory check split it."""
+    count = rank_device(device, 0)[1]
+    return -(-world // count) if count else 1
+
+
 def join_group(rank: int, world: int, device: str) -> Group:
     """Initialise torch.distributed for this rank (MASTER_ADDR/MASTER_PORT in the environment): NCCL when each rank
     has a GPU of its own, gloo on the CPU and when ranks share a GPU (NCCL refuses two ranks on one device:
     "Duplicate GPU detected", seen on an H200)."""
-    own, count = rank_device(device, rank)
-    sharing = -(-world // count) if count else 1
+    own = rank_device(device, rank)[0]
+    sharing = ranks_per_device(device, world)
     if own.startswith("cuda"):
         torch.cuda.set_device(own)
     nccl = own.startswith("cuda") and sharing == 1

@@ -6,7 +6,7 @@ what would not fit and which setting changes it:
 
 - **weights**: two layers in their stored formats (the one in use and the next, made in the background);
 - **dequantized weights**: the layer's fp32 copies shared by every stack (reference.weights.dense_cache), up to
-  the cache's budget;
+  the cache's budget (a GPU's share is split between the ranks on it);
 - **reference layers**: the reference's non-expert weights in its dtype and the yardstick's in bf16;
 - **output heads**: the LM head stored, and in the reference's, the yardstick's and the engines' dtypes (the needle
   lens reads logits after every layer);
@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.run.distributed import ranks_per_device
 from harness.run.runner import RunSpec
 from reference.config import ModelConfig
-from reference.weights.dense_cache import CPU_BUDGET_BYTES, DEVICE_BUDGET_FRACTION
+from reference.weights.dense_cache import DenseCache
 from reference.weights.schema import layer_specs
 
 STORED_BYTES_PER_ELEMENT = {"fp8_block128": 1 + 1 / 128**2, "fp4_mx32": 0.5 + 1 / 32, "bf16": 2, "f32": 4, "i64": 8}
@@ -79,9 +80,16 @@ def _layer_bytes(cfg: ModelConfig, layer: int) -> tuple[float, float, float]:
     return stored, dense, experts
 
 
+def _global_stacks_per_rank(spec: RunSpec, world: int) -> int:
+    """The most global-mode stacks (each holding its own streams) any rank of `world` runs, as the runner deals
+    them (RunSpec.stacks_of_rank): with local mode on, pairs alternate global/local, so with two ranks every global
+    pair lands on rank 0 and sharding saves no stream memory."""
+    return max(sum(mode == "global" for _, mode in spec.stacks_of_rank(rank, world)) for rank in range(world))
+
+
 def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
-    """The estimate for one process of a run sharded over `world` (each holds the streams of its share of the
-    stacks, and all the rest)."""
+    """The estimate for the busiest process of a run sharded over `world` (each holds the streams of its share of
+    the stacks, and all the rest; rank 0 also gathers every stack's streams when it saves the resume state)."""
     cfg = spec.source.config
     T, n, D, H, hd = spec.n_total, cfg.hc_mult, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     ref_size = torch.empty(0, dtype=spec.reference_dtype).element_size()
@@ -91,9 +99,10 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
     experts = max(e for _, _, e in layers)
     nvfp4 = any(c.id == "nvfp4-experts" for v in spec.variants for c in v.choices)
     device = torch.device(spec.device)
-    budget = (torch.cuda.get_device_properties(device).total_memory * DEVICE_BUDGET_FRACTION
-              if device.type == "cuda" else CPU_BUDGET_BYTES)
-    global_stacks = -(-(int(spec.yardstick) + len(spec.variants)) // world)
+    # the runner's own cache budget (LockstepRunner.run_layer), split between the ranks that share a GPU
+    budget = DenseCache.for_device(device, ranks_per_device(spec.device, world)).budget_bytes
+    global_stacks = _global_stacks_per_rank(spec, world)
+    all_global_stacks = _global_stacks_per_rank(spec, 1)
     taps_per_token = (ref_size * (2 * D + 2 * D + n * D + n * D + H + 2 * n + n * n)  # attn/moe out, mixed, streams
                       + 4 * cfg.n_routed_experts + 12 * cfg.num_experts_per_tok  # router
                       + 9 * cfg.index_topk)  # indexer.selected: int64 ids + bool
@@ -111,7 +120,7 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
         "recorded taps": T * taps_per_token,
         "working set": working,
     }
-    state_copy = T * n * D * (ref_size + 2 * global_stacks)  # the resume state, on the host when it is saved
+    state_copy = T * n * D * (ref_size + 2 * all_global_stacks)  # the resume state, gathered on rank 0's host
     host = {"process (torch and its libraries)": PROCESS_BYTES[device.type], "resume state copy": state_copy}
     if device.type == "cuda":
         return MemoryEstimate(spec.device, terms, host)
@@ -154,12 +163,14 @@ def fit_problem(estimate: MemoryEstimate, device_capacity: float | None, host_ca
 
 
 def check_fits(spec: RunSpec, world: int = 1) -> MemoryEstimate:
-    """The run's estimate; a UsageError naming the numbers and the setting to change when it would not fit."""
+    """The run's estimate; a UsageError naming the numbers and the setting to change when it would not fit. The
+    estimate is one process's, so it is checked against that process's share of a GPU its ranks share."""
     from harness.errors import UsageError
 
     estimate = predict_memory(spec, world)
     device = torch.device(spec.device)
-    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    capacity = (torch.cuda.get_device_properties(device).total_memory / ranks_per_device(spec.device, world)
+                if device.type == "cuda" else None)
     problem = fit_problem(estimate, capacity, available_host_bytes() / (1 if capacity else world))
     if problem:
         raise UsageError(problem)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from harness.errors import UsageError
 from harness.run.aggregate import LayerAccumulator
 from harness.run.bins import BinPlan
 from harness.run.metrics import CompareContext, compare_logits
@@ -87,6 +88,12 @@ class RunSpec:
         if self.force_decisions:
             out += [(v.name, "forced") for v in self.variants]
         return out
+
+    def stacks_of_rank(self, rank: int, world: int) -> list[tuple[str, str]]:
+        """The (stack, mode) pairs rank `rank` of `world` runs: pair i of stacks() on rank i mod world, so a stack's
+        global mode, which carries its streams from layer to layer, always runs on the same rank. The one place
+        this deal is made, so the sharded runner and the memory estimate (harness.run.memory) agree about it."""
+        return self.stacks()[rank::world]
 
 
 ProgressFn = Callable[[dict[str, Any]], None]
@@ -202,21 +209,25 @@ class LockstepRunner:
 
     def _record_stop(self, error: BaseException) -> None:
         """Mark the manifest `interrupted` (Ctrl-C, SIGTERM) or `failed`, with the layer and stack that stopped
-        and the error, unless the run directory itself cannot be written (that error is the one to report)."""
+        and the error, unless the run directory itself cannot be written or its manifest is damaged (UsageError):
+        raising here, inside the caller's handler, would hide the error that stopped the run."""
         status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
         try:
             saved = self.store.read_manifest().get("state_layer") if self.store.state_path.is_file() else None
             self.store.update_manifest(status=status, failure={**self.where, "error": f"{type(error).__name__}: "
                                                                                        f"{error}", "state_layer": saved})
-        except (OSError, ValueError):
+        except (OSError, ValueError, UsageError):
             pass
 
     def initial_streams(self) -> dict[str, torch.Tensor]:
-        """Every stack's input to layer 0: the embedding, fp32 for the reference and bf16 for the others."""
+        """The input to layer 0 of the reference and of each global stack this process runs (the only stacks that
+        read their own streams; a sharded run's other stacks are other ranks'): the embedding, fp32 for the reference
+        and bf16 for the others."""
         x = self.reference.embed(self.ids)
         streams = {"reference": x}
-        for name, _ in self.spec.stacks():
-            streams.setdefault(name, x.to(torch.bfloat16))
+        for name, mode in self.own_stacks():
+            if mode == "global":
+                streams[name] = x.to(torch.bfloat16)
         return streams
 
     # Resume state: a few hundred MB write in a fraction of a second (the demo's is 28 MB), so save every layer;
@@ -253,17 +264,18 @@ class LockstepRunner:
         dense = DenseCache.for_device(self.device, self.ranks_per_device)  # dequantized weights shared by the stacks
         self._enter(layer, "reference", "global")
         ref_in = streams["reference"]
-        ref_out = self._reference_layer(ReferenceLayer(cfg, layer, weights, spec.reference_dtype, spec.parity,
-                                                       self.device, dense), ref_in, record)
+        ref_out = self._reference_layer(lambda: ReferenceLayer(cfg, layer, weights, spec.reference_dtype, spec.parity,
+                                                               self.device, dense), ref_in, record)
         ctx = CompareContext(cfg.layer_kind(layer), cfg.compress_ratio(layer), cfg.sliding_window,
                              torch.tensor(spec.turn_of_position), self.turn_start, spec.needle_spans)
         ref_answers = self.lens.read(self.reference.logits, ref_out) if self.lens else None
         rows: dict[tuple[str, str], list[dict]] = {}
         new_streams = {"reference": ref_out}
+        own = self.own_stacks()
         yard_layer = ReferenceLayer(cfg, layer, weights, torch.bfloat16, ParityOptions(), self.device, dense) \
-            if spec.yardstick else None
+            if any(name == YARDSTICK for name, _ in own) else None  # built (weights dequantized) where it runs
         engine_layers: dict[str, OptimizedLayer] = {}
-        for name, mode in self.own_stacks():
+        for name, mode in own:
             self._enter(layer, name, mode)
             acc = LayerAccumulator(self.plan)
             if dump:
@@ -299,11 +311,13 @@ class LockstepRunner:
 
     def own_stacks(self) -> list[tuple[str, str]]:
         """The (stack, mode) pairs this process runs: all of them."""
-        return self.spec.stacks()
+        return self.spec.stacks_of_rank(0, 1)
 
-    def _reference_layer(self, block: ReferenceLayer, ref_in: torch.Tensor, record: RecordingSink) -> torch.Tensor:
-        """The reference over the layer, its taps recorded."""
-        return self.reference.run_layer(block, ref_in, self.ids, self.reference_segments, record)
+    def _reference_layer(self, build: Callable[[], ReferenceLayer], ref_in: torch.Tensor, record: RecordingSink
+                         ) -> torch.Tensor:
+        """The reference over the layer, its taps recorded. `build` makes its block (which dequantizes the layer's
+        weights), called only by the process that runs the reference."""
+        return self.reference.run_layer(build(), ref_in, self.ids, self.reference_segments, record)
 
     def _write_layer(self, layer: int, rows: dict[tuple[str, str], list[dict]], dumped: dict[str, torch.Tensor]
                      ) -> None:

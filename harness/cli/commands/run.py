@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
             if args.resume:
                 spec, store, start, streams = _resume(store, manifest, args)
             else:
-                spec, store = _start(args)  # may narrow the thread count (narrow_model_threads)
+                world = group.world if group is not None else args.devices or 1
+                spec, store = _start(args, world)  # may narrow the thread count (narrow_model_threads)
                 start, streams = 0, None
         except BaseException:
             if group is not None:  # the other ranks wait for the run: tell them there is none
@@ -151,9 +152,10 @@ def _resume_inputs(args: argparse.Namespace) -> tuple[int | None, RunStore, dict
     return threads, store, manifest
 
 
-def _start(args: argparse.Namespace) -> tuple[RunSpec, RunStore]:
-    """A new run: the scenario and overrides resolved, the run directory created (and proven writable before the
-    prompt is built, as that may already compute: a greedy decode)."""
+def _start(args: argparse.Namespace, world: int) -> tuple[RunSpec, RunStore]:
+    """A new run over `world` ranks (torchrun's group, else --devices): the scenario and overrides resolved, the
+    memory checked, the run directory created (and proven writable before the prompt is built, as that may already
+    compute: a greedy decode)."""
     out = console(stderr=True)
     path = find_scenario(args.scenario or DEFAULT_SCENARIO)
     scenario = load_scenario(path, load_registry(list(args.patch_module)) if args.patch_module else None)
@@ -168,7 +170,7 @@ def _start(args: argparse.Namespace) -> tuple[RunSpec, RunStore]:
             out.print(f"[yellow]note[/]: {narrow}", soft_wrap=True)
         for warning in shadowing_warnings(spec.variants):
             out.print(f"[yellow]warning[/]: {warning}", soft_wrap=True)
-        estimate = check_fits(spec, args.devices or 1)  # refused here, with the numbers, if it would not fit
+        estimate = check_fits(spec, world)  # refused here, with the numbers, if it would not fit
         store.create({**manifest_for(scenario, path.read_text(), overrides, spec, plan),
                       "memory_estimate": estimate.to_dict()})
     out.print(f"[bold]{scenario.name}[/]: {spec.n_prompt} prompt + {len(spec.decode_ids)} decode tokens, "
