@@ -272,13 +272,19 @@ class QuantizedTensor:
         raise ValueError(f"unknown weight format {self.format!r}")
 
 
+FP8_BLOCK_AMAX_FLOOR = FP8_MAX * 2.0**-127
+"""The amax a weight block's scale is computed from when its own is smaller: the one whose scale is UE8M0's smallest,
+2^-127 (ceil(log2(floor / 448)) = -127). An all-zero block (the retrieval circuits zero whole 128×128 blocks of
+Flash's attn.wq_b) then stores zeros under a representable scale; the earlier floor 2^-120 asked for 2^-128."""
+
+
 def quantize_fp8_block128(w: torch.Tensor) -> QuantizedTensor:
     """fp32 [out, in] -> FP8 e4m3 with one UE8M0 scale per 128x128 block (checkpoint layout, spec §8.2)."""
     out, inp = w.shape
     wp = _pad_to(_pad_to(w.float(), 0, 128), 1, 128)
     blocks = wp.view(wp.shape[0] // 128, 128, wp.shape[1] // 128, 128)
     amax = blocks.abs().amax(dim=(1, 3))
-    exp = ue8m0_scale_for(amax, FP8_MAX, 2.0**-120)
+    exp = ue8m0_scale_for(amax, FP8_MAX, FP8_BLOCK_AMAX_FLOOR)
     s = pow2(exp).repeat_interleave(128, 0)[:out].repeat_interleave(128, 1)[:, :inp]
     codes = torch.clamp(w.float() / s, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return QuantizedTensor("fp8_block128", codes, e8m0_encode(exp))

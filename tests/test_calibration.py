@@ -248,3 +248,16 @@ def test_synthetic_nvfp4_checkpoints_follow_the_profiles_global_scale_rule(tmp_p
                 globals_of[profile] += [float(f.get_tensor(k)) for k in f.keys() if k.endswith("weight_scale_2")]
     assert globals_of["uncalibrated"] and all(math.log2(g).is_integer() for g in globals_of["uncalibrated"])
     assert not all(math.log2(g).is_integer() for g in globals_of["calibrated"])
+
+
+def test_flash_retrieval_layers_store_their_zero_blocks():
+    """At Flash width the retrieval circuits zero whole 128×128 blocks of attn.wq_b (31 per retrieval layer); storing
+    them as FP8 once raised 'scale exponent outside the UE8M0 range' and stopped flash-30k at layer 4. One tensor,
+    not the whole 25 GB layer."""
+    from reference.weights.schema import layer_specs
+
+    cfg = get_preset("flash")
+    source = SyntheticWeights(cfg, 0)
+    spec = next(s for s in layer_specs(cfg, 4) if s.name == "attn.wq_b.weight")
+    stored = source._make(spec, 4, "cpu")  # noqa: SLF001
+    assert int((stored.scale == 0).sum()) == 31, "the circuit's zero blocks carry UE8M0's smallest scale"

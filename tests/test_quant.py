@@ -52,6 +52,18 @@ def test_ceil_log2_and_e8m0_are_exact():
                        torch.tensor([2.0**-127, 1.0, 32.0, 2.0**127]))
 
 
+def test_an_all_zero_weight_block_quantizes_under_the_smallest_ue8m0_scale():
+    """Flash's retrieval layers zero whole 128×128 blocks of attn.wq_b; their scale must be representable (2^-127,
+    byte 0), not the 2^-128 the old floor asked for, which stopped flash-30k at layer 4."""
+    w = torch.randn(256, 384, generator=torch.Generator().manual_seed(1))
+    w[:128, 128:256] = 0
+    q = quantize_fp8_block128(w)
+    assert q.scale[0, 1] == 0 and int(q.scale.min()) == 0
+    d = q.dequantize()
+    assert torch.equal(d[:128, 128:256], torch.zeros(128, 128))
+    assert torch.equal(quantize_fp8_block128(d).dequantize(), d)
+
+
 def test_block_quantizers_dequantize_exactly_and_respect_their_ranges():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 260, generator=g) * torch.exp(torch.randn(300, 1, generator=g))
