@@ -105,13 +105,15 @@ class OptimizedLayer:
                                                                                  "reassociate": reassociate})
 
     def _emit_site(self, sink: ProbeSink, tap: str, ctx: OpContext, op: str, fields: Callable[[Any], dict],
-                   positions: torch.Tensor, own: Any, **inputs: Any) -> None:
-        """Emit `tap` with the variant's result of `op` and the stock op's and its twin's on the same inputs."""
+                   positions: torch.Tensor, own: Any, own_is_stock: bool, **inputs: Any) -> None:
+        """Emit `tap` with the variant's result of `op` and the stock op's and its twin's on the same inputs.
+        `own_is_stock`: no patch ran while `own` was computed, so `own` is the stock result (same code, same inputs)
+        and is not computed again."""
         if not sink.wants(tap):
             return
         values = {}
-        for prefix, result in (("", own), ("stock_", self._stock(ctx, False).call(op, **inputs)),
-                               ("twin_", self._stock(ctx, True).call(op, **inputs))):
+        stock = own if own_is_stock else self._stock(ctx, False).call(op, **inputs)
+        for prefix, result in (("", own), ("stock_", stock), ("twin_", self._stock(ctx, True).call(op, **inputs))):
             values.update({prefix + k: v for k, v in fields(result).items()})
         sink.emit(tap, positions, **values)
 
@@ -129,21 +131,23 @@ class OptimizedLayer:
         if sink.wants("layer.in"):
             sink.emit("layer.in", positions, streams=streams.float())
 
+        patched = ctx.table.patched_calls
         a, mix = ctx.call("hc_pre", streams=streams, site="attn")
         if sink.wants("attn.hc"):
             sink.emit("attn.hc", positions, pre=mix.pre, post=mix.post, comb=mix.comb, mixed=a)
-        self._emit_site(sink, "attn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix), streams=streams,
-                        site="attn")
+        self._emit_site(sink, "attn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix),
+                        ctx.table.patched_calls == patched, streams=streams, site="attn")
         attn_out = self._attention(ctx, rms_norm_bf16(a, ctx.weight("attn_norm.weight"), cfg.rms_norm_eps), sink)
         if sink.wants("attn.out"):
             sink.emit("attn.out", positions, out=attn_out)
         streams = ctx.call("hc_post", f=attn_out, streams=streams, mix=mix)
 
+        patched = ctx.table.patched_calls
         a, mix = ctx.call("hc_pre", streams=streams, site="ffn")
         if sink.wants("ffn.hc"):
             sink.emit("ffn.hc", positions, pre=mix.pre, post=mix.post, comb=mix.comb, mixed=a)
-        self._emit_site(sink, "ffn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix), streams=streams,
-                        site="ffn")
+        self._emit_site(sink, "ffn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix),
+                        ctx.table.patched_calls == patched, streams=streams, site="ffn")
         moe_out = self._moe(ctx, rms_norm_bf16(a, ctx.weight("ffn_norm.weight"), cfg.rms_norm_eps), token_ids, sink)
         if sink.wants("moe.out"):
             sink.emit("moe.out", positions, out=moe_out)
@@ -258,12 +262,13 @@ class OptimizedLayer:
 
     # ------------------------------------------------------------------------------------------
     def _moe(self, ctx: OpContext, y: torch.Tensor, token_ids: torch.Tensor, sink: ProbeSink) -> torch.Tensor:
+        patched = ctx.table.patched_calls
         routing = ctx.call("router", y=y, token_ids=token_ids)
         if sink.wants("moe.router"):
             sink.emit("moe.router", ctx.positions, scores=routing.scores, expert_ids=routing.expert_ids,
                       weights=routing.weights * routing.output_scale)
         self._emit_site(sink, "moe.router.site", ctx, "router", lambda r: {"expert_ids": r.expert_ids}, ctx.positions,
-                        routing, y=y, token_ids=token_ids)
+                        routing, ctx.table.patched_calls == patched, y=y, token_ids=token_ids)
         total = ctx.call("experts", y=y, routing=routing)
         if self.cfg.n_shared_experts:
             g = ctx.call("linear", x=y, site="ffn.shared_experts.w1")

@@ -96,6 +96,9 @@ class OpTable:
         if missing:
             raise ValueError(f"base engine lacks implementations of ops {missing}")
         self.phase = phase
+        self.patched_calls = 0
+        """How many patch implementations have run through this table: a call during which it did not grow ran the
+        stock implementations only, so its result is the stock op's (the engine's site taps reuse it)."""
         self.chains: dict[str, list[tuple[Callable[..., Any], PatchChoice | None]]] = {
             name: [(fn, None)] for name, fn in base_impls.items()}
         for choice in choices:
@@ -111,7 +114,10 @@ class OpTable:
         fn, choice = self.chains[name][level]
         inputs = _declared(fn, OP_SPECS[name].optional, inputs)
         if choice is None:
+            if not ctx.options and ctx.patch_id is None and ctx.base is None:  # already a stock op's view
+                return fn(ctx, **inputs)
             return fn(replace(ctx, options={}, patch_id=None, base=None), **inputs)
+        self.patched_calls += 1
         sub = replace(ctx, options=choice.options, patch_id=choice.id,
                       base=lambda **kw: self._invoke(name, level - 1, ctx, kw))
         try:
