@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from optimized.graphs import replay
 from optimized.numerics import bf16, bf16_linear, fp8_activation, fp8_linear, fp32_linear, rms_norm_bf16
 from optimized.ops import OpContext, Routing
 from optimized.paged_cache import quantize_fp8_per_row
@@ -73,15 +74,21 @@ def hc_prelinear(ctx: OpContext, streams: torch.Tensor, site: str) -> torch.Tens
 
 def hc_pre(ctx: OpContext, streams: torch.Tensor, site: str) -> tuple[torch.Tensor, HCMix]:
     """HC math in fp32 (sigmoid, Sinkhorn, weighted sum of the bf16 streams); a stored as bf16."""
-    cfg, n = ctx.cfg, ctx.cfg.hc_mult
+    cfg = ctx.cfg
     m = ctx.call("hc_prelinear", streams=streams, site=site)
-    base, scale = ctx.weight(f"hc_{site}_base"), ctx.weight(f"hc_{site}_scale")
-    pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + cfg.hc_eps
-    post = 2 * torch.sigmoid(m[..., n : 2 * n] * scale[1] + base[n : 2 * n])
-    comb = sinkhorn((m[..., 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n)), cfg.hc_sinkhorn_iters,
-                    cfg.hc_eps)
-    a = bf16((pre.unsqueeze(-1) * streams.float()).sum(-2))
+    a, pre, post, comb = replay(hc_mix, m, streams, ctx.weight(f"hc_{site}_base"), ctx.weight(f"hc_{site}_scale"),
+                                n=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps)  # a graph in decode
     return a, HCMix(pre, post, comb)
+
+
+def hc_mix(m: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+           eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the mixes m: pre = σ(·) + eps, post = 2σ(·), comb = Sinkhorn(·), and a = bf16(Σ pre·X)."""
+    pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + eps
+    post = 2 * torch.sigmoid(m[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb = sinkhorn((m[..., 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n)), iters, eps)
+    a = bf16((pre.unsqueeze(-1) * streams.float()).sum(-2))
+    return a, pre, post, comb
 
 
 def hc_post(ctx: OpContext, f: torch.Tensor, streams: torch.Tensor, mix: HCMix) -> torch.Tensor:
@@ -251,15 +258,31 @@ def swiglu_fp32(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
 
 def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
     """FP4 experts (e2m1, per-32 UE8M0) with FP8 1×128 activations, fp32 accumulation; SwiGLU and the
-    routing weight in fp32, cast to bf16 before W2 (official); the sum over experts accumulated in fp32."""
+    routing weight in fp32, cast to bf16 before W2 (official); the sum over experts accumulated in fp32.
+
+    The (token, slot) pairs are laid out expert by expert once, so each expert's GEMMs read and write contiguous
+    row ranges and the element-wise steps between them (bf16 rounding, SwiGLU, routing weight, the FP8 quantizer,
+    whose 1×128 blocks lie within a row) run once over all pairs instead of once per expert: the same operations
+    on the same values, so the same bits, with a few hundred fewer kernel launches per prefill chunk."""
     S, k = routing.expert_ids.shape
+    groups = expert_groups(routing.expert_ids)
+    order = torch.cat([pairs for _, _, pairs in groups]) if groups else routing.expert_ids.flatten()[:0]
+    x = fp8_activation(y)[order // k]  # pair rows, expert by expert
+    inter = ctx.cfg.moe_intermediate_size
+    g, u = (torch.empty(order.numel(), inter, dtype=torch.float32, device=y.device) for _ in range(2))
+    spans, start = [], 0
+    for e, tokens, _ in groups:
+        rows = slice(start, start + tokens.numel())
+        g[rows] = x[rows] @ ctx.weight(f"ffn.experts.{e}.w1.weight").T
+        u[rows] = x[rows] @ ctx.weight(f"ffn.experts.{e}.w3.weight").T
+        spans.append((e, rows))
+        start = rows.stop
+    h = fp8_activation(bf16(swiglu_fp32(bf16(g), bf16(u), ctx.cfg.swiglu_limit) * routing.weights.flatten()[order, None]))
+    out = torch.empty(order.numel(), y.shape[-1], dtype=torch.float32, device=y.device)
+    for e, rows in spans:
+        out[rows] = h[rows] @ ctx.weight(f"ffn.experts.{e}.w2.weight").T
     per_slot = torch.empty(S * k, y.shape[-1], dtype=torch.float32, device=y.device)  # every pair is written once
-    xq, weights = fp8_activation(y), routing.weights.flatten()
-    for e, tokens, pairs in expert_groups(routing.expert_ids):
-        w1, w3, w2 = (ctx.weight(f"ffn.experts.{e}.{p}.weight") for p in ("w1", "w3", "w2"))
-        x = xq[tokens]
-        h = swiglu_fp32(bf16(x @ w1.T), bf16(x @ w3.T), ctx.cfg.swiglu_limit) * weights[pairs, None]
-        per_slot[pairs] = bf16(fp8_activation(bf16(h)) @ w2.T)
+    per_slot[order] = bf16(out)
     return per_slot.view(S, k, -1).sum(1)
 
 

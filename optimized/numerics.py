@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from optimized.graphs import replay
 from reference.quant import fp8_fake_quant
 
 ACT_BLOCK = 128  # FP8 activation quantization: one UE8M0 scale per token per 128 K-elements
@@ -23,7 +24,7 @@ def bf16(x: torch.Tensor) -> torch.Tensor:
 
 def fp8_activation(x: torch.Tensor) -> torch.Tensor:
     """Per-token FP8 e4m3 quantization with a power-of-two scale per 128 K-elements (official act_quant)."""
-    return fp8_fake_quant(x.float(), block=ACT_BLOCK, amax_floor=ACT_AMAX_FLOOR)
+    return replay(fp8_fake_quant, x.float(), block=ACT_BLOCK, amax_floor=ACT_AMAX_FLOOR)  # a graph in decode
 
 
 def fp8_linear(x: torch.Tensor, weight_fp32: torch.Tensor) -> torch.Tensor:
@@ -43,6 +44,10 @@ def fp32_linear(x: torch.Tensor, weight_fp32: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 from its (bf16) input, written back as bf16 (spec §7.1)."""
+    """RMSNorm computed in fp32 from its (bf16) input, written back as bf16 (spec §7.1); a graph in decode."""
+    return replay(_rms_norm_bf16, x, weight, eps=eps)
+
+
+def _rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return bf16(weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))

@@ -77,3 +77,49 @@ def test_optimized_engine_with_triton_kernels_on_gpu():
     kernel_vs_emulation = float((triton - emulated).norm() / emulated.norm())
     engine_vs_reference = float((emulated - ref).norm() / ref.norm())
     assert kernel_vs_emulation < 0.5 * engine_vs_reference, (kernel_vs_emulation, engine_vs_reference)
+
+
+def test_graph_replays_give_the_eager_bits():
+    """optimized.graphs replays the decode step's small pure functions (mHC mix, FP8 activation quantizer, RMSNorm)
+    from CUDA graphs: the same kernels on inputs of the same layout, so the eager call's bits — also for a strided
+    input and for a second call with new values (the replay path, not the capture)."""
+    from optimized import graphs
+    from optimized.base_ops import hc_mix
+    from optimized.numerics import fp8_activation, rms_norm_bf16
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for trial in range(2):
+        m = torch.randn(1, 24, device="cuda", generator=g)
+        streams = torch.randn(1, 4, 512, device="cuda", generator=g).bfloat16()
+        base, scale = torch.randn(24, device="cuda", generator=g), torch.rand(3, device="cuda", generator=g)
+        x = torch.randn(3, 2048, device="cuda", generator=g)[:, ::2]  # strided
+        w = torch.rand(1024, device="cuda", generator=g) + 0.5
+        calls = [lambda: hc_mix(m, streams, base, scale, n=4, iters=20, eps=1e-6),
+                 lambda: graphs.replay(hc_mix, m, streams, base, scale, n=4, iters=20, eps=1e-6),
+                 lambda: fp8_activation(x), lambda: rms_norm_bf16(x, w, 1e-6)]
+        replayed = [c() for c in calls]
+        graphs.ENABLED = False
+        try:
+            eager = [c() for c in calls]
+        finally:
+            graphs.ENABLED = True
+        for i, (r, e) in enumerate(zip(replayed, eager)):
+            for a, b in zip(r if isinstance(r, tuple) else (r,), e if isinstance(e, tuple) else (e,)):
+                assert torch.equal(a, b), f"call {i}, trial {trial}: the replay differs from the eager call"
+    assert any(v is not None for v in graphs._graphs.values()), "nothing was captured"  # noqa: SLF001
+
+
+def test_engine_decode_with_graph_replays_is_bit_identical():
+    """A whole engine (every patch) over a prompt and 8 decode steps, graph replays on and off: identical logits."""
+    from optimized import graphs
+
+    src = SyntheticWeights(TINY, 0)
+    ids = torch.randint(0, TINY.vocab_size, (300,), generator=torch.Generator().manual_seed(4)).tolist()
+    model = OptimizedModel(src, default_registry().choose("all"), "cuda")
+    replayed = model.forward(ids[:292], ids[292:], 128).logits
+    graphs.ENABLED = False
+    try:
+        eager = model.forward(ids[:292], ids[292:], 128).logits
+    finally:
+        graphs.ENABLED = True
+    assert torch.equal(replayed, eager)
