@@ -223,8 +223,15 @@ def sparse_attention(ctx: OpContext, q: torch.Tensor, window_slots: torch.Tensor
     key_sets = candidate_key_sets(ctx, window_slots, comp_slots)
     qb = bf16(q)
 
+    def dots(keys: torch.Tensor) -> torch.Tensor:  # the twin sums each q·k over two halves of d (fp32_product)
+        if not reassociated(ctx):
+            return qb @ keys.transpose(-1, -2)
+        half = qb.shape[-1] // 2
+        return (qb[..., :half] @ keys[..., :half].transpose(-1, -2)
+                + qb[..., half:] @ keys[..., half:].transpose(-1, -2))
+
     def scores(ks: KeySet) -> torch.Tensor:
-        return torch.where(ks.valid[:, None, :], qb @ ks.keys.transpose(-1, -2), float("-inf"))
+        return torch.where(ks.valid[:, None, :], dots(ks.keys), float("-inf"))
 
     logits = torch.cat([scores(ks) for ks in key_sets], -1).mul_(ctx.cfg.head_dim**-0.5)
     m = torch.maximum(logits.amax(-1), sink[None, :])

@@ -104,18 +104,18 @@ class OptimizedLayer:
         return replace(ctx, table=self.stock_tables[ctx.phase], engine_options={**ctx.engine_options,
                                                                                  "reassociate": reassociate})
 
-    def _emit_site(self, sink: ProbeSink, tap: str, ctx: OpContext, op: str, fields: Callable[[Any], dict],
+    def _emit_site(self, probes: ProbeSink, tap: str, ctx: OpContext, op: str, fields: Callable[[Any], dict],
                    positions: torch.Tensor, own: Any, own_is_stock: bool, **inputs: Any) -> None:
         """Emit `tap` with the variant's result of `op` and the stock op's and its twin's on the same inputs.
         `own_is_stock`: no patch ran while `own` was computed, so `own` is the stock result (same code, same inputs)
         and is not computed again."""
-        if not sink.wants(tap):
+        if not probes.wants(tap):
             return
         values = {}
         stock = own if own_is_stock else self._stock(ctx, False).call(op, **inputs)
         for prefix, result in (("", own), ("stock_", stock), ("twin_", self._stock(ctx, True).call(op, **inputs))):
             values.update({prefix + k: v for k, v in fields(result).items()})
-        sink.emit(tap, positions, **values)
+        probes.emit(tap, positions, **values)
 
     # ------------------------------------------------------------------------------------------
     def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, state: EngineState, phase: str,
@@ -197,7 +197,8 @@ class OptimizedLayer:
             blk = slice(start, start + block)
             pos = positions[blk]
             sampled = torch.nonzero(sink.sampled(pos)).flatten() if any(
-                sink.wants(tap) for tap in ("attn.probs", "indexer.scores", "indexer.site")) else None  # one read
+                sink.wants(tap) for tap in ("attn.probs", "attn.site", "indexer.scores", "indexer.site")) \
+                else None  # one read
             window_slots = pos[:, None] + torch.arange(-cfg.sliding_window + 1, 1, device=self.device)[None, :]
             window_slots = torch.where(window_slots >= 0, window_slots, -1)
             comp_slots = torch.full((pos.numel(), 0), -1, dtype=torch.int64, device=self.device)
@@ -219,10 +220,16 @@ class OptimizedLayer:
                     sink.emit("indexer.selected", pos, row_ids=row_ids, valid=valid)
                 comp_slots = torch.where(valid, row_ids, -1)
                 lanes, length = kernel_lanes(row_ids, valid)
+            patched = ctx.table.patched_calls
             o, lse = ctx.call("sparse_attention", q=q[blk], window_slots=window_slots, comp_slots=comp_slots,
                               sink=sink_logit, comp_lanes=lanes, comp_length=length)
             if sink.wants("attn.lse"):
                 sink.emit("attn.lse", pos, lse=lse)
+            if sink.wants("attn.site") and sampled.numel():
+                self._emit_site(sink, "attn.site", ctx, "sparse_attention", lambda r: {"lse": r[1]}, pos[sampled],
+                                (o[sampled], lse[sampled]), ctx.table.patched_calls == patched, q=q[blk][sampled],
+                                window_slots=window_slots[sampled], comp_slots=comp_slots[sampled], sink=sink_logit,
+                                comp_lanes=lanes[sampled], comp_length=length[sampled])
             if sink.wants("attn.probs") and sampled.numel():
                 self._emit_probs(ctx, sink, pos[sampled], q[blk][sampled], window_slots[sampled], comp_slots[sampled],
                                  sink_logit)
@@ -235,13 +242,22 @@ class OptimizedLayer:
     def _emit_indexer_site(self, ctx: OpContext, sink: ProbeSink, pos: torch.Tensor, q: torch.Tensor,
                            weights: torch.Tensor, row_ids: torch.Tensor, valid: torch.Tensor) -> None:
         """The indexer's selection at sampled queries, and the stock logits + top-k's (and its twin's) on the same
-        queries, weights and keys: the fp32 weighted head-sum is a site the official model keeps in fp32."""
+        queries, weights and keys: the fp32 weighted head-sum is a site the official model keeps in fp32. Also,
+        per stock pick, its stock score's margin over the k-th pick's, and per query the largest change the twin's
+        re-association made to any visible score: a lost pick whose margin is many times that is no tie."""
         values = {"row_ids": row_ids, "valid": valid}
+        logits = {}
         for prefix, twin in (("stock_", False), ("twin_", True)):
             stock = self._stock(ctx, twin)
-            logits = stock.call("indexer_logits", q=q, weights=weights, positions=pos)
-            ids, ok = stock.call("indexer_topk", logits=logits, positions=pos, k=self.cfg.index_topk)
+            logits[prefix] = stock.call("indexer_logits", q=q, weights=weights, positions=pos)
+            ids, ok = stock.call("indexer_topk", logits=logits[prefix], positions=pos, k=self.cfg.index_topk)
             values.update({prefix + "row_ids": ids, prefix + "valid": ok})
+        picked = logits["stock_"].gather(1, values["stock_row_ids"].long())
+        ok = values["stock_valid"]
+        kth = torch.where(ok, picked, float("inf")).amin(1, keepdim=True)
+        visible = torch.isfinite(logits["stock_"]) & torch.isfinite(logits["twin_"])
+        values["stock_margin"] = torch.where(ok, picked - kth, 0.0)
+        values["twin_noise"] = torch.where(visible, (logits["twin_"] - logits["stock_"]).abs(), 0.0).amax(1)
         sink.emit("indexer.site", pos, **values)
 
     def _emit_probs(self, ctx: OpContext, sink: ProbeSink, pos: torch.Tensor, q: torch.Tensor,

@@ -39,3 +39,35 @@ def test_stacked_attention_rows_keep_each_probability_next_to_its_key():
     assert s["comp_rows"].tolist() == [[0, -1], [0, 1]]
     assert torch.equal(s["probs"][0], torch.tensor([[0.1, 0.2, 0.0, 0.7, 0.0]]))  # row 0's 0.7 stays on comp row 0
     assert torch.equal(s["probs"][1], wide["probs"])
+
+
+def test_the_indexer_site_counts_a_lost_pick_that_was_no_tie():
+    """indexer.site_margin_loss counts the stock picks the variant lost whose score led the k-th by more than
+    TIE_NOISE_MULTIPLE × the twin's largest score change; a swap at the k-th pick (a tie) is not counted."""
+    from harness.run.metrics import TIE_NOISE_MULTIPLE, compare_indexer_site
+
+    stock = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]])
+    valid = torch.ones(2, 4, dtype=torch.bool)
+    margin = torch.tensor([[3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.0]])  # row 3 is the k-th pick of both queries
+    noise = torch.tensor([1e-3, 1e-3])
+    var = {"row_ids": torch.tensor([[0, 1, 2, 9], [0, 9, 2, 3]]), "valid": valid,  # query 0 swaps the k-th pick,
+           "stock_row_ids": stock, "stock_valid": valid,                         # query 1 drops a leading one
+           "twin_row_ids": stock, "twin_valid": valid, "stock_margin": margin, "twin_noise": noise}
+    out = {m.metric: m.value for m in compare_indexer_site(torch.tensor([10, 11]), None, var, None)}
+    assert out["indexer.site_recall"].tolist() == [0.75, 0.75]
+    assert out["indexer.site_margin_loss"].tolist() == [0.0, 0.25]
+    var["twin_noise"] = torch.tensor([1e-3, 2.0 / TIE_NOISE_MULTIPLE])  # a lead of 2 is now within the twin's noise
+    out = {m.metric: m.value for m in compare_indexer_site(torch.tensor([10, 11]), None, var, None)}
+    assert out["indexer.site_margin_loss"].tolist() == [0.0, 0.0]
+
+
+def test_the_attention_site_compares_lse_with_the_stock_ops():
+    from harness.run.metrics import compare_attn_site
+
+    lse = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    var = {"lse": lse + torch.tensor([[0.0, 0.002], [0.0, 0.0]]), "stock_lse": lse, "twin_lse": lse + 2**-20}
+    out = {m.metric: m.value for m in compare_attn_site(torch.tensor([5, 6]), None, var, None)}
+    # 2 + 0.002 is stored in fp32: exact to 2^-23·2 ≈ 2.4e-7, 1e-4 of the 0.001 mean
+    assert torch.allclose(out["attn.site_lse_err"], torch.tensor([0.001, 0.0], dtype=torch.float64), rtol=1e-4)
+    # 2^-20 is exact on values of 1-4 (their fp32 ulp is at most 2^-21)
+    assert out["attn.twin_lse_err"].tolist() == [2**-20, 2**-20]

@@ -133,9 +133,14 @@ METRICS: dict[str, MetricRule] = {
     "mhc.site_ds_residual": MetricRule(_HC_SITES, "upper", _U),
     "indexer.site_recall": MetricRule(("indexer.site",), "lower", _ONE_PICK, decisions="index_topk",
                                       twin="indexer.twin_recall"),
+    # a stock pick lost although it led the k-th by more than 16× the twin's largest score change: no tie
+    "indexer.site_margin_loss": MetricRule(("indexer.site",), "upper", _ONE_PICK, decisions="index_topk"),
+    # the attention LSE on the stock op's own inputs; floor: one fp32 ulp of an LSE below 64 nats, 2^-18
+    "attn.site_lse_err": MetricRule(("attn.site",), "upper", "2**-18", twin="attn.twin_lse_err"),
     "moe.twin_flip_rate": MetricRule(("moe.router.site",), "descriptive", None),
     "mhc.twin_rel_err": MetricRule(_HC_SITES, "descriptive", None),
     "indexer.twin_recall": MetricRule(("indexer.site",), "descriptive", None),
+    "attn.twin_lse_err": MetricRule(("attn.site",), "descriptive", None),
 }
 """Every metric harness.run.metrics emits, with its taps, direction and built-in rounding floor."""
 GATEABLE = [metric for metric, rule in METRICS.items() if rule.gateable]

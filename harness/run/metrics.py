@@ -220,17 +220,43 @@ def compare_hc_site(pos, ref, var, ctx) -> list[MetricValues]:
             MetricValues("mhc.site_ds_residual", pos, excess)]
 
 
+TIE_NOISE_MULTIPLE = 16
+"""A stock pick whose score leads the k-th pick's by more than this many times the largest change the twin's fp32
+re-association made to any of the query's scores is no tie: no re-ordering of the same fp32 sums loses it (the
+changes of two orders are two draws of the same noise, and 16× its maximum is far past their spread)."""
+
+
 def compare_indexer_site(pos, ref, var, ctx) -> list[MetricValues]:
     """indexer.site at sampled queries: recall of the stock indexer's top-k (logits and top-k on the same queries,
-    weights and keys) in the variant's selection, and in the twin's."""
-    site, n = _set_overlap(var["row_ids"], var["stock_row_ids"], var["valid"], var["stock_valid"])
+    weights and keys) in the variant's selection, and in the twin's; and the share of the stock picks the variant
+    lost although they were no tie (indexer.site_margin_loss: their score led the k-th by more than
+    TIE_NOISE_MULTIPLE × the twin's largest score change) — a selection that drops rows it should keep (a stale
+    page table, a mask off by one), not one that breaks ties another way."""
+    stock_ids, stock_valid = var["stock_row_ids"].long().cpu(), var["stock_valid"].cpu()
+    kept = _picked_in(stock_ids, stock_valid, var["row_ids"].long().cpu(), var["valid"].cpu())
+    site, n = kept.sum(1).double(), stock_valid.sum(1).double()
     twin, _ = _set_overlap(var["twin_row_ids"], var["stock_row_ids"], var["twin_valid"], var["stock_valid"])
+    clear = var["stock_margin"].cpu().double() > TIE_NOISE_MULTIPLE * var["twin_noise"].cpu().double()[:, None]
+    hard = (stock_valid & ~kept & clear).sum(1).double()
     keep = n > 0
     return [MetricValues("indexer.site_recall", pos[keep], (site / n.clamp_min(1))[keep]),
-            MetricValues("indexer.twin_recall", pos[keep], (twin / n.clamp_min(1))[keep])]
+            MetricValues("indexer.twin_recall", pos[keep], (twin / n.clamp_min(1))[keep]),
+            MetricValues("indexer.site_margin_loss", pos[keep], (hard / n.clamp_min(1))[keep])]
+
+
+def compare_attn_site(pos, ref, var, ctx) -> list[MetricValues]:
+    """attn.site at sampled queries: the variant's attention LSE against the stock sparse_attention's on the same
+    q, key slots, caches and sinks (mean |Δ| over heads, nats), and the twin's (q·k summed in two halves of d). The
+    LSE is the log of the softmax denominator with the sink: a kernel that attends a key it was not given, drops
+    one it was, applies the sink per split or scales the logits wrongly moves it by the mass involved; re-ordering
+    the same fp32 sums moves it by rounding."""
+    stock = _f64(var["stock_lse"])
+    return [MetricValues("attn.site_lse_err", pos, (_f64(var["lse"]) - stock).abs().mean(-1)),
+            MetricValues("attn.twin_lse_err", pos, (_f64(var["twin_lse"]) - stock).abs().mean(-1))]
 
 
 SITE_COMPARATORS: dict[str, Callable] = {
+    "attn.site": compare_attn_site,
     "moe.router.site": compare_router_site,
     "attn.hc.site": compare_hc_site,
     "ffn.hc.site": compare_hc_site,

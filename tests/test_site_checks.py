@@ -1,0 +1,67 @@
+"""The attention and indexer sites catch a kernel that attends, or a selection that keeps, something other than the
+spec says — for that reason, not for the size of its drift (default policy, rule 6).
+
+Two bug shapes from serving stacks, written as plugins against the README's API: a decode window one row short
+(the oldest of the 128 rows dropped) and an indexer that loses the best-scoring pick (as a stale page table loses
+the newest rows). The split-K decode kernel (mma-sparse-decode: bf16 partials, fp32 LSE merge) is correct and must
+pass both checks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from harness.cli.main import main
+
+BUGS = '''
+import torch
+from optimized.patching import Patch
+
+short_window = Patch("short-window", phases=("decode",), description="the decode window keeps 127 rows")
+
+
+@short_window.op("sparse_attention")
+def attend(ctx, q, window_slots, comp_slots, sink):
+    oldest = torch.where(window_slots >= 0, window_slots, 2**62).argmin(1, keepdim=True)
+    return ctx.base(q=q, window_slots=window_slots.scatter(1, oldest, -1), comp_slots=comp_slots, sink=sink)
+
+
+lose_best = Patch("lose-best-pick", phases=("decode",), description="the indexer drops its best-scoring pick")
+
+
+@lose_best.op("indexer_topk")
+def topk(ctx, logits, positions, k):
+    row_ids, valid = ctx.base(logits=logits, positions=positions, k=k)
+    best = torch.where(valid, logits.gather(1, row_ids), float("-inf")).argmax(1, keepdim=True)
+    return row_ids, valid.scatter(1, best, False)
+'''
+
+SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "tiny-smoke.yaml"
+
+
+def _verdicts(tmp_path: Path) -> dict[str, dict[str, str]]:
+    plugin = tmp_path / "bugs.py"
+    plugin.write_text(BUGS)
+    scenario = yaml.safe_load(SCENARIO.read_text())
+    scenario["name"] = "site-checks"
+    scenario["stacks"]["variants"] = [{"name": n, "patches": p} for n, p in (
+        ("base", []), ("mma", ["mma-sparse-decode"]), ("short-window", ["short-window"]),
+        ("lose-best", ["lose-best-pick"]))]
+    path = tmp_path / "site-checks.yaml"
+    path.write_text(yaml.safe_dump(scenario, sort_keys=False))
+    out = tmp_path / "run"
+    assert main(["run", str(path), "--patch-module", str(plugin), "--out", str(out), "--no-report",
+                 "--no-triage"]) == 1
+    gate = json.loads((out / "gate.json").read_text())
+    return {c["name"]: {v["variant"]: v["status"] for v in c["variants"]} for c in gate["checks"]
+            if c["name"] in ("attn-site", "indexer-site-margin")}
+
+
+def test_site_checks_fail_the_bugs_and_pass_the_correct_kernels(tmp_path):
+    verdicts = _verdicts(tmp_path)
+    assert verdicts["attn-site"] == {"base": "pass", "mma": "pass", "short-window": "fail", "lose-best": "pass"}
+    assert verdicts["indexer-site-margin"] == {"base": "pass", "mma": "pass", "short-window": "pass",
+                                               "lose-best": "fail"}
