@@ -629,6 +629,19 @@ def test_the_default_is_the_available_cores_and_oversubscription_is_said_once(tm
     assert err.count("oversubscribed: load average 7.0") + err.count("is more than the") == 1
 
 
+def test_attribute_says_oversubscription_for_the_threads_it_runs_with(tmp_path, capsys, monkeypatch):
+    """A narrow model drops to one thread inside attribute(); the oversubscription note must be for that one thread,
+    not for the cores asked for before the scenario was read ("--threads 1 is likely faster" of a 1-thread run)."""
+    import harness.cli.threads as threads
+
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.7, 1.7, 1.7))
+    assert main(["attribute", "tiny-smoke", "--patches", "hash-topk", "--interactions", "never",
+                 "--out", str(tmp_path / "attr"), "--no-report"]) in (0, 1)
+    err = capsys.readouterr().err
+    assert "this run adds 1 thread(s)" in err and err.count("oversubscribed") == 1, err
+
+
 # --------------------------------------------------------------------------- housekeeping
 
 

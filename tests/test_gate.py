@@ -471,6 +471,29 @@ def test_baseline_may_be_another_run_directory(tmp_path, policy_file):
     assert variant.first_failure().baseline_limit == pytest.approx(0.1 * 1.1 + U)
 
 
+def test_a_counted_baseline_allows_the_count_noise_of_two_draws(tmp_path):
+    """A discrete metric's baseline is a count like this run's: both are Poisson draws of the flips at near-ties (a
+    re-association re-draws them), so `baseline: {slack: 0}` allows allowed_count([(1, baseline·N)], z), not the
+    one-decision floor above the old count. 64 positions × index_topk 16 = 1,024 picks per unit."""
+    policy = write(tmp_path / "p.yaml", "description: recall vs its baseline\nchecks:\n  - name: recall\n"
+                                        "    metric: indexer.recall\n    layers: csa\n    baseline: {slack: 0}\n")
+    n = 64 * CONFIG["index_topk"]
+
+    def run_losing(name: str, picks: int) -> Path:
+        return make_run(tmp_path / name, rows_for("indexer.recall", {v: [1 - picks / n] * 4 for v in
+                                                                     ("yardstick", "base", "patched")}))
+
+    old = run_losing("old", 2)
+    limit = allowed_count([(1.0, 2.0)], 4) + 1  # + the floor, one pick
+    assert 5 < limit < 25
+    assert gate_run(run_losing("redraw", 5), policy, baseline=old).passed  # failed the 2 + 1 picks of the old rule
+    result = gate_run(run_losing("worse", 25), policy, baseline=old)
+    assert not result.passed
+    first = next(c for c in result.checks if c.check.name == "recall").variants[0].first_failure()
+    assert first.baseline_limit == pytest.approx(limit / n)
+    assert "baseline 0.001953×(1+0) + count noise (z = 4)" in " ".join(result.failure_lines())
+
+
 def test_allow_loosen_without_update_baseline_and_a_bad_baseline_file_are_usage_errors(tmp_path, policy_file,
                                                                                         capsys):
     run = make_run(tmp_path / "run", rows_for("streams.rel_l2", good_streams()))

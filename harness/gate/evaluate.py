@@ -11,7 +11,9 @@ twin's) rows over the same group gives the relative bound:
     yardstick: loss ≤ F·max(yardstick, 0) + floor
     base:      loss ≤ base + F·max(yardstick, 0) + floor
     twin:      loss ≤ F·twin + floor                      (fp32 decision sites: the stock op re-associated)
-    baseline:  loss ≤ baseline·(1 + slack) + floor        (with a baseline, for checks that ask for one)
+    baseline:  loss ≤ baseline·(1 + slack) + floor        (with a baseline, for checks that ask for one; a
+                                                          discrete metric adds the count noise below, since
+                                                          the baseline's count and this run's are both draws)
 
 F is a factor on the error amplitude. For metrics quadratic in it (KL, JS, 1 − cos, whose square roots are
 distances) the same triangle inequality is applied to square roots: F²·yardstick and (√base + F·√yardstick)².
@@ -169,6 +171,7 @@ class Unit:
     allowance: float | None = None  # counted bounds: the count noise allowed above R (allowed_count/N − R)
     baseline: float | None = None
     baseline_limit: float | None = None
+    baseline_allowance: float | None = None  # counted metrics: the count noise allowed above baseline·(1 + slack)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -221,7 +224,8 @@ class Unit:
                 "value": _num(self.value), "limit": _num(self.limit), "status": "pass" if self.passed else "fail",
                 "yardstick": _num(self.yardstick), "base": _num(self.base), "twin": _num(self.twin),
                 "floor": _num(self.floor), "decisions": _num(self.decisions), "allowance": _num(self.allowance),
-                "baseline": _num(self.baseline), "baseline_limit": _num(self.baseline_limit), "notes": self.notes}
+                "baseline": _num(self.baseline), "baseline_limit": _num(self.baseline_limit),
+                "baseline_allowance": _num(self.baseline_allowance), "notes": self.notes}
 
 
 @dataclass
@@ -262,7 +266,7 @@ class CheckResult:
     factor: float | None = None  # the bound's evaluated number (X or F)
     floor: float | None = None  # None where it depends on the unit (positions, pick_share)
     slack: float | None = None
-    poisson_z: float | None = None  # counted bounds only
+    poisson_z: float | None = None  # counted bounds and counted baselines only
 
     @property
     def status(self) -> str:
@@ -346,7 +350,9 @@ def explain_limit(c: CheckResult, u: Unit) -> str:
     elif kind in relative:
         parts.append(f"{_fmt(u.limit)} = {relative[kind]} + floor {_fmt(u.floor)}")
     if u.baseline_limit is not None:
-        parts.append(f"{_fmt(u.baseline_limit)} = baseline {_fmt(u.baseline)}×(1+{_fmt(c.slack)}) + floor "
+        noise = "" if u.baseline_allowance is None else \
+            f" + count noise (z = {_fmt(c.poisson_z)}) {_fmt(u.baseline_allowance)}"
+        parts.append(f"{_fmt(u.baseline_limit)} = baseline {_fmt(u.baseline)}×(1+{_fmt(c.slack)}){noise} + floor "
                      f"{_fmt(u.floor)}")
     return " and ".join(parts) if parts else "no bound"
 
@@ -509,7 +515,7 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
     names = config_names(run.config)
     floor_expr = policy.floor_of(check)
     decisions = Expr(rule.decisions, check.line, f"{check.path} (decisions of {check.metric})") \
-        if check.counted else None
+        if check.counted or (rule.discrete and check.baseline_slack is not None) else None
     unit_names = set().union(*(e.names() for e in (floor_expr, decisions) if e is not None)) & UNIT_VARIABLES
     if PICK_SHARE in unit_names and check.rule.pick_share is None:
         raise UsageError(f"{policy.file}:{check.line}: {check.path}.floor: `{PICK_SHARE}` is defined only for recalls "
@@ -522,7 +528,7 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
         floor_expr.evaluate(names, policy.file)
     factor = check.bound.value.evaluate(names, policy.file) if check.bound else None
     slack = check.baseline_slack.evaluate(names, policy.file) if check.baseline_slack is not None else None
-    z = policy.poisson_z.evaluate(names, policy.file) if check.counted else None
+    z = policy.poisson_z.evaluate(names, policy.file) if decisions is not None else None
     bound = _Bound(kind, factor, floor, slack, decisions, z or 0.0, names, policy.file)
     fixed_floor = None if isinstance(floor, Expr) else floor
 
@@ -653,7 +659,13 @@ def _evaluate_unit(check: Check, unit: Unit, bound: _Bound, at: Mapping[str, flo
         if unit.baseline is None:
             unit.notes.append("no baseline value at this unit")
         else:
-            unit.baseline_limit = unit.baseline * (1 + bound.slack) + (floor or 0.0)
+            allowed = unit.baseline * (1 + bound.slack)
+            n = bound.decisions_at(unit.positions, at)
+            if n is not None and n > 0:  # the baseline's count and this run's are both draws (rule 5 of the policy)
+                counted = allowed_count([(1 + bound.slack, unit.baseline * n)], bound.poisson_z) / n
+                unit.baseline_allowance = counted - allowed
+                allowed = counted
+            unit.baseline_limit = allowed + (floor or 0.0)
             unit.passed = unit.passed and _within(unit.value, unit.baseline_limit)
     if kind in RELATIVE_KINDS or unit.baseline is not None:
         unit.floor = floor

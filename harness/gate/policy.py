@@ -245,7 +245,8 @@ class Check(Model):
             parts.append(text.replace(" + floor", f" + count noise (z = {poisson_z}) + floor") if self.counted
                          else text)
         if self.baseline_slack is not None and with_baseline:
-            parts.append(f"≤ baseline×(1+{self.baseline_slack.text}) + floor")
+            noise = f" + count noise (z = {poisson_z})" if self.rule.discrete else ""
+            parts.append(f"≤ baseline×(1+{self.baseline_slack.text}){noise} + floor")
         return "; ".join(parts)
 
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from harness.attribution.attribute import run_attribution
 from harness.attribution.plan import attribution_variants
 from harness.cli.paths import new_output_dir
-from harness.cli.threads import add_threads_argument, narrow_model_threads, torch_threads
+from harness.cli.threads import add_threads_argument, narrow_model_threads, oversubscription_note, torch_threads
 from harness.errors import UsageError
 from harness.run.distributed import run_sharded
 from harness.run.memory import check_fits
@@ -59,9 +59,11 @@ def patches_of(spec: RunSpec) -> list:
 
 def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, ...], policy: str | None,
               device: str | None, out: Path | None, interactions: str = "auto", progress=None, devices: int = 1,
-              threads: int | None = None):
+              threads: int | None = None, announce_threads: bool = True):
     """Programmatic entry (selftest and tests use it): returns (Attribution, run directory). `devices` > 1 shards
-    each pass over that many processes; `threads` is the --threads asked for (None: a narrow model runs on one)."""
+    each pass over that many processes; `threads` is the --threads asked for (None: a narrow model runs on one).
+    `announce_threads`: print the oversubscription note for the thread count the passes will run with (known only
+    once the scenario's model is, since a narrow model drops to one thread)."""
     from harness.run.runner import VariantSpec
 
     path = find_scenario(scenario_ref)
@@ -73,8 +75,10 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
         overrides = Overrides(device, patches, patch_modules)
         spec, plan = build_run_spec(scenario, overrides)
         narrow = narrow_model_threads(threads, spec.source.config.hidden_size, spec.device)
-        if narrow:
-            console(stderr=True).print(f"[yellow]note[/]: {narrow}", soft_wrap=True)
+        note = oversubscription_note(torch.get_num_threads()) if announce_threads else None
+        for line in (narrow, note):
+            if line:
+                console(stderr=True).print(f"[yellow]note[/]: {line}", soft_wrap=True)
         choices = patches_of(spec)
         if not choices:
             raise UsageError("nothing to attribute: no patches selected (give --patches or a scenario with patched "
@@ -95,10 +99,8 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
 
 def run(args: argparse.Namespace) -> int:
     out = console(stderr=True)
-    with torch_threads(args.threads) as note, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with torch_threads(args.threads), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=out, transient=True) as bar:
-        if note:
-            out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
         task = bar.add_task("attribution", total=None)
 
         def progress(event: dict) -> None:

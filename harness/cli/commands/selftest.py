@@ -39,14 +39,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def check_fault(name: str, scenario: str, out_dir: Path, threads: int | None = None) -> dict:
+def check_fault(name: str, scenario: str, out_dir: Path, threads: int | None = None, announce_threads: bool = False
+                ) -> dict:
     """One fault: attribution over {benign, fault}; the verdict must name the fault and its phase, the benign
     patch must not diverge, and the gate must fail. The benign change comes first: patches apply in order, so where
     both override one op the fault (later) replaces the decoy in their combined variant, not the other way."""
     patch, phase = FAULTS[name]
     module = "harness.attribution.faults"
     result, run_dir = attribute(scenario, f"{benign_change.id},{patch.id}", (module,), None, None,
-                                out_dir / patch.id, interactions="never", threads=threads)
+                                out_dir / patch.id, interactions="never", threads=threads,
+                                announce_threads=announce_threads)
     verdict = result.verdict()
     benign_divergences = result.divergences.get(benign_change.id, [])
     problems = []
@@ -87,14 +89,12 @@ def run(args: argparse.Namespace) -> int:
         from harness.errors import UsageError
 
         raise UsageError(f"unknown fault class(es) {unknown}; known: {list(FAULTS)}")
-    with tempfile.TemporaryDirectory(prefix="dsv4-selftest-") as tmp, torch_threads(args.threads) as note:
+    with tempfile.TemporaryDirectory(prefix="dsv4-selftest-") as tmp, torch_threads(args.threads):
         base = writable_dir(args.out, "--out") if args.out else Path(tmp)
-        if note:
-            out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
         rows = []
-        for name in names:
+        for i, name in enumerate(names):  # the first attribution says how many threads they all run with
             out.print(f"selftest: injecting {name} …")
-            rows.append(check_fault(name, args.scenario, base, args.threads))
+            rows.append(check_fault(name, args.scenario, base, args.threads, announce_threads=i == 0))
     table = Table(title=f"selftest on {args.scenario}")
     for col in ("fault class", "patch", "expected phase", "verdict", "result"):
         table.add_column(col)
