@@ -58,6 +58,14 @@ def kernel_lanes(row_ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tens
     return row_ids.gather(-1, order), valid.sum(-1)
 
 
+def _routing_fields(r: Any) -> dict[str, torch.Tensor]:
+    """The expert ids and the weights each routed expert and the shared expert get in the MoE output (the routing
+    weight or the shared weight times output_scale: a fused kernel may move the scaling factor between them)."""
+    shared = r.expert_ids.new_full((r.expert_ids.shape[0], 1), 1.0, dtype=torch.float32) * (
+        r.shared_weight * r.output_scale)
+    return {"expert_ids": r.expert_ids, "weights": torch.cat([r.weights * r.output_scale, shared], 1)}
+
+
 def _mix_fields(result: tuple[torch.Tensor, Any]) -> dict[str, torch.Tensor]:
     _, mix = result
     return {"pre": mix.pre, "post": mix.post, "comb": mix.comb}
@@ -283,8 +291,8 @@ class OptimizedLayer:
         if sink.wants("moe.router"):
             sink.emit("moe.router", ctx.positions, scores=routing.scores, expert_ids=routing.expert_ids,
                       weights=routing.weights * routing.output_scale)
-        self._emit_site(sink, "moe.router.site", ctx, "router", lambda r: {"expert_ids": r.expert_ids}, ctx.positions,
-                        routing, ctx.table.patched_calls == patched, y=y, token_ids=token_ids)
+        self._emit_site(sink, "moe.router.site", ctx, "router", _routing_fields, ctx.positions, routing,
+                        ctx.table.patched_calls == patched, y=y, token_ids=token_ids)
         total = ctx.call("experts", y=y, routing=routing)
         if self.cfg.n_shared_experts:
             g = ctx.call("linear", x=y, site="ffn.shared_experts.w1")

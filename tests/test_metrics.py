@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from harness.run.metrics import CompareContext, compare_selected
@@ -71,3 +72,21 @@ def test_the_attention_site_compares_lse_with_the_stock_ops():
     assert torch.allclose(out["attn.site_lse_err"], torch.tensor([0.001, 0.0], dtype=torch.float64), rtol=1e-4)
     # 2^-20 is exact on values of 1-4 (their fp32 ulp is at most 2^-21)
     assert out["attn.twin_lse_err"].tolist() == [2**-20, 2**-20]
+
+
+def test_the_router_site_compares_effective_weights_where_the_expert_sets_agree():
+    """Weights line up by expert whatever the slot order; the scaling factor may sit on the weights or on the output
+    (the effective weights agree); a token whose expert set flipped is left to moe.site_flip_rate."""
+    from harness.run.metrics import compare_router_site
+
+    ids = torch.tensor([[1, 4], [2, 3]])
+    w = torch.tensor([[0.9, 0.6, 1.0], [0.75, 0.75, 1.0]])  # routed × output_scale, then the shared expert's
+    var = {"stock_expert_ids": ids, "stock_weights": w,
+           "expert_ids": torch.tensor([[4, 1], [2, 5]]), "weights": torch.tensor([[0.6, 0.9 * 1.01, 1.0], [0.7, 0.8, 1.0]]),
+           "twin_expert_ids": ids, "twin_weights": w}
+    out = {m.metric: m for m in compare_router_site(torch.tensor([7, 8]), None, var, None)}
+    assert out["moe.site_flip_rate"].value.tolist() == [0.0, 0.5]
+    site = out["moe.site_weight_err"]
+    assert site.positions.tolist() == [7], "the flipped token is not compared"
+    assert site.value.item() == pytest.approx(0.009 / 2.5)  # |0.909 − 0.9| over the L1 of (0.9, 0.6, 1.0)
+    assert out["moe.twin_weight_err"].value.tolist() == [0.0, 0.0]

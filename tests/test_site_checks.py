@@ -3,7 +3,7 @@ spec says — for that reason, not for the size of its drift (default policy, ru
 
 Two bug shapes from serving stacks, written as plugins against the README's API: a decode window one row short
 (the oldest of the 128 rows dropped) and an indexer that loses the best-scoring pick (as a stale page table loses
-the newest rows). The split-K decode kernel (mma-sparse-decode: bf16 partials, fp32 LSE merge) is correct and must
+the newest rows); and the fused hash routing run without its scaling factor. The split-K decode kernel (mma-sparse-decode: bf16 partials, fp32 LSE merge) is correct and must
 pass both checks.
 """
 
@@ -49,7 +49,8 @@ def _verdicts(tmp_path: Path) -> dict[str, dict[str, str]]:
     scenario["name"] = "site-checks"
     scenario["stacks"]["variants"] = [{"name": n, "patches": p} for n, p in (
         ("base", []), ("mma", ["mma-sparse-decode"]), ("short-window", ["short-window"]),
-        ("lose-best", ["lose-best-pick"]))]
+        ("lose-best", ["lose-best-pick"]), ("hash-topk", ["hash-topk"]))] + [
+        {"name": "unscaled", "patches": ["hash-topk"], "options": {"hash-topk": {"scale_on": "none"}}}]
     path = tmp_path / "site-checks.yaml"
     path.write_text(yaml.safe_dump(scenario, sort_keys=False))
     out = tmp_path / "run"
@@ -57,11 +58,16 @@ def _verdicts(tmp_path: Path) -> dict[str, dict[str, str]]:
                  "--no-triage"]) == 1
     gate = json.loads((out / "gate.json").read_text())
     return {c["name"]: {v["variant"]: v["status"] for v in c["variants"]} for c in gate["checks"]
-            if c["name"] in ("attn-site", "indexer-site-margin")}
+            if c["name"] in ("attn-site", "indexer-site-margin", "router-weight-site")}
 
 
 def test_site_checks_fail_the_bugs_and_pass_the_correct_kernels(tmp_path):
     verdicts = _verdicts(tmp_path)
-    assert verdicts["attn-site"] == {"base": "pass", "mma": "pass", "short-window": "fail", "lose-best": "pass"}
-    assert verdicts["indexer-site-margin"] == {"base": "pass", "mma": "pass", "short-window": "pass",
-                                               "lose-best": "fail"}
+    correct = {"base": "pass", "mma": "pass", "hash-topk": "pass"}
+    assert verdicts["attn-site"] == {**correct, "short-window": "fail", "lose-best": "pass", "unscaled": "pass"}
+    assert verdicts["indexer-site-margin"] == {**correct, "short-window": "pass", "lose-best": "fail",
+                                               "unscaled": "pass"}
+    # hash-topk moves routed_scaling_factor onto the MoE output: the weights each expert gets are the stock's; a
+    # runner that never applies it (scale_on: none, the failure the spec warns about) is off by 1/1.5
+    assert verdicts["router-weight-site"] == {**correct, "short-window": "pass", "lose-best": "pass",
+                                              "unscaled": "fail"}

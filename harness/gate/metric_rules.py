@@ -128,6 +128,8 @@ METRICS: dict[str, MetricRule] = {
     "moe.site_flip_rate": MetricRule(("moe.router.site",), "upper", _ONE_EXPERT, decisions="num_experts_per_tok",
                                      twin="moe.twin_flip_rate"),
     "mhc.site_rel_err": MetricRule(_HC_SITES, "upper", "2**-24", twin="mhc.twin_rel_err"),
+    # the routing weights at tokens whose expert set both keep: a softplus, sqrt, sum and division, each rounded
+    "moe.site_weight_err": MetricRule(("moe.router.site",), "upper", "4 * 2**-24", twin="moe.twin_weight_err"),
     # how much less doubly stochastic the variant's comb is than the stock Sinkhorn's on the same input: a comb
     # stored or normalised in bf16 moves a unit row/column sum by ≤ u_bf16 = 2^-8
     "mhc.site_ds_residual": MetricRule(_HC_SITES, "upper", _U),
@@ -138,6 +140,7 @@ METRICS: dict[str, MetricRule] = {
     # the attention LSE on the stock op's own inputs; floor: one fp32 ulp of an LSE below 64 nats, 2^-18
     "attn.site_lse_err": MetricRule(("attn.site",), "upper", "2**-18", twin="attn.twin_lse_err"),
     "moe.twin_flip_rate": MetricRule(("moe.router.site",), "descriptive", None),
+    "moe.twin_weight_err": MetricRule(("moe.router.site",), "descriptive", None),
     "mhc.twin_rel_err": MetricRule(_HC_SITES, "descriptive", None),
     "indexer.twin_recall": MetricRule(("indexer.site",), "descriptive", None),
     "attn.twin_lse_err": MetricRule(("attn.site",), "descriptive", None),

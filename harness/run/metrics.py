@@ -196,13 +196,29 @@ def _set_overlap(ids_a: torch.Tensor, ids_b: torch.Tensor, valid_a: torch.Tensor
     return hit.sum(1).double(), valid_b.sum(1).double()
 
 
+def _weights_by_expert(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[S, k] ids and [S, k + 1] effective weights (the last: the shared expert's) -> [S, k + 1] with the routed
+    weights in ascending expert order, so two routings of the same expert set line up whatever their slot order."""
+    order = torch.argsort(ids.long().cpu(), dim=1)
+    w = weights.detach().cpu().double()
+    return torch.cat([w[:, :-1].gather(1, order), w[:, -1:]], 1)
+
+
 def compare_router_site(pos, ref, var, ctx) -> list[MetricValues]:
     """moe.router.site: expert-set flips of the variant's router against the stock router on the same input y
-    (what the router itself changed), and of the stock router's twin (fp32 re-association alone)."""
+    (what the router itself changed), and of the stock router's twin (fp32 re-association alone); and, at tokens
+    whose expert set both keep, the relative L1 error of the weights each expert (and the shared expert) gets in
+    the MoE output — fp32 in the official Gate (moe.site_weight_err, the twin's moe.twin_weight_err)."""
     k = var["expert_ids"].shape[1]
     site, _ = _set_overlap(var["expert_ids"], var["stock_expert_ids"])
     twin, _ = _set_overlap(var["twin_expert_ids"], var["stock_expert_ids"])
-    return [MetricValues("moe.site_flip_rate", pos, 1 - site / k), MetricValues("moe.twin_flip_rate", pos, 1 - twin / k)]
+    stock = _weights_by_expert(var["stock_expert_ids"], var["stock_weights"])
+    out = [MetricValues("moe.site_flip_rate", pos, 1 - site / k), MetricValues("moe.twin_flip_rate", pos, 1 - twin / k)]
+    for name, prefix, same in (("moe.site_weight_err", "", site == k), ("moe.twin_weight_err", "twin_", twin == k)):
+        w = _weights_by_expert(var[prefix + "expert_ids"], var[prefix + "weights"])
+        err = (w - stock).abs().sum(1) / stock.abs().sum(1).clamp_min(torch.finfo(torch.float64).tiny)
+        out.append(MetricValues(name, pos.cpu()[same], err[same]))
+    return out
 
 
 def compare_hc_site(pos, ref, var, ctx) -> list[MetricValues]:
