@@ -43,6 +43,15 @@ def metrics_digests(metrics: pd.DataFrame) -> dict[str, str]:
     return digests
 
 
+def platform_fingerprint() -> dict[str, str]:
+    """What besides the code decides the bits: torch's version and the CPU kernels it dispatches to (a BLAS or a
+    vector-ISA change re-orders sums). Recorded with the pin and named when the pin fails (it held on the GPU
+    machine's torch 2.11 as on this one's 2.13, so a difference alone is not a failure)."""
+    import torch
+
+    return {"torch": torch.__version__.split("+")[0], "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def run_pinned(out_dir: Path, extra_args: tuple[str, ...] = ()) -> Path:
     """Run the pinned scenario in a fresh process (one thread) and return its metrics.parquet."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -57,8 +66,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         digests = metrics_digests(pd.read_parquet(run_pinned(Path(tmp) / "run")))
     if "--write" in sys.argv:
-        PIN_FILE.write_text(json.dumps({"command": "dsv4-drift " + " ".join(PIN_ARGS), "digests": digests},
-                                       indent=1) + "\n")
+        PIN_FILE.write_text(json.dumps({"command": "dsv4-drift " + " ".join(PIN_ARGS),
+                                        "platform": platform_fingerprint(), "digests": digests}, indent=1) + "\n")
         print(f"wrote {PIN_FILE}")
     else:
         print(json.dumps(digests, indent=1))
