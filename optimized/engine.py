@@ -17,7 +17,7 @@ import torch
 
 from optimized.base_ops import BASE_OPS, swiglu_fp32
 from optimized.numerics import bf16, rms_norm_bf16
-from optimized.ops import OpContext, OpTable
+from optimized.ops import OpContext, OpTable, kernel_lanes
 from optimized.paged_cache import IndexKeyCache, LatentCache
 from optimized.patching import PHASES, PatchChoice
 from optimized.state import EngineState
@@ -49,13 +49,6 @@ class EngineOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return {"indexer_fp4": self.indexer_fp4}
-
-
-def kernel_lanes(row_ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top-k lanes as a sparse-attention kernel receives them: each query's valid picks first (stable order),
-    then the lanes past topk_length holding what the top-k left there (its non-causal picks); and topk_length."""
-    order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
-    return row_ids.gather(-1, order), valid.sum(-1)
 
 
 def _routing_fields(r: Any) -> dict[str, torch.Tensor]:

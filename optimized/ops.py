@@ -70,13 +70,39 @@ class OpContext:
         return self.table.call(op, self, inputs)
 
 
-def _declared(fn: Callable[..., Any], optional: tuple[str, ...], inputs: dict[str, Any]) -> dict[str, Any]:
-    """`inputs` without the optional ones `fn` does not declare (OpSpec.optional)."""
-    if not optional or not any(k in inputs for k in optional):
+def kernel_lanes(row_ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k lanes as a sparse-attention kernel receives them: each query's valid picks first (stable order),
+    then the lanes past topk_length holding what the top-k left there (its non-causal picks); and topk_length."""
+    order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
+    return row_ids.gather(-1, order), valid.sum(-1)
+
+
+def _lanes_of_slots(inputs: dict[str, Any]) -> dict[str, Any]:
+    """sparse_attention's kernel lanes when the caller gave none (a plugin written before they existed, wrapping a
+    newer one): the lanes of the comp_slots it passed, their valid rows first; past topk_length they hold −1, since
+    what the top-k left there was not handed down."""
+    lanes, length = kernel_lanes(inputs["comp_slots"], inputs["comp_slots"] >= 0)
+    return {"comp_lanes": lanes, "comp_length": length}
+
+
+OPTIONAL_FROM_REQUIRED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"sparse_attention": _lanes_of_slots}
+"""Per op, how its optional inputs follow from the required ones, for an implementation that declares them when
+its caller passed none."""
+
+
+def _declared(fn: Callable[..., Any], name: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    """`inputs` without the optional ones `fn` does not declare (OpSpec.optional), and with the ones it declares but
+    was not given derived from the required inputs (OPTIONAL_FROM_REQUIRED)."""
+    optional = OP_SPECS[name].optional
+    if not optional:
         return inputs
     accepted = _parameters(fn)
-    if accepted is None:  # **kwargs: takes everything
+    if accepted is None:  # **kwargs: takes everything given
         return inputs
+    missing = [k for k in optional if k in accepted and k not in inputs]
+    if missing and name in OPTIONAL_FROM_REQUIRED:
+        derived = OPTIONAL_FROM_REQUIRED[name](inputs)
+        inputs = {**inputs, **{k: derived[k] for k in missing}}
     return {k: v for k, v in inputs.items() if k not in optional or k in accepted}
 
 
@@ -112,7 +138,7 @@ class OpTable:
 
     def _invoke(self, name: str, level: int, ctx: OpContext, inputs: dict[str, Any]) -> Any:
         fn, choice = self.chains[name][level]
-        inputs = _declared(fn, OP_SPECS[name].optional, inputs)
+        inputs = _declared(fn, name, inputs)
         if choice is None:
             if not ctx.options and ctx.patch_id is None and ctx.base is None:  # already a stock op's view
                 return fn(ctx, **inputs)

@@ -191,6 +191,26 @@ def test_sparse_attention_gets_kernel_lanes_and_old_plugins_keep_working(tmp_pat
         assert sorted(lanes[row, :n].tolist()) == sorted(slots[row][valid[row]].tolist())
 
 
+def test_a_lanes_reading_patch_below_an_old_style_one_gets_lanes_of_the_slots_it_is_given(tmp_path, prompt):
+    """old-style wraps reads-lanes and calls ctx.base without lanes: the lanes are derived from the comp_slots it
+    passes (valid rows first, −1 past comp_length) instead of failing for a missing argument."""
+    plugin = tmp_path / "lanes_below.py"
+    plugin.write_text(LANES)
+    registry = default_registry([str(plugin)])
+    source = SyntheticWeights(TINY, 0)
+    ids = torch.tensor(prompt[0][:200])
+    model = OptimizedModel(source, registry.choose("reads-lanes,old-style"))
+    model.run_layer(model.layer(2), model.embed(ids), ids, [200], 200)
+    module = next(m for name, m in __import__("sys").modules.items() if name.endswith("plugin_lanes_below"))
+    slots, lanes, length = module.seen["lanes"][0]
+    valid = slots >= 0
+    assert torch.equal(length, valid.sum(-1))
+    for row in range(lanes.shape[0]):
+        n = int(length[row])
+        assert sorted(lanes[row, :n].tolist()) == sorted(slots[row][valid[row]].tolist())
+        assert (lanes[row, n:] == -1).all()
+
+
 def _scenario_naming_a_plugin(tmp_path: Path) -> Path:
     """tiny-smoke with a variant that names the README's fused-w13 loader bug, a plugin the file does not load."""
     text = (Path(__file__).resolve().parents[1] / "scenarios" / "tiny-smoke.yaml").read_text()
