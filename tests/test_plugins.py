@@ -174,16 +174,20 @@ def attend_old(ctx, q, window_slots, comp_slots, sink):
 '''
 
 
-def test_sparse_attention_gets_kernel_lanes_and_old_plugins_keep_working(tmp_path, prompt):
-    plugin = tmp_path / "lanes.py"
+def _lanes_seen(tmp_path: Path, prompt, order: str, stem: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(comp_slots, comp_lanes, comp_length) the reads-lanes patch of LANES saw first, with the patches in `order`."""
+    plugin = tmp_path / f"{stem}.py"
     plugin.write_text(LANES)
     registry = default_registry([str(plugin)])
-    source = SyntheticWeights(TINY, 0)
     ids = torch.tensor(prompt[0][:200])
-    model = OptimizedModel(source, registry.choose("old-style,reads-lanes"))
+    model = OptimizedModel(SyntheticWeights(TINY, 0), registry.choose(order))
     model.run_layer(model.layer(2), model.embed(ids), ids, [200], 200)  # layer 2 is CSA in `tiny`
-    module = next(m for name, m in __import__("sys").modules.items() if name.endswith("plugin_lanes"))
-    slots, lanes, length = module.seen["lanes"][0]
+    module = next(m for name, m in __import__("sys").modules.items() if name.endswith(f"plugin_{stem}"))
+    return module.seen["lanes"][0]
+
+
+def test_sparse_attention_gets_kernel_lanes_and_old_plugins_keep_working(tmp_path, prompt):
+    slots, lanes, length = _lanes_seen(tmp_path, prompt, "old-style,reads-lanes", "lanes")
     valid = slots >= 0
     assert torch.equal(length, valid.sum(-1)), "comp_length is topk_length: the number of valid picks"
     for row in range(lanes.shape[0]):  # the valid picks first, in the lanes below comp_length
@@ -194,15 +198,7 @@ def test_sparse_attention_gets_kernel_lanes_and_old_plugins_keep_working(tmp_pat
 def test_a_lanes_reading_patch_below_an_old_style_one_gets_lanes_of_the_slots_it_is_given(tmp_path, prompt):
     """old-style wraps reads-lanes and calls ctx.base without lanes: the lanes are derived from the comp_slots it
     passes (valid rows first, −1 past comp_length) instead of failing for a missing argument."""
-    plugin = tmp_path / "lanes_below.py"
-    plugin.write_text(LANES)
-    registry = default_registry([str(plugin)])
-    source = SyntheticWeights(TINY, 0)
-    ids = torch.tensor(prompt[0][:200])
-    model = OptimizedModel(source, registry.choose("reads-lanes,old-style"))
-    model.run_layer(model.layer(2), model.embed(ids), ids, [200], 200)
-    module = next(m for name, m in __import__("sys").modules.items() if name.endswith("plugin_lanes_below"))
-    slots, lanes, length = module.seen["lanes"][0]
+    slots, lanes, length = _lanes_seen(tmp_path, prompt, "reads-lanes,old-style", "lanes_below")
     valid = slots >= 0
     assert torch.equal(length, valid.sum(-1))
     for row in range(lanes.shape[0]):
