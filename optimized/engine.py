@@ -51,12 +51,15 @@ class EngineOptions:
         return {"indexer_fp4": self.indexer_fp4}
 
 
-def _routing_fields(r: Any) -> dict[str, torch.Tensor]:
-    """The expert ids and the weights each routed expert and the shared expert get in the MoE output (the routing
-    weight or the shared weight times output_scale: a fused kernel may move the scaling factor between them)."""
-    shared = r.expert_ids.new_full((r.expert_ids.shape[0], 1), 1.0, dtype=torch.float32) * (
-        r.shared_weight * r.output_scale)
-    return {"expert_ids": r.expert_ids, "weights": torch.cat([r.weights * r.output_scale, shared], 1)}
+def _routing_fields(r: Any, shared_expert: bool) -> dict[str, torch.Tensor]:
+    """The expert ids and the weights each routed expert and the shared expert (if the model has one) get in the MoE
+    output (the routing weight or the shared weight times output_scale: a fused kernel may move the scaling factor
+    between them)."""
+    weights = [r.weights * r.output_scale]
+    if shared_expert:
+        weights.append(r.expert_ids.new_full((r.expert_ids.shape[0], 1), r.shared_weight * r.output_scale,
+                                             dtype=torch.float32))
+    return {"expert_ids": r.expert_ids, "weights": torch.cat(weights, 1)}
 
 
 def _mix_fields(result: tuple[torch.Tensor, Any]) -> dict[str, torch.Tensor]:
@@ -253,12 +256,20 @@ class OptimizedLayer:
             logits[prefix] = stock.call("indexer_logits", q=q, weights=weights, positions=pos)
             ids, ok = stock.call("indexer_topk", logits=logits[prefix], positions=pos, k=self.cfg.index_topk)
             values.update({prefix + "row_ids": ids, prefix + "valid": ok})
-        picked = logits["stock_"].gather(1, values["stock_row_ids"].long())
-        ok = values["stock_valid"]
-        kth = torch.where(ok, picked, float("inf")).amin(1, keepdim=True)
-        visible = torch.isfinite(logits["stock_"]) & torch.isfinite(logits["twin_"])
-        values["stock_margin"] = torch.where(ok, picked - kth, 0.0)
-        values["twin_noise"] = torch.where(visible, (logits["twin_"] - logits["stock_"]).abs(), 0.0).amax(1)
+        ok, stock = values["stock_valid"], logits["stock_"]
+        if stock.shape[1] == 0:  # no index row yet (positions before the first complete window): nothing picked
+            values["stock_margin"] = torch.zeros(ok.shape, device=ok.device)
+            values["twin_noise"] = torch.zeros(ok.shape[0], device=ok.device)
+        else:
+            picked = stock.gather(1, values["stock_row_ids"].long())
+            kth = torch.where(ok, picked, float("inf")).amin(1, keepdim=True)
+            visible = torch.isfinite(stock) & torch.isfinite(logits["twin_"])
+            values["stock_margin"] = torch.where(ok, picked - kth, 0.0)
+            # at least one fp32 ulp (2^-23 relative) of the query's largest score: a twin whose split happens to
+            # sum every score the same way (4 heads as 2 + 2) shows no noise, and a tie is still a tie
+            ulp = torch.where(visible, stock.abs(), 0.0).amax(1) * 2.0**-23
+            values["twin_noise"] = torch.maximum(
+                torch.where(visible, (logits["twin_"] - stock).abs(), 0.0).amax(1), ulp)
         sink.emit("indexer.site", pos, **values)
 
     def _emit_probs(self, ctx: OpContext, sink: ProbeSink, pos: torch.Tensor, q: torch.Tensor,
@@ -284,7 +295,8 @@ class OptimizedLayer:
         if sink.wants("moe.router"):
             sink.emit("moe.router", ctx.positions, scores=routing.scores, expert_ids=routing.expert_ids,
                       weights=routing.weights * routing.output_scale)
-        self._emit_site(sink, "moe.router.site", ctx, "router", _routing_fields, ctx.positions, routing,
+        self._emit_site(sink, "moe.router.site", ctx, "router",
+                        lambda r: _routing_fields(r, self.cfg.n_shared_experts > 0), ctx.positions, routing,
                         ctx.table.patched_calls == patched, y=y, token_ids=token_ids)
         total = ctx.call("experts", y=y, routing=routing)
         if self.cfg.n_shared_experts:

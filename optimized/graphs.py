@@ -64,6 +64,7 @@ def replay(fn: Callable[..., Any], *tensors: torch.Tensor, **static: Any) -> Any
     first = tensors[0]
     size = sum(t.numel() for t in tensors)
     if (not ENABLED or first.device.type != "cuda" or not 0 < size <= MAX_ELEMENTS or first.numel() == 0
+            or first.device.index != torch.cuda.current_device()  # the capture stream lives on the current device
             or torch.cuda.is_current_stream_capturing()):  # an empty input launches nothing: no graph to make
         return fn(*tensors, **static)
     key = (fn, tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors), tuple(sorted(static.items())))

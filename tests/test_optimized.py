@@ -203,3 +203,32 @@ def test_patch_options_change_what_they_claim(tiny_setup):
     tf32 = run("bf16-mhc-prelinear", {"bf16-mhc-prelinear": {"precision": "tf32"}})
     b16 = run("bf16-mhc-prelinear")
     assert sum(rel(tf32[L], base[L]) for L in layers) < sum(rel(b16[L], base[L]) for L in layers)
+
+
+class _SitesSink:
+    """Wants the fp32-site taps at every position and keeps what they emit."""
+
+    def __init__(self) -> None:
+        self.emitted: dict[str, list[dict]] = {}
+
+    def wants(self, tap: str) -> bool:
+        return tap.endswith(".site")
+
+    def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
+        self.emitted.setdefault(tap, []).append(values)
+
+    def sampled(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(positions, dtype=torch.bool)
+
+
+def test_site_taps_before_the_first_index_row():
+    """A first chunk shorter than the CSA ratio has no index row yet: the indexer site emits empty margins and zero
+    noise (it raised on reducing an empty row), and the attention and router sites still emit."""
+    source = SyntheticWeights(TINY, 0)
+    model = OptimizedModel(source, default_registry().choose("all"))
+    ids = torch.arange(100, 110)
+    sink = _SitesSink()
+    model.run_layer(model.layer(2), model.embed(ids), ids, [2, 8], 10, sink)  # layer 2 is CSA; ratio 4
+    first = sink.emitted["indexer.site"][0]
+    assert first["stock_margin"].shape[1] == 0 and torch.equal(first["twin_noise"], torch.zeros(2))
+    assert {"attn.site", "moe.router.site", "attn.hc.site"} <= set(sink.emitted)

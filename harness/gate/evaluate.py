@@ -515,7 +515,8 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
     names = config_names(run.config)
     floor_expr = policy.floor_of(check)
     decisions = Expr(rule.decisions, check.line, f"{check.path} (decisions of {check.metric})") \
-        if check.counted or (rule.discrete and check.baseline_slack is not None) else None
+        if check.counted or (rule.discrete and check.baseline_slack is not None and check.aggregate == "mean") \
+        else None  # a count only as a mean over the unit's decisions (a max of a unit is no count)
     unit_names = set().union(*(e.names() for e in (floor_expr, decisions) if e is not None)) & UNIT_VARIABLES
     if PICK_SHARE in unit_names and check.rule.pick_share is None:
         raise UsageError(f"{policy.file}:{check.line}: {check.path}.floor: `{PICK_SHARE}` is defined only for recalls "

@@ -197,11 +197,13 @@ def _set_overlap(ids_a: torch.Tensor, ids_b: torch.Tensor, valid_a: torch.Tensor
 
 
 def _weights_by_expert(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """[S, k] ids and [S, k + 1] effective weights (the last: the shared expert's) -> [S, k + 1] with the routed
-    weights in ascending expert order, so two routings of the same expert set line up whatever their slot order."""
+    """[S, k] ids and [S, k] or [S, k + 1] effective weights (the last: the shared expert's, when the model has one)
+    with the routed weights in ascending expert order, so two routings of the same expert set line up whatever
+    their slot order."""
+    k = ids.shape[1]
     order = torch.argsort(ids.long().cpu(), dim=1)
     w = weights.detach().cpu().double()
-    return torch.cat([w[:, :-1].gather(1, order), w[:, -1:]], 1)
+    return torch.cat([w[:, :k].gather(1, order), w[:, k:]], 1)
 
 
 def compare_router_site(pos, ref, var, ctx) -> list[MetricValues]:
