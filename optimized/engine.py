@@ -135,23 +135,21 @@ class OptimizedLayer:
         if sink.wants("layer.in"):
             sink.emit("layer.in", positions, streams=streams.float())
 
-        patched = ctx.table.patched_calls
-        a, mix = ctx.call("hc_pre", streams=streams, site="attn")
+        (a, mix), stock_only = ctx.call_noting_patches("hc_pre", streams=streams, site="attn")
         if sink.wants("attn.hc"):
             sink.emit("attn.hc", positions, pre=mix.pre, post=mix.post, comb=mix.comb, mixed=a)
-        self._emit_site(sink, "attn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix),
-                        ctx.table.patched_calls == patched, streams=streams, site="attn")
+        self._emit_site(sink, "attn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix), stock_only,
+                        streams=streams, site="attn")
         attn_out = self._attention(ctx, rms_norm_bf16(a, ctx.weight("attn_norm.weight"), cfg.rms_norm_eps), sink)
         if sink.wants("attn.out"):
             sink.emit("attn.out", positions, out=attn_out)
         streams = ctx.call("hc_post", f=attn_out, streams=streams, mix=mix)
 
-        patched = ctx.table.patched_calls
-        a, mix = ctx.call("hc_pre", streams=streams, site="ffn")
+        (a, mix), stock_only = ctx.call_noting_patches("hc_pre", streams=streams, site="ffn")
         if sink.wants("ffn.hc"):
             sink.emit("ffn.hc", positions, pre=mix.pre, post=mix.post, comb=mix.comb, mixed=a)
-        self._emit_site(sink, "ffn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix),
-                        ctx.table.patched_calls == patched, streams=streams, site="ffn")
+        self._emit_site(sink, "ffn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix), stock_only,
+                        streams=streams, site="ffn")
         moe_out = self._moe(ctx, rms_norm_bf16(a, ctx.weight("ffn_norm.weight"), cfg.rms_norm_eps), token_ids, sink)
         if sink.wants("moe.out"):
             sink.emit("moe.out", positions, out=moe_out)
@@ -224,14 +222,14 @@ class OptimizedLayer:
                     sink.emit("indexer.selected", pos, row_ids=row_ids, valid=valid)
                 comp_slots = torch.where(valid, row_ids, -1)
                 lanes, length = kernel_lanes(row_ids, valid)
-            patched = ctx.table.patched_calls
-            o, lse = ctx.call("sparse_attention", q=q[blk], window_slots=window_slots, comp_slots=comp_slots,
-                              sink=sink_logit, comp_lanes=lanes, comp_length=length)
+            (o, lse), stock_only = ctx.call_noting_patches(
+                "sparse_attention", q=q[blk], window_slots=window_slots, comp_slots=comp_slots, sink=sink_logit,
+                comp_lanes=lanes, comp_length=length)
             if sink.wants("attn.lse"):
                 sink.emit("attn.lse", pos, lse=lse)
             if sink.wants("attn.site") and sampled.numel():
                 self._emit_site(sink, "attn.site", ctx, "sparse_attention", lambda r: {"lse": r[1]}, pos[sampled],
-                                (o[sampled], lse[sampled]), ctx.table.patched_calls == patched, q=q[blk][sampled],
+                                (o[sampled], lse[sampled]), stock_only, q=q[blk][sampled],
                                 window_slots=window_slots[sampled], comp_slots=comp_slots[sampled], sink=sink_logit,
                                 comp_lanes=lanes[sampled], comp_length=length[sampled])
             if sink.wants("attn.probs") and sampled.numel():
@@ -290,14 +288,13 @@ class OptimizedLayer:
 
     # ------------------------------------------------------------------------------------------
     def _moe(self, ctx: OpContext, y: torch.Tensor, token_ids: torch.Tensor, sink: ProbeSink) -> torch.Tensor:
-        patched = ctx.table.patched_calls
-        routing = ctx.call("router", y=y, token_ids=token_ids)
+        routing, stock_only = ctx.call_noting_patches("router", y=y, token_ids=token_ids)
         if sink.wants("moe.router"):
             sink.emit("moe.router", ctx.positions, scores=routing.scores, expert_ids=routing.expert_ids,
                       weights=routing.weights * routing.output_scale)
         self._emit_site(sink, "moe.router.site", ctx, "router",
                         lambda r: _routing_fields(r, self.cfg.n_shared_experts > 0), ctx.positions, routing,
-                        ctx.table.patched_calls == patched, y=y, token_ids=token_ids)
+                        stock_only, y=y, token_ids=token_ids)
         total = ctx.call("experts", y=y, routing=routing)
         if self.cfg.n_shared_experts:
             g = ctx.call("linear", x=y, site="ffn.shared_experts.w1")

@@ -69,6 +69,13 @@ class OpContext:
         """Run op `op` through the full patch chain of this phase."""
         return self.table.call(op, self, inputs)
 
+    def call_noting_patches(self, op: str, **inputs: Any) -> tuple[Any, bool]:
+        """call(op), and whether it ran the stock implementations only (no patch, at any depth): then the result is
+        the stock op's on these inputs (the engine's site taps reuse it instead of computing it again)."""
+        before = self.table.patched_calls
+        result = self.call(op, **inputs)
+        return result, self.table.patched_calls == before
+
 
 def kernel_lanes(row_ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-k lanes as a sparse-attention kernel receives them: each query's valid picks first (stable order),

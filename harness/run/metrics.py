@@ -10,8 +10,9 @@ on a CPU both are the same), discrete taps (selections, routing) on the CPU.
 Canonical names (README, metrics glossary): streams.{rel_l2,cosine,sqnr_db,max_abs,bias},
 attn.{tv,kl,js,out_rel_l2,lse_delta,max_logit_delta}, indexer.{recall,mass_recall,boundary_recall,fp8_boundary_recall,flips},
 mhc.{pre_rel_err,post_rel_err,comb_rel_err,ds_residual}, moe.{flip_rate,weight_l1,out_rel_l2},
-the fp32 decision sites mhc.{site_rel_err,twin_rel_err,site_ds_residual}, moe.{site_flip_rate,twin_flip_rate},
-indexer.{site_recall,twin_recall},
+the fp32 decision sites mhc.{site_rel_err,twin_rel_err,site_ds_residual},
+moe.{site_flip_rate,twin_flip_rate,site_weight_err,twin_weight_err}, indexer.{site_recall,twin_recall,site_margin_loss},
+attn.{site_lse_err,twin_lse_err},
 logits.{kl,top1_agree,top1_flip_strict}, ctx.{earlier_turn_mass_ref,earlier_turn_mass_opt,needle_mass_ref,
 needle_mass_opt,earlier_turn_recall,needle_recall,earlier_turn_pick_share,needle_pick_share}, compressor.rows_rel_l2,
 indexer.rows_rel_l2; the needle answers (ctx.needle_answer, …) come from harness.run.needles.
