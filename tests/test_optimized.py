@@ -232,3 +232,44 @@ def test_site_taps_before_the_first_index_row():
     first = sink.emitted["indexer.site"][0]
     assert first["stock_margin"].shape[1] == 0 and torch.equal(first["twin_noise"], torch.zeros(2))
     assert {"attn.site", "moe.router.site", "attn.hc.site"} <= set(sink.emitted)
+
+
+@pytest.mark.parametrize("activations,scales", [("w4a4", "shared"), ("w4a4", "per-expert"), ("w4a16", "shared")])
+def test_nvfp4_experts_laid_out_by_expert_give_the_per_expert_loops_bits(monkeypatch, activations, scales):
+    """The NVFP4 experts op quantizes and runs SwiGLU over all pairs at once (issue #14). Oracle: the loop it replaced,
+    one expert at a time, on the same weights — with one input_scale for every expert (synthetic checkpoints) and
+    with a different one per expert and matrix (real ModelOpt checkpoints), where the quantizer runs per scale."""
+    from types import SimpleNamespace
+
+    from optimized.base_ops import swiglu_fp32
+    from optimized.numerics import bf16
+    from optimized.ops import Routing
+    from optimized.patches import nvfp4_experts as nv
+    from reference.ops.moe import expert_groups
+
+    gen = torch.Generator().manual_seed(3)
+    S, k, E, D, inter = 37, 3, 8, 64, 32
+    table = {}
+    for e in range(E):
+        for i, p in enumerate(("w1", "w3", "w2")):
+            shape = (inter, D) if p != "w2" else (D, inter)
+            scale = None if scales == "shared" else [0.5, 0.75, 1.25, 2.0][(e + i) % 4]
+            table[f"ffn.experts.{e}.{p}.weight"] = (torch.randn(shape, generator=gen) * 0.1, scale)
+    monkeypatch.setattr(nv, "_nvfp4_weight", lambda ctx, name: table[name])
+    ctx = SimpleNamespace(options={"activations": activations, "input_scale": "checkpoint", "global_scale": "modelopt"},
+                          cfg=SimpleNamespace(moe_intermediate_size=inter, swiglu_limit=7.0))
+    y = torch.randn(S, D, generator=gen) * 3
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(S)])
+    routing = Routing(torch.rand(S, E, generator=gen), ids, torch.rand(S, k, generator=gen))
+
+    def act(x, s):
+        return bf16(x) if activations == "w4a16" else nv.nvfp4_activation(x, 1.0 if s is None else s)
+
+    per_slot = torch.empty(S * k, D)
+    for e, tok, pairs in expert_groups(ids):
+        (w1, s1), (w3, s3), (w2, s2) = (table[f"ffn.experts.{e}.{p}.weight"] for p in ("w1", "w3", "w2"))
+        h = swiglu_fp32(bf16(act(y, s1)[tok] @ w1.T), bf16(act(y, s3)[tok] @ w3.T), 7.0)
+        h = bf16(h * routing.weights.flatten()[pairs, None])
+        per_slot[pairs] = bf16(act(h, s2) @ w2.T)
+    expected = per_slot.view(S, k, -1).sum(1)
+    assert torch.equal(nv.experts(ctx, y, routing), expected)
