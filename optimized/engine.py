@@ -29,7 +29,7 @@ from reference.ops.compressor import CompressorState, visible_rows
 from reference.ops.mhc import hc_head
 from reference.ops.norms import unweighted_rms_norm
 from reference.ops.rope import apply_rope, cos_sin, layer_inverse_frequencies
-from reference.probes import NULL_SINK, ProbeSink
+from reference.probes import NULL_SINK, ProbeSink, sampled_offsets
 from reference.quant import hadamard_matrix
 from reference.weights.dense_cache import DenseCache
 from reference.weights.source import TensorBundle, WeightSource
@@ -198,9 +198,9 @@ class OptimizedLayer:
         for start in range(0, positions.numel(), block):
             blk = slice(start, start + block)
             pos = positions[blk]
-            sampled = torch.nonzero(sink.sampled(pos)).flatten() if any(
+            sampled = sampled_offsets(sink, state.position + start, pos.numel(), self.device) if any(
                 sink.wants(tap) for tap in ("attn.probs", "attn.site", "indexer.scores", "indexer.site")) \
-                else None  # one read
+                else None  # no device read
             window_slots = pos[:, None] + torch.arange(-cfg.sliding_window + 1, 1, device=self.device)[None, :]
             window_slots = torch.where(window_slots >= 0, window_slots, -1)
             comp_slots = torch.full((pos.numel(), 0), -1, dtype=torch.int64, device=self.device)

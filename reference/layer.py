@@ -25,7 +25,7 @@ from reference.ops.mhc import hc_post, hc_pre
 from reference.ops.moe import moe_forward, route
 from reference.ops.norms import rms_norm
 from reference.ops.rope import apply_rope, cos_sin, layer_inverse_frequencies
-from reference.probes import NULL_SINK, ProbeSink
+from reference.probes import NULL_SINK, ProbeSink, sampled_offsets
 from reference.quant import fp4_fake_quant, fp8_fake_quant, hadamard_matrix
 from reference.weights.dense_cache import DenseCache
 from reference.weights.source import TensorBundle
@@ -218,8 +218,8 @@ class ReferenceLayer:
             band, band_pos, band_valid = window_band(history, history_start, pos, cfg.sliding_window, (first, last))
             visible = visible_rows(pos, self.ratio) if self.ratio else None
             n_vis = (last + 1) // self.ratio if self.ratio else 0  # visible_rows of the block's last query
-            sampled = torch.nonzero(sink.sampled(pos)).flatten() \
-                if sink.wants("attn.probs") or sink.wants("indexer.scores") else None  # one read per block
+            sampled = sampled_offsets(sink, first, pos.numel(), self.device) \
+                if sink.wants("attn.probs") or sink.wants("indexer.scores") else None  # no device read
             comp = KeySet(no_rows, torch.zeros(pos.numel(), 0, dtype=torch.bool, device=self.device))
             comp_rows = torch.zeros(pos.numel(), 0, dtype=torch.int64, device=self.device)
             if self.kind == "hca":  # every complete block is a key: the rows shared by the whole query block

@@ -43,6 +43,17 @@ class ProbeSink(Protocol):
         ...
 
 
+def sampled_offsets(sink: ProbeSink, first: int, count: int, device: torch.device) -> torch.Tensor:
+    """Offsets in [0, count) of the positions first … first + count − 1 that `sink` samples, an int64 tensor on
+    `device`. A sink that knows its mask on the host answers through its own `sampled_offsets(first, count, device)`
+    without reading the device (a GPU decode step would otherwise wait for its queue to drain once per query
+    block); any other sink is asked `sampled()` and the answer read back."""
+    own = getattr(sink, "sampled_offsets", None)
+    if own is not None:
+        return own(first, count, device)
+    return torch.nonzero(sink.sampled(torch.arange(first, first + count, device=device))).flatten()
+
+
 class NullSink:
     """Wants nothing; the default when no harness is listening."""
 
@@ -54,6 +65,9 @@ class NullSink:
 
     def sampled(self, positions: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(positions, dtype=torch.bool)
+
+    def sampled_offsets(self, first: int, count: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.int64, device=device)
 
 
 NULL_SINK = NullSink()

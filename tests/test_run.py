@@ -139,6 +139,37 @@ def test_nan_in_a_stack_is_recorded_with_layer_tap_and_phase_and_the_run_finishe
     assert RunStore(out).read_manifest()["status"] == "complete"
 
 
+def test_the_first_nan_is_the_earliest_in_emission_order_with_decode_comparisons_deferred(tmp_path):
+    """Decode emissions of most taps are compared in batches at the end of a stack's layer (ComparingSink); a NaN
+    found in such a batch (moe.out at decode step 2) still comes before one an undeferred tap (moe.router) checked
+    on arrival at step 3."""
+    plugin = tmp_path / "late_nan.py"
+    plugin.write_text(
+        "from optimized.ops import Routing\n"
+        "from optimized.patching import Patch\n"
+        "first = {}\n"
+        "late = Patch('late-nan', phases=('decode',), description='NaN experts from step 2, NaN routing from 3')\n"
+        "def step(ctx):\n"
+        "    return int(ctx.positions[0]) - first.setdefault(ctx.layer, int(ctx.positions[0]))\n"
+        "@late.op('experts')\n"
+        "def experts(ctx, y, routing):\n"
+        "    out = ctx.base(y=y, routing=routing)\n"
+        "    return out * float('nan') if ctx.layer == 1 and step(ctx) >= 2 else out\n"
+        "@late.op('router')\n"
+        "def router(ctx, y, token_ids):\n"
+        "    r = ctx.base(y=y, token_ids=token_ids)\n"
+        "    if ctx.layer == 1 and step(ctx) >= 3:\n"
+        "        r = Routing(r.scores, r.expert_ids, r.weights * float('nan'), r.output_scale, r.shared_weight)\n"
+        "    return r\n")
+    out = tmp_path / "late"
+    assert main(["run", "tiny-smoke", "--out", str(out), "--no-report", "--no-gate", "--no-local", "--patches",
+                 "late-nan", "--patch-module", str(plugin)]) == 0
+    first_decode = RunStore(out).read_manifest()["prompt"]["n_prompt"]
+    found = [f for f in json.loads((out / "findings.json").read_text()) if f["variant"] != "base"]
+    assert len(found) == 1 and found[0]["layer"] == 1 and found[0]["phase"] == "decode"
+    assert found[0]["tap"] == "moe.out" and found[0]["position"] == first_decode + 2, found
+
+
 def test_run_cli_input_errors_exit_2(tmp_path, capsys):
     assert main(["run", "no-such-scenario", "--out", str(tmp_path / "x")]) == 2
     assert main(["run", "tiny-smoke", "--patches", "no-such-patch", "--out", str(tmp_path / "y")]) == 2

@@ -151,3 +151,30 @@ def test_run_refuses_before_any_compute_when_the_host_would_not_hold_it(tmp_path
     assert main(["run", "tiny-smoke", "--out", str(tmp_path / "run"), "--no-report", "--threads", "1"]) == 2
     assert "predicted peak host memory" in capsys.readouterr().err
     assert not (tmp_path / "run" / "metrics.parquet").exists()
+
+
+def _tiny_metrics(tmp_path, name: str):
+    """Every metric row of tiny-smoke (4 decode steps, all patches, local on) through the lockstep, sorted."""
+    from harness.run.runner import LockstepRunner
+    from harness.run.store import RunStore
+
+    spec, _ = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))
+    store = RunStore(tmp_path / name)
+    store.create({})
+    LockstepRunner(spec, store).run()
+    keys = ["variant", "mode", "layer", "tap", "metric", "pos_bin"]
+    return store.read_metrics().to_pandas().sort_values(keys).reset_index(drop=True)
+
+
+def test_decode_comparisons_deferred_in_batches_give_the_same_bits_as_one_by_one(tmp_path, monkeypatch):
+    """ComparingSink compares one-position decode emissions in batches (issue #14); DEFER_EMISSIONS = 1 compares
+    each as it arrives, as before. Every metric value must be the same bits: the deferred comparators are row-local
+    (harness.run.probes.BATCHED_TAPS) and every bin receives its values in the same order."""
+    from harness.run.probes import ComparingSink
+
+    torch.set_num_threads(1)
+    batched = _tiny_metrics(tmp_path, "batched")
+    monkeypatch.setattr(ComparingSink, "DEFER_EMISSIONS", 1)
+    one_by_one = _tiny_metrics(tmp_path, "one")
+    assert len(batched) > 1000
+    assert batched.equals(one_by_one)

@@ -9,6 +9,7 @@ positions.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,8 @@ class RecordingSink:
         self.sampled_mask = sampled  # [T] bool
         self._sampled_list: list[bool] = sampled.tolist()
         self._mask_on: dict[torch.device, torch.Tensor] = {}  # the mask on each device asked (no sync per query)
+        self._sampled_at: list[int] = torch.nonzero(sampled).flatten().tolist()  # the sampled positions, ascending
+        self._sampled_on: dict[torch.device, torch.Tensor] = {}  # … on each device asked
         self.dense: dict[str, dict[str, torch.Tensor]] = {}
         self.rows: dict[str, dict[str, torch.Tensor]] = {}
         self.samples: dict[str, dict[int, dict[str, torch.Tensor]]] = {t: {} for t in SAMPLED_TAPS}
@@ -100,6 +103,16 @@ class RecordingSink:
         if mask is None:
             mask = self._mask_on[positions.device] = self.sampled_mask.to(positions.device)
         return mask[positions]
+
+    def sampled_offsets(self, first: int, count: int, device: torch.device) -> torch.Tensor:
+        """Offsets of the sampled positions among first … first + count − 1 (reference.probes.sampled_offsets),
+        found on the host and sliced from a device copy made once: no device read."""
+        on = self._sampled_on.get(torch.device(device))
+        if on is None:
+            on = self._sampled_on[torch.device(device)] = torch.tensor(self._sampled_at, dtype=torch.int64,
+                                                                       device=device)
+        lo, hi = bisect.bisect_left(self._sampled_at, first), bisect.bisect_left(self._sampled_at, first + count)
+        return on[lo:hi] - first
 
     def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
         if self.dump is not None and self.dump.wants(tap):
@@ -139,13 +152,32 @@ class RecordingSink:
         return stack_samples([self.samples[tap][p] for p in positions])
 
 
+BATCHED_TAPS = frozenset({
+    "layer.out", "attn.out", "moe.out", "attn.hc", "ffn.hc", "attn.lse", "compressor.rows", "indexer.rows",
+    "indexer.selected", "attn.site", "attn.hc.site", "ffn.hc.site", "moe.router.site", "indexer.site"})
+"""Taps whose comparator computes each position's values from that position's row alone, over widths that do not
+depend on the other rows of the call: comparing one decode step's emission or 64 of them at once gives each
+position the same bits. Not moe.router (its dense expert matrix is as wide as the largest id in the call, and an
+fp64 row sum's association depends on that width) nor attn.probs (its key lists grow from step to step; it is
+held and batched by itself): their deferred emissions are compared one at a time, as they were on arrival."""
+
+
 @dataclass
 class ComparingSink:
     """Compares one stack's taps of one layer with the reference's, accumulating metrics per bin.
 
-    Dense taps are compared as they arrive. Sampled taps (attention rows, indexer scores) come a few positions
-    per query block or decode step; they are held and compared in batches of up to BATCH_POSITIONS, never
-    mixing phases, so each comparison runs over many positions at once. `finish()` compares what is left."""
+    Prefill taps are compared as they arrive (a chunk's worth of positions per call). A decode step emits each tap
+    for one position, and comparing it there costs a dozen small tensor operations and a device synchronisation
+    per tap and step, which made the probes cost more than the decode steps they watch (issue #14): one-position
+    emissions are kept (cloned: the stack may reuse its buffers) and compared when DEFER_EMISSIONS of a tap are
+    waiting, when the tap next arrives with more positions, or at finish() — those of BATCHED_TAPS in one call per
+    run of equal shapes, the others one by one. Each tap's emissions are compared in emission order, so every bin
+    receives its values in the order it did before; and a decode step no longer waits for the device to read a
+    comparison's result. NaN/Inf checks of deferred emissions are made with their batch, and the first non-finite
+    value is still the first in emission order.
+
+    Sampled taps (attention rows, indexer scores) come a few positions per query block or decode step; they are
+    held and compared in batches of up to BATCH_POSITIONS, never mixing phases. `finish()` compares what is left."""
 
     record: RecordingSink
     acc: LayerAccumulator
@@ -158,12 +190,19 @@ class ComparingSink:
     dump: "DumpSink | None" = None
     _held: dict[str, list[tuple[int, dict[str, torch.Tensor]]]] = field(
         default_factory=lambda: {"attn.probs": [], "indexer.scores": []})
-    _finite_notes: list[tuple[str, list[tuple[str, int]], torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    """Per emission with floating fields: (tap, [(field, rows)], positions, [any NaN/Inf, first bad flat row])."""
+    _deferred: dict[str, list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]]] = field(default_factory=dict)
+    """Per tap, one-position emissions not compared yet: (emission number, positions, cloned values)."""
+    _emitted: int = 0
+    _finite_notes: list[tuple[int, str, list[tuple[str, int]], torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """Per emission with floating fields: (emission number, tap, [(field, rows)], positions, [any NaN/Inf, first bad
+    flat row])."""
 
     BATCH_POSITIONS = 32
     """At Flash width an attention row is compared over ≤ ~2,000 key slots × 64 heads in fp64: 32 positions keep
     a batch's temporaries near 0.5 GB."""
+    DEFER_EMISSIONS = 64
+    """Deferred emissions of one tap compared together: a Flash decode step's largest deferred field is layer.out
+    (4 × 4096 fp32, 64 KB), so a full batch of every tap holds a few MB."""
 
     def wants(self, tap: str) -> bool:
         """The taps compared with the reference's, and indexer.scores (at sampled positions) for its NaN/Inf
@@ -176,10 +215,24 @@ class ComparingSink:
     def sampled(self, positions: torch.Tensor) -> torch.Tensor:
         return self.record.sampled(positions)
 
+    def sampled_offsets(self, first: int, count: int, device: torch.device) -> torch.Tensor:
+        return self.record.sampled_offsets(first, count, device)
+
     def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
         if self.dump is not None and self.dump.wants(tap):
             self.dump.emit(tap, positions, **values)
-        self._check_finite(tap, positions, values)
+        number, self._emitted = self._emitted, self._emitted + 1
+        if tap in COMPARATORS and positions.numel() == 1 and all(v.dim() and v.shape[0] == 1 for v in values.values()):
+            held = self._deferred.setdefault(tap, [])
+            held.append((number, positions, {k: v.detach().clone() for k, v in values.items()}))
+            if len(held) >= self.DEFER_EMISSIONS:
+                self._compare_deferred(tap)
+            return
+        self._compare_deferred(tap)  # this tap's earlier emissions first: bins sum their values in arrival order
+        self._check_finite(tap, [number], positions, values, rows_per_emission=None)
+        self._compare(tap, positions, values)
+
+    def _compare(self, tap: str, positions: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
         if tap not in COMPARATORS:
             return
         if tap in ROW_TAPS:
@@ -200,6 +253,28 @@ class ComparingSink:
         if tap == "indexer.selected":  # boundary recall: the selections at positions with recorded scores
             self._hold("indexer.scores", positions, values, self.record.samples["indexer.scores"])
 
+    def _compare_deferred(self, tap: str) -> None:
+        """Compare the tap's deferred emissions in emission order: of a BATCHED_TAPS tap, each run of emissions with
+        the same field shapes as one call; of any other, one call per emission."""
+        held = self._deferred.pop(tap, None)
+        if not held:
+            return
+
+        def shapes(entry: tuple[int, torch.Tensor, dict[str, torch.Tensor]]) -> tuple:
+            return tuple((k, v.shape, v.dtype) for k, v in entry[2].items())
+
+        start = 0
+        while start < len(held):
+            stop = start + 1
+            while tap in BATCHED_TAPS and stop < len(held) and shapes(held[stop]) == shapes(held[start]):
+                stop += 1
+            run = held[start:stop]
+            positions = torch.cat([p for _, p, _ in run])
+            values = {k: torch.cat([v[k] for _, _, v in run]) for k in run[0][2]}
+            self._check_finite(tap, [n for n, _, _ in run], positions, values, rows_per_emission=1)
+            self._compare(tap, positions, values)
+            start = stop
+
     def _hold(self, tap: str, positions: torch.Tensor, values: dict[str, torch.Tensor], recorded: dict) -> None:
         """Keep the entries of positions the reference sampled, one per position, comparing in batches."""
         held = self._held[tap]
@@ -211,8 +286,10 @@ class ComparingSink:
             held.append((p, {k: v[i].detach() for k, v in values.items()}))
 
     def finish(self) -> None:
-        """Compare the sampled entries still held and record this stack's first non-finite value, if any: call
-        once the stack has run the layer."""
+        """Compare the deferred and held entries still waiting and record this stack's first non-finite value, if
+        any: call once the stack has run the layer."""
+        for tap in list(self._deferred):
+            self._compare_deferred(tap)
         for tap in self._held:
             self._compare_held(tap)
         self._record_first_non_finite()
@@ -236,10 +313,13 @@ class ComparingSink:
         for mv in values:
             self.acc.add(tap, mv)
 
-    def _check_finite(self, tap: str, positions: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
-        """Note, without waiting for the device, where this emission first holds NaN/Inf in any floating field
-        (−inf allowed only as a mask value: MASKED_FIELDS); finish() reads every emission's note at once and
-        records the first (in emission order: the data flow) as this stack's finding."""
+    def _check_finite(self, tap: str, numbers: list[int], positions: torch.Tensor, values: dict[str, torch.Tensor],
+                      rows_per_emission: int | None) -> None:
+        """Note, without waiting for the device, where each emission first holds NaN/Inf in any floating field
+        (−inf allowed only as a mask value: MASKED_FIELDS); finish() reads every note at once and records the first
+        (in emission order: the data flow) as this stack's finding. `numbers`: the emissions' numbers; with
+        `rows_per_emission` None there is one emission, else len(numbers) emissions of that many rows per field,
+        concatenated."""
         if self._has_finding():
             return
         names, row_bad = [], []
@@ -247,23 +327,28 @@ class ComparingSink:
             if not v.is_floating_point():
                 continue
             bad = (torch.isnan(v) | (v == float("inf"))) if (tap, name) in MASKED_FIELDS else ~torch.isfinite(v)
-            names.append((name, bad.shape[0] if bad.dim() else 1))
-            row_bad.append(bad.flatten(1).any(1) if bad.dim() > 1 else bad.reshape(-1))
+            rows = bad.shape[0] if rows_per_emission is None and bad.dim() else rows_per_emission or 1
+            names.append((name, rows))
+            flat = bad.flatten(1).any(1) if bad.dim() > 1 else bad.reshape(-1)
+            row_bad.append(flat.reshape(len(numbers), -1))
         if not row_bad or all(r.numel() == 0 for r in row_bad):
             return
-        flags = torch.cat(row_bad)  # field-major: the first True is the first bad row of the first bad field
-        self._finite_notes.append((tap, names, positions, torch.stack([flags.any().long(), flags.byte().argmax()])))
+        flags = torch.cat(row_bad, 1)  # per emission, field-major: the first True is the first bad row of the first bad field
+        notes = torch.stack([flags.any(1).long(), flags.byte().argmax(1)], 1)
+        step = rows_per_emission or positions.numel()
+        for i, number in enumerate(numbers):
+            self._finite_notes.append((number, tap, names, positions[i * step: (i + 1) * step], notes[i]))
 
     def _has_finding(self) -> bool:
         return any(f.variant == self.variant and f.mode == self.mode for f in self.findings)
 
     def _record_first_non_finite(self) -> None:
         """One device read for the whole layer: the first emission that held NaN/Inf becomes the Finding."""
-        notes, self._finite_notes = self._finite_notes, []
+        notes, self._finite_notes = sorted(self._finite_notes, key=lambda n: n[0]), []
         if not notes or self._has_finding():
             return
-        read = torch.stack([n[3] for n in notes]).tolist()
-        for (tap, names, positions, _), (any_bad, first) in zip(notes, read):
+        read = torch.stack([n[4] for n in notes]).tolist()
+        for (_, tap, names, positions, _), (any_bad, first) in zip(notes, read):
             if not any_bad:
                 continue
             for name, rows in names:
