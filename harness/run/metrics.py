@@ -21,7 +21,7 @@ indexer.rows_rel_l2; the needle answers (ctx.needle_answer, …) come from harne
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -83,6 +83,14 @@ class CompareContext:
     turn_of_position: torch.Tensor  # [T] turn index per position
     turn_start: torch.Tensor  # [T] first position of the turn that position belongs to
     needle_spans: list[tuple[int, int]]  # token spans [start, end)
+    _turn_start_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def turn_start_on(self, device: torch.device) -> torch.Tensor:
+        """turn_start on `device`, copied there once (a comparison on a GPU would otherwise copy it every call)."""
+        on = self._turn_start_on.get(device)
+        if on is None:
+            on = self._turn_start_on[device] = self.turn_start.to(device)
+        return on
 
 
 def _f64(x: torch.Tensor) -> torch.Tensor:
@@ -251,11 +259,12 @@ def compare_indexer_site(pos, ref, var, ctx) -> list[MetricValues]:
     lost although they were no tie (indexer.site_margin_loss: their score led the k-th by more than
     TIE_NOISE_MULTIPLE × the twin's largest score change) — a selection that drops rows it should keep (a stale
     page table, a mask off by one), not one that breaks ties another way."""
-    stock_ids, stock_valid = var["stock_row_ids"].long().cpu(), var["stock_valid"].cpu()
-    kept = _picked_in(stock_ids, stock_valid, var["row_ids"].long().cpu(), var["valid"].cpu())
+    stock_ids, stock_valid = var["stock_row_ids"].long(), var["stock_valid"]
+    pos = pos.to(stock_ids.device)  # counted where the picks are (exact integer work: the same on any device)
+    kept = _picked_in(stock_ids, stock_valid, var["row_ids"].long(), var["valid"])
     site, n = kept.sum(1).double(), stock_valid.sum(1).double()
-    twin, _ = _set_overlap(var["twin_row_ids"], var["stock_row_ids"], var["twin_valid"], var["stock_valid"])
-    clear = var["stock_margin"].cpu().double() > TIE_NOISE_MULTIPLE * var["twin_noise"].cpu().double()[:, None]
+    twin = _picked_in(stock_ids, stock_valid, var["twin_row_ids"].long(), var["twin_valid"]).sum(1).double()
+    clear = var["stock_margin"].double() > TIE_NOISE_MULTIPLE * var["twin_noise"].double()[:, None]
     hard = (stock_valid & ~kept & clear).sum(1).double()
     keep = n > 0
     return [MetricValues("indexer.site_recall", pos[keep], (site / n.clamp_min(1))[keep]),
@@ -315,15 +324,17 @@ def compare_selected(pos, ref, var, ctx) -> list[MetricValues]:
     """indexer.selected: recall@k = |S_opt ∩ S_ref|/|S_ref| and flips = |S_ref \\ S_opt| per query, plus the
     recall restricted to reference picks in earlier turns and on needles (context-loss lens), each with its
     pick share 1/|subset|: what one lost pick costs that query's subset recall (the gate's rounding floor)."""
-    rows_r, valid_r = ref["row_ids"].cpu(), ref["valid"].cpu()
-    hit = _picked_in(rows_r, valid_r, var["row_ids"].cpu(), var["valid"].cpu())
+    rows_r, valid_r = ref["row_ids"], ref["valid"]
+    dev = rows_r.device  # counted where the picks are (exact integer work: the same on any device)
+    pos = pos.to(dev)
+    hit = _picked_in(rows_r, valid_r, var["row_ids"].to(dev), var["valid"].to(dev))
     n_ref = valid_r.sum(1).double()
     n_hit = hit.sum(1).double()
     recall = torch.where(n_ref > 0, n_hit / n_ref.clamp_min(1), torch.ones_like(n_ref))
     out = [MetricValues("indexer.recall", pos, recall), MetricValues("indexer.flips", pos, n_ref - n_hit)]
     rows = rows_r.long().clamp_min(0)
-    start, end = row_span(ctx, torch.arange(int(rows.max()) + 1 if rows.numel() else 0))  # per row id
-    early = valid_r & (end[rows] <= ctx.turn_start[pos.cpu()][:, None])  # the row's span ends by the turn's start
+    start, end = row_span(ctx, torch.arange(int(rows.max()) + 1 if rows.numel() else 0, device=dev))  # per row id
+    early = valid_r & (end[rows] <= ctx.turn_start_on(dev)[pos][:, None])  # the row's span ends by the turn's start
     n_early = early.sum(1).double()
     keep = n_early > 0
     if bool(keep.any()):
@@ -396,7 +407,7 @@ def key_masks(ctx: CompareContext, pos: torch.Tensor, codes: torch.Tensor) -> tu
     start, end = row_span(ctx, index) if ctx.ratio else (index, index + 1)
     start = torch.where(window, index, start)
     end = torch.where(window, index + 1, end)
-    early = valid & (end <= ctx.turn_start.to(codes.device)[pos][:, None])
+    early = valid & (end <= ctx.turn_start_on(codes.device)[pos][:, None])
     if not ctx.needle_spans:
         return early, None
     needle = torch.zeros_like(valid)
@@ -440,7 +451,7 @@ def compare_attention(pos, ref, var, ctx) -> list[MetricValues]:
             out.append(MetricValues("indexer.mass_recall", pos[keep], ((mass * (in_ref & in_var)).sum(1) / on_ref)[keep]))
 
     early, needle = key_masks(ctx, pos, codes)
-    has_early = ctx.turn_start.to(pos.device)[pos] > 0  # queries in a later turn: earlier turns exist to attend to
+    has_early = ctx.turn_start_on(pos.device)[pos] > 0  # queries in a later turn: earlier turns exist to attend to
     if bool(has_early.any()):
         m_ref = (pr * early[:, None, :]).sum(-1).mean(-1)
         m_opt = (pv * early[:, None, :]).sum(-1).mean(-1)
