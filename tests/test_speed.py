@@ -178,3 +178,43 @@ def test_decode_comparisons_deferred_in_batches_give_the_same_bits_as_one_by_one
     one_by_one = _tiny_metrics(tmp_path, "one")
     assert len(batched) > 1000
     assert batched.equals(one_by_one)
+
+
+def test_the_resume_state_is_written_in_the_background_from_a_copy(tmp_path, monkeypatch):
+    """RunStore.save_streams(background=True) returns while a thread writes (Flash at 30K: ~5 GB, 14-17 s in line);
+    what it writes is the streams as they were when it was called, the manifest names the layer once the file is
+    in place, and the writer's error reaches the caller at the next wait."""
+    import threading
+
+    import harness.run.store as store_module
+    from harness.run.store import RunStore
+
+    store = RunStore(tmp_path / "run")
+    store.create({})
+    release, real_save = threading.Event(), torch.save
+
+    def held_save(obj, path):
+        assert release.wait(10)
+        real_save(obj, path)
+
+    monkeypatch.setattr(store_module.torch, "save", held_save)
+    streams = {"reference": torch.arange(12.0).reshape(3, 4)}
+    store.save_streams(7, streams, background=True)
+    assert not store.state_path.exists()  # still being written
+    streams["reference"].mul_(-1)  # the run goes on with its tensors
+    release.set()
+    store.wait_for_state()
+    layer, saved = store.load_streams()
+    assert layer == 7 and store.read_manifest()["state_layer"] == 7
+    assert torch.equal(saved["reference"], torch.arange(12.0).reshape(3, 4))
+
+    def full_disk(obj, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_module.torch, "save", full_disk)
+    store.save_streams(8, streams, background=True)
+    with pytest.raises(OSError, match="No space"):
+        store.wait_for_state()
+    store.save_streams(9, streams, background=True)
+    store.delete_state()  # waits for the writer; a failed write leaves nothing behind
+    assert not store.state_path.exists() and not store.state_path.parent.exists()

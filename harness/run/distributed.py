@@ -185,7 +185,7 @@ class ShardedRunner(LockstepRunner):
                 gathered.update(received)
         if self.group.rank != 0:
             return last_save
-        self.store.save_streams(layer, gathered)
+        self.store.save_streams(layer, gathered, background=True)
         return time.perf_counter()
 
 
@@ -278,7 +278,7 @@ class ReadOnlyStore(RunStore):
     def write_findings(self, findings: list[dict[str, Any]]) -> None:
         pass
 
-    def save_streams(self, layer: int, streams: dict[str, torch.Tensor]) -> None:
+    def save_streams(self, layer: int, streams: dict[str, torch.Tensor], background: bool = False) -> None:
         pass
 
     def write_dump(self, name: str, tensors: dict[str, torch.Tensor]) -> None:

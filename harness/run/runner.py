@@ -200,6 +200,7 @@ class LockstepRunner:
                 self.compare_logits(streams)
             else:
                 self.store.update_manifest(end_layer=n_layers)
+            self.store.wait_for_state()  # the last layer's resume state is on disk before the run is complete
         except BaseException as e:
             self._record_stop(e)
             raise
@@ -212,6 +213,10 @@ class LockstepRunner:
         and the error, unless the run directory itself cannot be written or its manifest is damaged (UsageError):
         raising here, inside the caller's handler, would hide the error that stopped the run."""
         status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+        try:
+            self.store.wait_for_state()  # a state being written in the background is the one a resume will read
+        except Exception:  # noqa: BLE001 — the error that stopped the run is the one to report
+            pass
         try:
             saved = self.store.read_manifest().get("state_layer") if self.store.state_path.is_file() else None
             self.store.update_manifest(status=status, failure={**self.where, "error": f"{type(error).__name__}: "
@@ -239,7 +244,7 @@ class LockstepRunner:
         """Save the resume state after this layer when it is due (_should_save_streams); when it was last saved."""
         if not self._should_save_streams(streams, layer, last_save):
             return last_save
-        self.store.save_streams(layer, streams)
+        self.store.save_streams(layer, streams, background=True)  # written while the next layers run
         return time.perf_counter()
 
     def _should_save_streams(self, streams: dict[str, torch.Tensor], layer: int, last_save: float) -> bool:
