@@ -67,6 +67,23 @@ def _mix_fields(result: tuple[torch.Tensor, Any]) -> dict[str, torch.Tensor]:
     return {"pre": mix.pre, "post": mix.post, "comb": mix.comb}
 
 
+def _in_blocks(parts: list[tuple[torch.Tensor, ...]], block: int) -> list[tuple[torch.Tensor, ...]]:
+    """Per-block tuples of per-query tensors (positions, then [B, …] fields) joined along the queries and cut into calls
+    of at most `block` queries. A [B, k] field whose width differs between blocks (an indexer_topk plugin may return
+    fewer picks where fewer rows are visible) is padded with −1 / False: an invalid pick, as the op spec has it."""
+    if not parts:
+        return []
+    joined = []
+    for field in zip(*parts):
+        if field[0].dim() == 2 and len({f.shape[1] for f in field}) > 1:
+            width = max(f.shape[1] for f in field)
+            fill = False if field[0].dtype == torch.bool else -1
+            field = [torch.cat([f, f.new_full((f.shape[0], width - f.shape[1]), fill)], 1) for f in field]
+        joined.append(torch.cat(field))
+    n = joined[0].shape[0]
+    return [tuple(t[i:i + block] for t in joined) for i in range(0, n, block)]
+
+
 class OptimizedLayer:
     """Block `layer` of the optimized engine for one variant (its patch choices)."""
 
@@ -239,10 +256,11 @@ class OptimizedLayer:
         # The indexer site and the attention rows are recomputed per query from the caches, which hold the whole
         # chunk before its first block: once per chunk over every block's sampled queries, not once per block
         # (120 blocks per stack and mode at 30K tokens, each a few dozen small kernels).
-        if site_rows:
-            self._emit_indexer_site(ctx, sink, *(torch.cat(parts) for parts in zip(*site_rows)))
-        if probs_rows:
-            self._emit_probs(ctx, sink, *(torch.cat(parts) for parts in zip(*probs_rows)), sink_logit)
+        # At most `block` queries per call, the budget the blocks were sized by (attn_sample_every may be 1).
+        for rows in _in_blocks(site_rows, block):
+            self._emit_indexer_site(ctx, sink, *rows)
+        for rows in _in_blocks(probs_rows, block):
+            self._emit_probs(ctx, sink, *rows, sink_logit)
 
         o = bf16(apply_rope(out, cos[:, None], sin[:, None], inverse=True))
         u = ctx.call("linear", x=o.flatten(-2).unflatten(-1, (cfg.o_groups, -1)), site="attn.wo_a")

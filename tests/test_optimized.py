@@ -273,3 +273,19 @@ def test_nvfp4_experts_laid_out_by_expert_give_the_per_expert_loops_bits(monkeyp
         per_slot[pairs] = bf16(act(h, s2) @ w2.T)
     expected = per_slot.view(S, k, -1).sum(1)
     assert torch.equal(nv.experts(ctx, y, routing), expected)
+
+
+def test_per_chunk_probe_rows_are_padded_to_one_width_and_cut_into_blocks():
+    """The engine joins every block's sampled queries for the indexer site and the attention rows (issue #14). An
+    indexer_topk plugin may return fewer picks in an early block: those rows are padded as invalid picks (−1, False),
+    and the joined queries go out in calls of at most one block."""
+    from optimized.engine import _in_blocks
+
+    first = (torch.tensor([3, 7]), torch.ones(2, 4), torch.tensor([[5, 6], [1, 2]]), torch.ones(2, 2, dtype=torch.bool))
+    second = (torch.tensor([11, 15, 19]), torch.zeros(3, 4), torch.tensor([[1, 2, 3]] * 3),
+              torch.ones(3, 3, dtype=torch.bool))
+    calls = _in_blocks([first, second], block=4)
+    assert [c[0].tolist() for c in calls] == [[3, 7, 11, 15], [19]]
+    pos, weights, ids, valid = calls[0]
+    assert weights.shape == (4, 4) and ids.tolist()[0] == [5, 6, -1] and valid.tolist()[0] == [True, True, False]
+    assert _in_blocks([], block=4) == []

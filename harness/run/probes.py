@@ -157,7 +157,8 @@ BATCHED_TAPS = frozenset({
     "indexer.selected", "attn.site", "attn.hc.site", "ffn.hc.site", "moe.router.site", "indexer.site"})
 """Taps whose comparator computes each position's values from that position's row alone, over widths that do not
 depend on the other rows of the call: comparing one decode step's emission or 64 of them at once gives each
-position the same bits. Not moe.router (its dense expert matrix is as wide as the largest id in the call, and an
+position the same bits on the CPU (the metric pin; on a GPU a reduction over 64 rows may be split differently from one
+over a single row, moving an fp64 sum by an ulp). Not moe.router (its dense expert matrix is as wide as the largest id in the call, and an
 fp64 row sum's association depends on that width) nor attn.probs (its key lists grow from step to step; it is
 held and batched by itself): their deferred emissions are compared one at a time, as they were on arrival."""
 
@@ -221,10 +222,13 @@ class ComparingSink:
     def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
         if self.dump is not None and self.dump.wants(tap):
             self.dump.emit(tap, positions, **values)
+        if positions.numel() == 0:  # no rows (a compressor that completed none this step): no value, no NaN
+            return
         number, self._emitted = self._emitted, self._emitted + 1
-        if tap in COMPARATORS and positions.numel() == 1 and all(v.dim() and v.shape[0] == 1 for v in values.values()):
+        if (tap in COMPARATORS and positions.dim() == 1 and positions.numel() == 1
+                and all(v.dim() and v.shape[0] == 1 for v in values.values())):
             held = self._deferred.setdefault(tap, [])
-            held.append((number, positions, {k: v.detach().clone() for k, v in values.items()}))
+            held.append((number, positions.clone(), {k: v.detach().clone() for k, v in values.items()}))
             if len(held) >= self.DEFER_EMISSIONS:
                 self._compare_deferred(tap)
             return

@@ -160,9 +160,9 @@ class RunStore:
 
     def wait_for_state(self) -> None:
         """Return once no resume state is being written; raise the error a background write stopped with."""
-        writer, self._state_writer = self._state_writer, None
-        if writer is not None:
-            writer.join()
+        if self._state_writer is not None:
+            self._state_writer.join()  # cleared only once joined: an interrupted join leaves it for the next wait
+            self._state_writer = None
         error, self._state_error = self._state_error, None
         if error is not None:
             raise error
@@ -171,7 +171,7 @@ class RunStore:
         """Remove the resume state (a finished run needs none; the demo's is 20 MB, Flash at 27K 3.5 GB)."""
         try:
             self.wait_for_state()
-        except OSError:  # a write that failed leaves at most its .tmp, removed below
+        except Exception:  # noqa: BLE001 — a write that failed (OSError, torch's RuntimeError) leaves its .tmp
             pass
         self.state_path.with_suffix(".pt.tmp").unlink(missing_ok=True)
         self.state_path.unlink(missing_ok=True)
