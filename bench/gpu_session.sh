@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device machine: python3 with torch/triton preinstalled, no package registry).
-# Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, flash27k
+# Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, compare, flash27k
 # pydantic (scenario and policy files) is not preinstalled: run bench/wheels.sh here first and carry .whl/ along.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -38,6 +38,30 @@ PY
     bench)
       COLUMNS=250 dd bench --model flash --tokens 30720 --decode 64 --layers 2,3 --device cuda --json "$OUT/bench.json" 2>&1 | tail -9
       python3 optimized/kernels/bench_kernels.py 2>&1 | tail -12 ;;
+    compare)
+      # A speed-up against older code, measured in one lease without favouring either side: the first bench of a
+      # fresh machine runs slower (2026-12-01: the unchanged reference 6-11% slower), so the two trees run in the
+      # order old, new, new, old and each side's mean is compared. OLD_TAR: `git archive <rev> -o .scratch/old.tar`
+      # made beside the work tree and carried along.
+      [ -f "${OLD_TAR:-}" ] || { echo "compare: set OLD_TAR to a git archive of the old code (carried along)"; exit 2; }
+      rm -rf /tmp/old && mkdir -p /tmp/old && tar -xf "$OLD_TAR" -C /tmp/old
+      B=(bench --model "${MODEL:-flash}" --tokens "${TOKENS:-30720}" --decode "${DECODE:-64}" --layers "${LAYERS:-2,3}" --device "${DEVICE:-cuda}")
+      for side in old new new old; do
+        n=$(ls "$OUT"/compare-$side-*.json 2>/dev/null | wc -l)
+        tree=$PWD; [ $side = old ] && tree=/tmp/old
+        (cd "$tree" && PYTHONPATH="$tree" python3 -m harness.cli "${B[@]}" --json "$OUT/compare-$side-$n.json" \
+          | grep -E "^layer")
+      done
+      python3 - "$OUT" <<'PY'
+import glob, json, statistics, sys
+runs = {side: [json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/compare-{side}-*.json"))] for side in ("old", "new")}
+for i, row in enumerate(runs["new"][0]["layers"]):
+    old = statistics.mean(r["layers"][i]["run_s"] for r in runs["old"])
+    new = statistics.mean(r["layers"][i]["run_s"] for r in runs["new"])
+    print(f"layer {row['layer']} ({row['kind']}): old {old:.2f} s, new {new:.2f} s, speed-up {old / new:.2f}x "
+          f"(means of {len(runs['old'])} and {len(runs['new'])} runs, order old new new old)")
+PY
+      ;;
     flash27k)
       # Resumable across calls while the machine stays warm: the run lives in /tmp/flash27k, each call runs at most
       # RUN_LIMIT seconds, and the measured files come back under $OUT/flash27k (report and gate run off-device).
