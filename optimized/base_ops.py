@@ -8,6 +8,7 @@ Each function's docstring names the deployed numerics it emulates.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -263,34 +264,59 @@ def swiglu_fp32(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(g) * u
 
 
+@dataclass(frozen=True)
+class PairLayout:
+    """The (token, slot) pairs of a routing laid out expert by expert: row i holds pair `order[i]` (token
+    order[i] // k); `spans` gives each picked expert its contiguous rows, tokens ascending. Experts ops compute over
+    these rows — each expert's GEMMs on its own slice, the element-wise steps between them once over all rows — and
+    `sum_slots` puts the rows back in (token, slot) order and sums each token's slots in slot order."""
+
+    order: torch.Tensor
+    spans: list[tuple[int, slice]]
+    k: int
+
+    @classmethod
+    def of(cls, expert_ids: torch.Tensor) -> "PairLayout":
+        groups = expert_groups(expert_ids)
+        order = torch.cat([pairs for _, _, pairs in groups]) if groups else expert_ids.flatten()[:0]
+        spans, start = [], 0
+        for e, tokens, _ in groups:
+            spans.append((e, slice(start, start + tokens.numel())))
+            start += tokens.numel()
+        return cls(order, spans, expert_ids.shape[-1])
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.order // self.k
+
+    def sum_slots(self, rows: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """[pairs, D] rows (fp32) -> [tokens, D]: bf16 per pair (official), summed over each token's slots in fp32."""
+        per_slot = torch.empty(n_tokens * self.k, rows.shape[-1], dtype=torch.float32, device=rows.device)
+        per_slot[self.order] = bf16(rows)  # every pair is written once
+        return per_slot.view(n_tokens, self.k, -1).sum(1)
+
+
 def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
     """FP4 experts (e2m1, per-32 UE8M0) with FP8 1×128 activations, fp32 accumulation; SwiGLU and the
     routing weight in fp32, cast to bf16 before W2 (official); the sum over experts accumulated in fp32.
 
-    The (token, slot) pairs are laid out expert by expert once, so each expert's GEMMs read and write contiguous
+    The pairs are laid out expert by expert once (PairLayout), so each expert's GEMMs read and write contiguous
     row ranges and the element-wise steps between them (bf16 rounding, SwiGLU, routing weight, the FP8 quantizer,
     whose 1×128 blocks lie within a row) run once over all pairs instead of once per expert: the same operations
     on the same values, so the same bits, with a few hundred fewer kernel launches per prefill chunk."""
-    S, k = routing.expert_ids.shape
-    groups = expert_groups(routing.expert_ids)
-    order = torch.cat([pairs for _, _, pairs in groups]) if groups else routing.expert_ids.flatten()[:0]
-    x = fp8_activation(y)[order // k]  # pair rows, expert by expert
+    layout = PairLayout.of(routing.expert_ids)
+    x = fp8_activation(y)[layout.tokens]  # pair rows, expert by expert
     inter = ctx.cfg.moe_intermediate_size
-    g, u = (torch.empty(order.numel(), inter, dtype=torch.float32, device=y.device) for _ in range(2))
-    spans, start = [], 0
-    for e, tokens, _ in groups:
-        rows = slice(start, start + tokens.numel())
+    g, u = (torch.empty(layout.order.numel(), inter, dtype=torch.float32, device=y.device) for _ in range(2))
+    for e, rows in layout.spans:
         g[rows] = x[rows] @ ctx.weight(f"ffn.experts.{e}.w1.weight").T
         u[rows] = x[rows] @ ctx.weight(f"ffn.experts.{e}.w3.weight").T
-        spans.append((e, rows))
-        start = rows.stop
-    h = fp8_activation(bf16(swiglu_fp32(bf16(g), bf16(u), ctx.cfg.swiglu_limit) * routing.weights.flatten()[order, None]))
-    out = torch.empty(order.numel(), y.shape[-1], dtype=torch.float32, device=y.device)
-    for e, rows in spans:
+    weights = routing.weights.flatten()[layout.order, None]
+    h = fp8_activation(bf16(swiglu_fp32(bf16(g), bf16(u), ctx.cfg.swiglu_limit) * weights))
+    out = torch.empty(layout.order.numel(), y.shape[-1], dtype=torch.float32, device=y.device)
+    for e, rows in layout.spans:
         out[rows] = h[rows] @ ctx.weight(f"ffn.experts.{e}.w2.weight").T
-    per_slot = torch.empty(S * k, y.shape[-1], dtype=torch.float32, device=y.device)  # every pair is written once
-    per_slot[order] = bf16(out)
-    return per_slot.view(S, k, -1).sum(1)
+    return layout.sum_slots(out, routing.expert_ids.shape[0])
 
 
 def chunk_state_carry(ctx: OpContext, state: Any) -> Any:

@@ -68,8 +68,8 @@ def _mix_fields(result: tuple[torch.Tensor, Any]) -> dict[str, torch.Tensor]:
 
 
 def _in_blocks(parts: list[tuple[torch.Tensor, ...]], block: int) -> list[tuple[torch.Tensor, ...]]:
-    """Per-block tuples of per-query tensors (positions, then [B, …] fields) joined along the queries and cut into calls
-    of at most `block` queries. A [B, k] field whose width differs between blocks (an indexer_topk plugin may return
+    """Per-block tuples of per-query tensors (positions, then [B, …] fields) joined along the queries and cut into
+    calls of at most `block` queries. A [B, k] field whose width differs between blocks (an indexer_topk plugin may return
     fewer picks where fewer rows are visible) is padded with −1 / False: an invalid pick, as the op spec has it."""
     if not parts:
         return []

@@ -120,6 +120,13 @@ def test_resume_from_an_older_state_rewrites_later_layers_identically(tmp_path, 
     pd.testing.assert_frame_equal(sorted_metrics(out / "metrics.parquet"), sorted_metrics(tiny_run / "metrics.parquet"))
 
 
+def _findings_with_plugin(out: Path, plugin: Path, patch: str, *args: str) -> list[dict]:
+    """Run tiny-smoke with `patch` from the plugin file (no report, no gate; it must finish) and read its findings."""
+    assert main(["run", "tiny-smoke", "--out", str(out), "--no-report", "--no-gate", *args, "--patches", patch,
+                 "--patch-module", str(plugin)]) == 0
+    return json.loads((out / "findings.json").read_text())
+
+
 def test_nan_in_a_stack_is_recorded_with_layer_tap_and_phase_and_the_run_finishes(tmp_path):
     plugin = tmp_path / "nan_plugin.py"
     plugin.write_text(
@@ -131,9 +138,7 @@ def test_nan_in_a_stack_is_recorded_with_layer_tap_and_phase_and_the_run_finishe
         "    out = ctx.base(y=y, routing=routing)\n"
         "    return out * float('nan') if ctx.layer == 3 else out\n")
     out = tmp_path / "nan"
-    assert main(["run", "tiny-smoke", "--out", str(out), "--no-report", "--no-gate", "--patches", "nan-at-layer-3",
-                 "--patch-module", str(plugin)]) == 0
-    findings = json.loads((out / "findings.json").read_text())
+    findings = _findings_with_plugin(out, plugin, "nan-at-layer-3")
     first = [f for f in findings if f["variant"] != "base" and f["mode"] == "global"]
     assert first and first[0]["layer"] == 3 and first[0]["phase"] == "decode" and first[0]["tap"] == "moe.out"
     assert RunStore(out).read_manifest()["status"] == "complete"
@@ -162,10 +167,8 @@ def test_the_first_nan_is_the_earliest_in_emission_order_with_decode_comparisons
         "        r = Routing(r.scores, r.expert_ids, r.weights * float('nan'), r.output_scale, r.shared_weight)\n"
         "    return r\n")
     out = tmp_path / "late"
-    assert main(["run", "tiny-smoke", "--out", str(out), "--no-report", "--no-gate", "--no-local", "--patches",
-                 "late-nan", "--patch-module", str(plugin)]) == 0
+    found = [f for f in _findings_with_plugin(out, plugin, "late-nan", "--no-local") if f["variant"] != "base"]
     first_decode = RunStore(out).read_manifest()["prompt"]["n_prompt"]
-    found = [f for f in json.loads((out / "findings.json").read_text()) if f["variant"] != "base"]
     assert len(found) == 1 and found[0]["layer"] == 1 and found[0]["phase"] == "decode"
     assert found[0]["tap"] == "moe.out" and found[0]["position"] == first_decode + 2, found
 

@@ -3,8 +3,8 @@ spec says — for that reason, not for the size of its drift (default policy, ru
 
 Two bug shapes from serving stacks, written as plugins against the README's API: a decode window one row short
 (the oldest of the 128 rows dropped) and an indexer that loses the best-scoring pick (as a stale page table loses
-the newest rows); and the fused hash routing run without its scaling factor. The split-K decode kernel (mma-sparse-decode: bf16 partials, fp32 LSE merge) is correct and must
-pass both checks.
+the newest rows); and the fused hash routing run without its scaling factor. The split-K decode kernel
+(mma-sparse-decode: bf16 partials, fp32 LSE merge) and hash-topk with its scale are correct and must pass.
 """
 
 from __future__ import annotations

@@ -197,10 +197,10 @@ def compare_router(pos, ref, var, ctx) -> list[MetricValues]:
 
 def _set_overlap(ids_a: torch.Tensor, ids_b: torch.Tensor, valid_a: torch.Tensor | None = None,
                  valid_b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(|A ∩ B|, |B|) per row for id sets [n, k] (with optional validity masks)."""
-    ids_a, ids_b = ids_a.long().cpu(), ids_b.long().cpu()
-    valid_a = torch.ones_like(ids_a, dtype=torch.bool) if valid_a is None else valid_a.cpu()
-    valid_b = torch.ones_like(ids_b, dtype=torch.bool) if valid_b is None else valid_b.cpu()
+    """(|A ∩ B|, |B|) per row for id sets [n, k] (optional validity masks), on B's device (exact integer work)."""
+    ids_a, ids_b = ids_a.long().to(ids_b.device), ids_b.long()
+    valid_a = torch.ones_like(ids_a, dtype=torch.bool) if valid_a is None else valid_a.to(ids_b.device)
+    valid_b = torch.ones_like(ids_b, dtype=torch.bool) if valid_b is None else valid_b
     hit = _picked_in(ids_b, valid_b, ids_a, valid_a)
     return hit.sum(1).double(), valid_b.sum(1).double()
 
@@ -210,8 +210,8 @@ def _weights_by_expert(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     with the routed weights in ascending expert order, so two routings of the same expert set line up whatever
     their slot order."""
     k = ids.shape[1]
-    order = torch.argsort(ids.long().cpu(), dim=1)
-    w = weights.detach().cpu().double()
+    order = torch.argsort(ids.long(), dim=1)
+    w = weights.detach().double()
     return torch.cat([w[:, :k].gather(1, order), w[:, k:]], 1)
 
 
@@ -220,6 +220,7 @@ def compare_router_site(pos, ref, var, ctx) -> list[MetricValues]:
     (what the router itself changed), and of the stock router's twin (fp32 re-association alone); and, at tokens
     whose expert set both keep, the relative L1 error of the weights each expert (and the shared expert) gets in
     the MoE output — fp32 in the official Gate (moe.site_weight_err, the twin's moe.twin_weight_err)."""
+    var = {name: v.cpu() for name, v in var.items()}  # a few ids and weights per token: compared on the host
     k = var["expert_ids"].shape[1]
     site, _ = _set_overlap(var["expert_ids"], var["stock_expert_ids"])
     twin, _ = _set_overlap(var["twin_expert_ids"], var["stock_expert_ids"])
@@ -263,7 +264,7 @@ def compare_indexer_site(pos, ref, var, ctx) -> list[MetricValues]:
     pos = pos.to(stock_ids.device)  # counted where the picks are (exact integer work: the same on any device)
     kept = _picked_in(stock_ids, stock_valid, var["row_ids"].long(), var["valid"])
     site, n = kept.sum(1).double(), stock_valid.sum(1).double()
-    twin = _picked_in(stock_ids, stock_valid, var["twin_row_ids"].long(), var["twin_valid"]).sum(1).double()
+    twin, _ = _set_overlap(var["twin_row_ids"], stock_ids, var["twin_valid"], stock_valid)
     clear = var["stock_margin"].double() > TIE_NOISE_MULTIPLE * var["twin_noise"].double()[:, None]
     hard = (stock_valid & ~kept & clear).sum(1).double()
     keep = n > 0

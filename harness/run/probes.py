@@ -157,10 +157,11 @@ BATCHED_TAPS = frozenset({
     "indexer.selected", "attn.site", "attn.hc.site", "ffn.hc.site", "moe.router.site", "indexer.site"})
 """Taps whose comparator computes each position's values from that position's row alone, over widths that do not
 depend on the other rows of the call: comparing one decode step's emission or 64 of them at once gives each
-position the same bits on the CPU (the metric pin; on a GPU a reduction over 64 rows may be split differently from one
-over a single row, moving an fp64 sum by an ulp). Not moe.router (its dense expert matrix is as wide as the largest id in the call, and an
-fp64 row sum's association depends on that width) nor attn.probs (its key lists grow from step to step; it is
-held and batched by itself): their deferred emissions are compared one at a time, as they were on arrival."""
+position the same bits on the CPU (the metric pin; on a GPU a reduction over 64 rows may be split differently from
+one over a single row, moving an fp64 sum by an ulp). Not moe.router (its dense expert matrix is as wide as the
+largest id in the call, and an fp64 row sum's association depends on that width) nor attn.probs (its key lists
+grow from step to step; it is held and batched by itself): their deferred emissions are compared one at a time,
+as they were on arrival."""
 
 
 @dataclass
@@ -194,7 +195,8 @@ class ComparingSink:
     _deferred: dict[str, list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]]] = field(default_factory=dict)
     """Per tap, one-position emissions not compared yet: (emission number, positions, cloned values)."""
     _emitted: int = 0
-    _finite_notes: list[tuple[int, str, list[tuple[str, int]], torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    _finite_notes: list[tuple[int, str, list[tuple[str, int]], torch.Tensor, torch.Tensor]] = field(
+        default_factory=list)
     """Per emission with floating fields: (emission number, tap, [(field, rows)], positions, [any NaN/Inf, first bad
     flat row])."""
 
@@ -337,7 +339,7 @@ class ComparingSink:
             row_bad.append(flat.reshape(len(numbers), -1))
         if not row_bad or all(r.numel() == 0 for r in row_bad):
             return
-        flags = torch.cat(row_bad, 1)  # per emission, field-major: the first True is the first bad row of the first bad field
+        flags = torch.cat(row_bad, 1)  # per emission, field-major: the first True is the first bad field's first row
         notes = torch.stack([flags.any(1).long(), flags.byte().argmax(1)], 1)
         step = rows_per_emission or positions.numel()
         for i, number in enumerate(numbers):

@@ -142,20 +142,22 @@ class RunStore:
         if not background:
             self._write_state(layer, snapshot)
             return
-        self._state_writer = threading.Thread(target=self._write_state, args=(layer, snapshot, True),
+        self._state_writer = threading.Thread(target=self._write_state_noting_error, args=(layer, snapshot),
                                               name="dsv4-drift-resume-state")
         self._state_writer.start()
 
-    def _write_state(self, layer: int, snapshot: dict[str, torch.Tensor], keep_error: bool = False) -> None:
+    def _write_state(self, layer: int, snapshot: dict[str, torch.Tensor]) -> None:
+        self.state_path.parent.mkdir(exist_ok=True)
+        tmp = self.state_path.with_suffix(".pt.tmp")
+        torch.save({"layer": layer, "streams": snapshot}, tmp)
+        os.replace(tmp, self.state_path)
+        self.update_manifest(state_layer=layer)  # where a resume starts, readable without loading the streams
+
+    def _write_state_noting_error(self, layer: int, snapshot: dict[str, torch.Tensor]) -> None:
+        """The writer thread: its error is raised by the next wait_for_state(), in the run's thread."""
         try:
-            self.state_path.parent.mkdir(exist_ok=True)
-            tmp = self.state_path.with_suffix(".pt.tmp")
-            torch.save({"layer": layer, "streams": snapshot}, tmp)
-            os.replace(tmp, self.state_path)
-            self.update_manifest(state_layer=layer)  # where a resume starts, readable without loading the streams
-        except BaseException as e:  # noqa: BLE001 — a writer thread's error is raised by the next wait_for_state()
-            if not keep_error:
-                raise
+            self._write_state(layer, snapshot)
+        except BaseException as e:  # noqa: BLE001
             self._state_error = e
 
     def wait_for_state(self) -> None:

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from optimized.base_ops import swiglu_fp32
+from optimized.base_ops import PairLayout, swiglu_fp32
 from optimized.numerics import bf16
 from optimized.ops import OpContext, Routing
 from optimized.patching import Patch
-from reference.ops.moe import expert_groups
 from reference.quant import FP4_MAX, QuantizedTensor, blockwise_amax_last, expand_blocks_last, round_to_e2m1, \
     round_to_e4m3
 
@@ -57,8 +56,8 @@ def _nvfp4_weight(ctx: OpContext, name: str) -> tuple[torch.Tensor, float | None
     return w, None if stored.input_scale is None else float(stored.input_scale)
 
 
-def _act_rows(act, x: torch.Tensor, scales: list[float | None], rows: list[slice]) -> torch.Tensor:
-    """act(x[rows_e], scales[e]) for every expert e, over all rows at once where the experts share a scale (the
+def _act_rows(act, x: torch.Tensor, scales: list[float | None], spans: list[slice]) -> torch.Tensor:
+    """act(x[span_e], scales[e]) for every expert e, over all rows at once where the experts share a scale (the
     quantizer works within a row, with the scale as the same Python number, so the bits are those of one call per
     expert), else one call per distinct scale over that scale's rows."""
     distinct = list(dict.fromkeys(scales))
@@ -66,16 +65,16 @@ def _act_rows(act, x: torch.Tensor, scales: list[float | None], rows: list[slice
         return act(x, distinct[0])
     out = torch.empty_like(x, dtype=torch.float32)
     for scale in distinct:
-        idx = torch.cat([torch.arange(r.start, r.stop, device=x.device) for r, s in zip(rows, scales) if s == scale])
+        idx = torch.cat([torch.arange(r.start, r.stop, device=x.device) for r, s in zip(spans, scales) if s == scale])
         out[idx] = act(x[idx], scale).float()
     return out
 
 
 @PATCH.op("experts")
 def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """The pairs are laid out expert by expert once (as the stock experts op does), so the quantizers, SwiGLU and the
-    routing weight run once over all pairs instead of once per expert; each expert's GEMMs read and write its own
-    contiguous rows, the shapes the per-expert loop gave them: the same bits, far fewer kernel launches."""
+    """The pairs are laid out expert by expert once (PairLayout, as the stock experts op does), so the quantizers,
+    SwiGLU and the routing weight run once over all pairs instead of once per expert; each expert's GEMMs read and
+    write its own contiguous rows, the shapes the per-expert loop gave them: the same bits, fewer kernel launches."""
     mode, opt_scale = ctx.options["activations"], ctx.options["input_scale"]
 
     def act(x: torch.Tensor, stored_scale: float | None) -> torch.Tensor:
@@ -84,34 +83,25 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
         scale = (stored_scale if stored_scale is not None else 1.0) if opt_scale == "checkpoint" else float(opt_scale)
         return nvfp4_activation(x, scale)
 
-    S, k = routing.expert_ids.shape
-    groups = expert_groups(routing.expert_ids)
-    if not groups:
-        return torch.zeros(S, y.shape[-1], dtype=torch.float32, device=y.device)
-    order = torch.cat([pairs for _, _, pairs in groups])
-    tokens = order // k
-    weights = {e: [_nvfp4_weight(ctx, f"ffn.experts.{e}.{p}.weight") for p in ("w1", "w3", "w2")] for e, _, _ in groups}
-    rows, start = [], 0
-    for _, tok, _ in groups:
-        rows.append(slice(start, start + tok.numel()))
-        start += tok.numel()
+    layout = PairLayout.of(routing.expert_ids)
+    tokens = layout.tokens
+    weights = {e: [_nvfp4_weight(ctx, f"ffn.experts.{e}.{p}.weight") for p in ("w1", "w3", "w2")]
+               for e, _ in layout.spans}
     # the routed input is quantized per token, independent of the expert: once per global input_scale
     quantized: dict[float | None, torch.Tensor] = {}
-    inter = ctx.cfg.moe_intermediate_size
     gate_up = []
     for which in (0, 1):  # w1, w3
-        x = torch.empty(order.numel(), inter, dtype=torch.float32, device=y.device)
-        for (e, _, _), r in zip(groups, rows):
+        x = torch.empty(layout.order.numel(), ctx.cfg.moe_intermediate_size, dtype=torch.float32, device=y.device)
+        for e, rows in layout.spans:
             w, scale = weights[e][which]
             if scale not in quantized:
                 quantized[scale] = act(y, scale)
-            x[r] = quantized[scale][tokens[r]] @ w.T
+            x[rows] = quantized[scale][tokens[rows]] @ w.T
         gate_up.append(x)
-    h = bf16(swiglu_fp32(bf16(gate_up[0]), bf16(gate_up[1]), ctx.cfg.swiglu_limit) * routing.weights.flatten()[order, None])
-    h = _act_rows(act, h, [weights[e][2][1] for e, _, _ in groups], rows)
-    out = torch.empty(order.numel(), y.shape[-1], dtype=torch.float32, device=y.device)
-    for (e, _, _), r in zip(groups, rows):
-        out[r] = h[r] @ weights[e][2][0].T
-    per_slot = torch.empty(S * k, y.shape[-1], dtype=torch.float32, device=y.device)  # every pair is written once
-    per_slot[order] = bf16(out)
-    return per_slot.view(S, k, -1).sum(1)
+    h = bf16(swiglu_fp32(bf16(gate_up[0]), bf16(gate_up[1]), ctx.cfg.swiglu_limit)
+             * routing.weights.flatten()[layout.order, None])
+    h = _act_rows(act, h, [weights[e][2][1] for e, _ in layout.spans], [rows for _, rows in layout.spans])
+    out = torch.empty(layout.order.numel(), y.shape[-1], dtype=torch.float32, device=y.device)
+    for e, rows in layout.spans:
+        out[rows] = h[rows] @ weights[e][2][0].T
+    return layout.sum_slots(out, routing.expert_ids.shape[0])
