@@ -90,3 +90,62 @@ def test_the_router_site_compares_effective_weights_where_the_expert_sets_agree(
     assert site.positions.tolist() == [7], "the flipped token is not compared"
     assert site.value.item() == pytest.approx(0.009 / 2.5)  # |0.909 − 0.9| over the L1 of (0.9, 0.6, 1.0)
     assert out["moe.twin_weight_err"].value.tolist() == [0.0, 0.0]
+
+
+def _fp8_indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The stock indexer's arithmetic (optimized-stack §3.1), written out here as the thing the bound must hold
+    for: e4m3 q with one scale per (row, head), e4m3 keys with one scale per row (amax/448), fp64 sums."""
+    def fp8(x: torch.Tensor) -> torch.Tensor:
+        scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448.0
+        return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() * scale.double()
+
+    return (weights.double().unsqueeze(-1) * torch.relu(fp8(q) @ fp8(keys).T)).sum(1)
+
+
+def test_the_fp8_score_noise_scales_the_real_fp8_error_where_the_terms_cancel():
+    """fp8_score_noise is the standard deviation of the stock FP8 indexer's score error (one rounding of q and of
+    k here: Q_ROUNDINGS = 1), including scores whose head terms cancel (signed head weights, Flash's 64 heads ×
+    128 dims) and values in e4m3's subnormal range. Measured over 64 queries × 256 rows, three seeds: the error
+    in units of σ has a spread of 0.71 (σ is an upper estimate: it takes every ulp as 2^-3·|x|) and never
+    reaches FP8_NOISE_MULTIPLE; one e4m3 ulp of the score itself (the former window, 2^-3·|I|) is crossed by
+    ~17% of the scores. Bounds: spread in [0.5, 1] (an estimate off by 2× either way fails), maximum below 4."""
+    from harness.run.metrics import FP8_NOISE_MULTIPLE
+    from reference.ops import indexer
+
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(64, 64, 128, generator=g)
+        q[:, :, :8] *= 1e-5  # subnormal after scaling by amax/448
+        keys = torch.randn(256, 128, generator=g)
+        weights = torch.randn(64, 64, generator=g)
+        exact = indexer.indexer_scores(q.double(), weights.double(), keys.double())
+        moved = _fp8_indexer_scores(q, weights, keys) - exact
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(indexer, "Q_ROUNDINGS", 1)
+            sigma = indexer.fp8_score_noise(q, weights, keys).double()
+        z = moved / sigma
+        assert 0.5 < float(z.std()) < 1.0 and float(z.abs().max()) < FP8_NOISE_MULTIPLE
+        assert float((moved.abs() > 2.0**-3 * exact.abs()).double().mean()) > 0.05
+
+
+def test_fp8_boundary_recall_counts_only_picks_fp8_cannot_reorder():
+    """One query, k = 2 of 4 rows. Scores 10, 9 (picked), 8, 1; FP8 noise σ = 0.025 everywhere but row 1 (0.375),
+    so c·σ = 0.1 and 1.5 (c = FP8_NOISE_MULTIPLE = 4). Row 0 leads the best other row's reach (8 + 0.1) by more
+    than its own: confident. Row 1 (9 − 1.5 < 8.1) is not. A variant picking rows {0, 2} loses only the
+    non-confident pick (recall 1); one picking {1, 2} loses the confident one (recall 0). The bf16 window
+    (2^-7·|9|) counts row 0 only as well."""
+    from harness.run.metrics import FP8_NOISE_MULTIPLE, compare_indexer_scores
+
+    assert FP8_NOISE_MULTIPLE == 4.0
+    ctx = CompareContext("csa", 4, 4, torch.ones(100, dtype=torch.int64), torch.zeros(100, dtype=torch.int64), [])
+    ref = {"scores": torch.tensor([[10.0, 9.0, 8.0, 1.0]]), "fp8_noise": torch.tensor([[0.025, 0.375, 0.025, 0.025]])}
+    picks = {"row_ids": torch.tensor([[0, 1]]), "valid": torch.ones(1, 2, dtype=torch.bool)}
+
+    def recall(rows: list[int]) -> dict[str, float]:
+        var = {"row_ids": torch.tensor([rows]), "valid": torch.ones(1, 2, dtype=torch.bool)}
+        return {m.metric: m.value.item() for m in compare_indexer_scores(torch.tensor([50]), ref, None, ctx, picks, var)}
+
+    assert recall([0, 2]) == {"indexer.boundary_recall": 1.0, "indexer.fp8_boundary_recall": 1.0}
+    assert recall([1, 2]) == {"indexer.boundary_recall": 0.0, "indexer.fp8_boundary_recall": 0.0}
+    ref["fp8_noise"] = torch.tensor([[0.5, 0.375, 0.025, 0.025]])  # 10 − 2 < 8.1: no pick is safe from FP8
+    assert recall([1, 2]) == {"indexer.boundary_recall": 0.0}
