@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.reductions import reduce_tensor
 
 from harness.run.probes import Finding, RecordingSink
 from harness.run.runner import LockstepRunner, RunSpec, VariantSpec
@@ -53,23 +54,47 @@ class Group:
     device: str
     ranks_per_device: int = 1
 
+    @property
+    def one_gpu(self) -> bool:
+        """Every rank on the same GPU: tensors then pass by CUDA IPC (a handle to src's buffer), not through gloo,
+        which would copy them to the host and back (~6 GB of reference taps per Flash layer at 30K tokens)."""
+        return self.device.startswith("cuda") and self.world > 1 and self.ranks_per_device == self.world
+
     def broadcast_tensors(self, tree: Any, src: int) -> Any:
         """A nested structure of dicts (and lists) with tensor leaves, from rank `src` to every rank, on each rank's
-        device: its layout as one object, its tensors as one byte buffer."""
+        device: its layout as one object, its tensors as one byte buffer (sent through the backend, or shared by
+        CUDA IPC when all ranks are on one GPU). Every rank gets its own copy of every tensor."""
         leaves: list[torch.Tensor] = []
-        layout = [_layout(tree, leaves) if self.rank == src else None]
-        dist.broadcast_object_list(layout, src)
-        shapes = _leaf_shapes(layout[0])
-        sizes = [_padded(_nbytes(shape, dtype)) for shape, dtype in shapes]
+        layout = _layout(tree, leaves) if self.rank == src else None
+        buffer = None
         if self.rank == src:
+            sizes = [_padded(_nbytes(tuple(t.shape), t.dtype)) for t in leaves]
             buffer = torch.cat([_as_bytes(t, size) for t, size in zip(leaves, sizes)]) if leaves else \
                 torch.zeros(0, dtype=torch.uint8, device=self.device)
+        if self.one_gpu:
+            message = [layout, reduce_tensor(buffer) if buffer is not None else None]
+            dist.broadcast_object_list(message, src)
+            layout, (rebuild, args) = message
+            if self.rank != src:
+                buffer = rebuild(*args)  # src's buffer, mapped into this process (waits for src's writes)
         else:
-            buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-        dist.broadcast(buffer, src)
+            message = [layout]
+            dist.broadcast_object_list(message, src)
+            layout = message[0]
+        shapes = _leaf_shapes(layout)
+        sizes = [_padded(_nbytes(shape, dtype)) for shape, dtype in shapes]
+        if not self.one_gpu:
+            if buffer is None:
+                buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+            dist.broadcast(buffer, src)
         parts = iter(buffer.split(sizes))
         restored = [_from_bytes(next(parts), shape, dtype) for shape, dtype in shapes]
-        return _build(layout[0], iter(restored))
+        if self.one_gpu:  # src's buffer stays alive until every rank has copied its tensors out of it
+            torch.cuda.synchronize(self.device)
+            del buffer, parts
+            dist.barrier()
+            torch.cuda.ipc_collect()  # src: free the buffer now that no rank maps it (else it waits in IPC limbo)
+        return _build(layout, iter(restored))
 
     def all_gather_objects(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
