@@ -145,7 +145,9 @@ def test_fp8_boundary_recall_counts_only_picks_fp8_cannot_reorder():
         var = {"row_ids": torch.tensor([rows]), "valid": torch.ones(1, 2, dtype=torch.bool)}
         return {m.metric: m.value.item() for m in compare_indexer_scores(torch.tensor([50]), ref, None, ctx, picks, var)}
 
-    assert recall([0, 2]) == {"indexer.boundary_recall": 1.0, "indexer.fp8_boundary_recall": 1.0}
-    assert recall([1, 2]) == {"indexer.boundary_recall": 0.0, "indexer.fp8_boundary_recall": 0.0}
+    assert recall([0, 2]) == {"indexer.boundary_recall": 1.0, "indexer.fp8_boundary_recall": 1.0,
+                              "indexer.fp8_window_share": 0.5}  # one of the two picks is judged
+    assert recall([1, 2]) == {"indexer.boundary_recall": 0.0, "indexer.fp8_boundary_recall": 0.0,
+                              "indexer.fp8_window_share": 0.5}
     ref["fp8_noise"] = torch.tensor([[0.5, 0.375, 0.025, 0.025]])  # 10 − 2 < 8.1: no pick is safe from FP8
-    assert recall([1, 2]) == {"indexer.boundary_recall": 0.0}
+    assert recall([1, 2]) == {"indexer.boundary_recall": 0.0, "indexer.fp8_window_share": 0.0}

@@ -99,6 +99,7 @@ METRICS: dict[str, MetricRule] = {
     "indexer.mass_recall": MetricRule(("attn.probs",), "lower", _ONE_POSITION, decisions="1"),
     "indexer.boundary_recall": MetricRule(("indexer.scores",), "lower", _ONE_PICK, decisions="index_topk"),
     "indexer.fp8_boundary_recall": MetricRule(("indexer.scores",), "lower", _ONE_PICK, decisions="index_topk"),
+    "indexer.fp8_window_share": MetricRule(("indexer.scores",), "descriptive", None),  # the reference's picks only
     # recalls over a subset of the picks (earlier turns, needles): one pick is 1/|subset| of a query's recall,
     # often far more than 1/k (a needle may hold 3 of a query's 512 picks): a query decides |subset| picks
     "ctx.earlier_turn_recall": MetricRule(("indexer.selected",), "lower", _ONE_SUBSET_PICK,

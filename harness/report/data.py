@@ -57,6 +57,8 @@ METRICS: dict[str, MetricInfo] = {
     "indexer.mass_recall": MetricInfo("indexer", "indexer mass recall", "higher", "linear"),
     "indexer.boundary_recall": MetricInfo("indexer", "indexer boundary-aware recall", "higher", "linear"),
     "indexer.fp8_boundary_recall": MetricInfo("indexer", "indexer recall outside FP8 ties", "higher", "linear"),
+    "indexer.fp8_window_share": MetricInfo("indexer", "share of the picks outside FP8 ties (what the FP8 recall judges)",
+                                           "neutral", "linear"),
     "indexer.flips": MetricInfo("indexer", "indexer flips per query", "lower", "linear"),
     "indexer.rows_rel_l2": MetricInfo("indexer", "indexer-compressor rows rel L2", "lower", "log"),
     "compressor.rows_rel_l2": MetricInfo("indexer", "compressor rows rel L2", "lower", "log"),

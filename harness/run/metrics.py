@@ -8,7 +8,7 @@ on the device that holds them (one fp64 pass on a GPU instead of a copy to the h
 on a CPU both are the same), discrete taps (selections, routing) on the CPU.
 
 Canonical names (README, metrics glossary): streams.{rel_l2,cosine,sqnr_db,max_abs,bias},
-attn.{tv,kl,js,out_rel_l2,lse_delta,max_logit_delta}, indexer.{recall,mass_recall,boundary_recall,fp8_boundary_recall,flips},
+attn.{tv,kl,js,out_rel_l2,lse_delta,max_logit_delta}, indexer.{recall,mass_recall,boundary_recall,fp8_boundary_recall,fp8_window_share,flips},
 mhc.{pre_rel_err,post_rel_err,comb_rel_err,ds_residual}, moe.{flip_rate,weight_l1,out_rel_l2},
 the fp32 decision sites mhc.{site_rel_err,twin_rel_err,site_ds_residual},
 moe.{site_flip_rate,twin_flip_rate,site_weight_err,twin_weight_err}, indexer.{site_recall,twin_recall,site_margin_loss},
@@ -492,7 +492,10 @@ def compare_indexer_scores(pos, ref, var, ctx, ref_selected: dict[str, torch.Ten
     rival = torch.where(s_ref, torch.full_like(scores, -math.inf), scores + reach).amax(1)  # −inf rows stay −inf
     windows = (("indexer.boundary_recall", s_ref & (scores > (kth + BOUNDARY_REL * kth.abs())[:, None])),
                ("indexer.fp8_boundary_recall", s_ref & (scores - reach > rival[:, None])))
-    out = []
+    n_picks = s_ref.sum(1).double()
+    judged = n_picks > 0
+    # what share of the picks the FP8 check judges at all (at Flash width ~23%: the rest lie within FP8 rounding)
+    out = [MetricValues("indexer.fp8_window_share", pos[judged], (windows[1][1].sum(1).double() / n_picks)[judged])]
     for name, confident in windows:
         n_conf = confident.sum(1).double()
         keep = n_conf > 0
