@@ -232,9 +232,11 @@ class ReferenceLayer:
                 chosen, chosen_valid = select_rows(scores, pos, self.ratio, cfg.index_topk)
                 if sink.wants("indexer.scores"):
                     hidden = torch.arange(scores.shape[1], device=self.device)[None] >= visible[sampled][:, None]
-                    noise = fp8_score_noise(q_idx[blk][sampled], idx_weights[blk][sampled], state.indexer.rows[:n_vis])
+                    noise = {"fp8_noise": fp8_score_noise(q_idx[blk][sampled], idx_weights[blk][sampled],
+                                                          state.indexer.rows[:n_vis])} \
+                        if sink.wants("indexer.fp8_noise") else {}  # the recorded reference's, not the yardstick's
                     sink.emit("indexer.scores", pos[sampled], scores=scores[sampled].masked_fill(hidden, float("-inf")),
-                              fp8_noise=noise)
+                              **noise)
                 if sink.wants("indexer.selected"):
                     sink.emit("indexer.selected", pos, row_ids=chosen, valid=chosen_valid)
                 if share_rows(n_vis, chosen.shape[-1], cfg.num_attention_heads, self.device):

@@ -96,7 +96,9 @@ class RecordingSink:
         self.dump = dump
 
     def wants(self, tap: str) -> bool:
-        return tap in DENSE_TAPS or tap in ROW_TAPS or tap in SAMPLED_TAPS or (self.dump is not None and self.dump.wants(tap))
+        """Every tap the comparisons need, and indexer.scores' fp8_noise field (the FP8 boundary recall's window)."""
+        return tap in DENSE_TAPS or tap in ROW_TAPS or tap in SAMPLED_TAPS or tap == "indexer.fp8_noise" \
+            or (self.dump is not None and self.dump.wants(tap))
 
     def sampled(self, positions: torch.Tensor) -> torch.Tensor:
         mask = self._mask_on.get(positions.device)

@@ -33,10 +33,10 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     # iterate on a [j, k, tokens] copy: each row/column sum is then n contiguous vector adds over the tokens
     # instead of many 4-element reductions (same arithmetic, same bits, ~3× faster)
     c = c.movedim((-2, -1), (0, 1)).contiguous()
-    c = c / (c.sum(0, keepdim=True) + eps)  # column normalise: Σ_j C[j, k]
+    c.div_(c.sum(0, keepdim=True) + eps)  # column normalise: Σ_j C[j, k] (in place: c is this function's copy)
     for _ in range(iters - 1):
-        c = c / (c.sum(1, keepdim=True) + eps)  # row normalise: Σ_k C[j, k]
-        c = c / (c.sum(0, keepdim=True) + eps)
+        c.div_(c.sum(1, keepdim=True) + eps)  # row normalise: Σ_k C[j, k]
+        c.div_(c.sum(0, keepdim=True) + eps)
     # back to [tokens, j, k] in memory too: a [T, n, n] view over [n, n, T] storage makes every later
     # Cᵀ·X batched matmul (HC_post) strided, ~20× slower on CPU for the same bits
     return c.movedim((0, 1), (-2, -1)).contiguous()
