@@ -12,6 +12,7 @@ what would not fit and which setting changes it:
   lens reads logits after every layer);
 - **streams**: every stack's input and output streams [T, hc, D] (fp32 or fp64 for the reference, bf16 else);
 - **recorded taps**: the reference's dense taps of one layer, per position (probes.DENSE_TAPS);
+- **tap broadcast buffer** (sharded runs): rank 0 sends those taps as one byte buffer, as large again;
 - **working set**: the largest temporaries of one pass — the reference's whole-prompt projections and MoE
   buffers ([T, H·d] queries three times, [T·k, D] expert slots twice), or an engine chunk's.
 
@@ -120,6 +121,8 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
         "recorded taps": T * taps_per_token,
         "working set": working,
     }
+    if world > 1:  # rank 0 packs its recorded taps into one byte buffer to broadcast them (distributed.Group)
+        terms["tap broadcast buffer"] = T * taps_per_token
     state_copy = T * n * D * (ref_size + 2 * all_global_stacks)  # the resume state, gathered on rank 0's host
     host = {"process (torch and its libraries)": PROCESS_BYTES[device.type], "resume state copy": state_copy}
     if device.type == "cuda":
@@ -151,6 +154,7 @@ def fit_problem(estimate: MemoryEstimate, device_capacity: float | None, host_ca
             "streams": "a shorter prompt, fewer variants, or --devices N to shard them",
             "working set": "prefill.reference_chunk_size (e.g. 8192) to run the reference's prompt in chunks",
             "recorded taps": "a shorter prompt",
+            "tap broadcast buffer": "a shorter prompt, or fewer --devices on one GPU",
             "weights (2 layers, stored)": "a device with more memory",
             "dequantized weights (shared)": "a device with more memory",
         }
