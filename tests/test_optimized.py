@@ -238,7 +238,10 @@ def test_site_taps_before_the_first_index_row():
 def test_nvfp4_experts_laid_out_by_expert_give_the_per_expert_loops_bits(monkeypatch, activations, scales):
     """The NVFP4 experts op quantizes and runs SwiGLU over all pairs at once (issue #14). Oracle: the loop it replaced,
     one expert at a time, on the same weights — with one input_scale for every expert (synthetic checkpoints) and
-    with a different one per expert and matrix (real ModelOpt checkpoints), where the quantizer runs per scale."""
+    with a different one per expert and matrix (real ModelOpt checkpoints), where the quantizer runs per scale. It
+    holds one weight at a time: with all of a layer's loaded at once, 2 ranks sharing an H200 ran out of memory at
+    Flash width (25.8 GB of NVFP4 forms the halved dense cache could not keep)."""
+    import weakref
     from types import SimpleNamespace
 
     from optimized.base_ops import swiglu_fp32
@@ -255,7 +258,16 @@ def test_nvfp4_experts_laid_out_by_expert_give_the_per_expert_loops_bits(monkeyp
             shape = (inter, D) if p != "w2" else (D, inter)
             scale = None if scales == "shared" else [0.5, 0.75, 1.25, 2.0][(e + i) % 4]
             table[f"ffn.experts.{e}.{p}.weight"] = (torch.randn(shape, generator=gen) * 0.1, scale)
-    monkeypatch.setattr(nv, "_nvfp4_weight", lambda ctx, name: table[name])
+    live: list = []  # weak references to every weight handed out: how many the op holds at once
+
+    def load(ctx, name):
+        w = table[name][0].clone()  # a fresh tensor, as a dequantization on use gives
+        live.append(weakref.ref(w))
+        assert sum(r() is not None for r in live) == 1, "the op holds more than one expert weight at a time"
+        return w
+
+    monkeypatch.setattr(nv, "_nvfp4_weight", load)
+    monkeypatch.setattr(nv, "_input_scale", lambda ctx, name: table[name][1])
     ctx = SimpleNamespace(options={"activations": activations, "input_scale": "checkpoint", "global_scale": "modelopt"},
                           cfg=SimpleNamespace(moe_intermediate_size=inter, swiglu_limit=7.0))
     y = torch.randn(S, D, generator=gen) * 3

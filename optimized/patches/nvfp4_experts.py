@@ -46,14 +46,18 @@ def nvfp4_activation(x: torch.Tensor, input_scale: float) -> torch.Tensor:
     return torch.where(scale > 0, round_to_e2m1(x.float() / safe) * scale, torch.zeros_like(scale))
 
 
-def _nvfp4_weight(ctx: OpContext, name: str) -> tuple[torch.Tensor, float | None]:
-    """Dense fp32 value of the NVFP4 form of an expert weight (through the load_weight op) and its input_scale."""
+def _input_scale(ctx: OpContext, name: str) -> float | None:
+    """The stored input_scale of an expert weight (None when the checkpoint has none)."""
     stored = ctx.weights.stored(name)
     if not isinstance(stored, QuantizedTensor):
         raise ValueError(f"expert weight '{name}' is not quantized; nvfp4-experts needs FP4 or NVFP4 storage")
+    return None if stored.input_scale is None else float(stored.input_scale)
+
+
+def _nvfp4_weight(ctx: OpContext, name: str) -> torch.Tensor:
+    """Dense fp32 value of the NVFP4 form of an expert weight (through the load_weight op)."""
     rule = ctx.options["global_scale"]
-    w = ctx.call("load_weight", name=name, fmt="nvfp4" if rule == "modelopt" else "nvfp4-pow2")
-    return w, None if stored.input_scale is None else float(stored.input_scale)
+    return ctx.call("load_weight", name=name, fmt="nvfp4" if rule == "modelopt" else "nvfp4-pow2")
 
 
 def _act_rows(act, x: torch.Tensor, scales: list[float | None], spans: list[slice]) -> torch.Tensor:
@@ -85,23 +89,25 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
 
     layout = PairLayout.of(routing.expert_ids)
     tokens = layout.tokens
-    weights = {e: [_nvfp4_weight(ctx, f"ffn.experts.{e}.{p}.weight") for p in ("w1", "w3", "w2")]
-               for e, _ in layout.spans}
+    names = {e: [f"ffn.experts.{e}.{p}.weight" for p in ("w1", "w3", "w2")] for e, _ in layout.spans}
+    scales = {e: [_input_scale(ctx, n) for n in names[e]] for e in names}
+    # weights are loaded inside the GEMM loops, one at a time: the NVFP4 forms the dense cache cannot hold (a GPU
+    # shared by ranks, a CPU at Flash width) are dequantized on use, and a whole layer's at once is 25.8 GB
     # the routed input is quantized per token, independent of the expert: once per global input_scale
     quantized: dict[float | None, torch.Tensor] = {}
     gate_up = []
     for which in (0, 1):  # w1, w3
         x = torch.empty(layout.order.numel(), ctx.cfg.moe_intermediate_size, dtype=torch.float32, device=y.device)
         for e, rows in layout.spans:
-            w, scale = weights[e][which]
+            scale = scales[e][which]
             if scale not in quantized:
                 quantized[scale] = act(y, scale)
-            x[rows] = quantized[scale][tokens[rows]] @ w.T
+            x[rows] = quantized[scale][tokens[rows]] @ _nvfp4_weight(ctx, names[e][which]).T
         gate_up.append(x)
     h = bf16(swiglu_fp32(bf16(gate_up[0]), bf16(gate_up[1]), ctx.cfg.swiglu_limit)
              * routing.weights.flatten()[layout.order, None])
-    h = _act_rows(act, h, [weights[e][2][1] for e, _ in layout.spans], [rows for _, rows in layout.spans])
+    h = _act_rows(act, h, [scales[e][2] for e, _ in layout.spans], [rows for _, rows in layout.spans])
     out = torch.empty(layout.order.numel(), y.shape[-1], dtype=torch.float32, device=y.device)
     for e, rows in layout.spans:
-        out[rows] = h[rows] @ weights[e][2][0].T
+        out[rows] = h[rows] @ _nvfp4_weight(ctx, names[e][2]).T
     return layout.sum_slots(out, routing.expert_ids.shape[0])
