@@ -51,7 +51,7 @@ def _rank(rank: int, world: int, port: int, failures) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     group = join_group(rank, world, "cuda")
     assert group.one_gpu
-    for round_, src in enumerate((0, 1, 0)):  # both directions, and a buffer the allocator may place where one was
+    for round_, src in enumerate((0, world - 1, 0)):  # both ways, and a buffer the allocator may place where one was
         sent = _on(_tree(round_), group.device)
         got = group.broadcast_tensors(sent if rank == src else None, src)
         if not _same_tree(got, _tree(round_)) or got["out"].device != torch.device(group.device):
@@ -59,11 +59,12 @@ def _rank(rank: int, world: int, port: int, failures) -> None:
     torch.distributed.destroy_process_group()
 
 
-def test_ranks_on_one_gpu_broadcast_through_ipc():
+@pytest.mark.parametrize("world", [2, 3])  # 3: two receivers release the one IPC share (not yet run on a GPU)
+def test_ranks_on_one_gpu_broadcast_through_ipc(world):
     ctx = torch.multiprocessing.get_context("spawn")
     failures = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, failures)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, failures)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

@@ -128,6 +128,30 @@ def test_the_fp8_score_noise_scales_the_real_fp8_error_where_the_terms_cancel():
         assert float((moved.abs() > 2.0**-3 * exact.abs()).double().mean()) > 0.05
 
 
+def test_the_fp8_score_noise_counts_an_upstream_rounding_through_a_gemm():
+    """The query's upstream roundings (the activations of wq_a and wq_b) reach q through a GEMM. Simulated: x with
+    outlier channels rounded to FP8 in 1×128 blocks (the stock activation quantizer), q = W·x̂, then q and k
+    rounded as the stock indexer rounds them; σ with Q_ROUNDINGS = 2 (one upstream, q's own). 32 queries × 64
+    heads × 256 rows: the error in units of σ spreads 0.73 and stays below FP8_NOISE_MULTIPLE (bounds as above)."""
+    from harness.run.metrics import FP8_NOISE_MULTIPLE
+    from reference.ops import indexer
+    from reference.quant import fp8_fake_quant
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(64 * 128, 1024, generator=g) / 1024**0.5
+    x = torch.randn(32, 1024, generator=g)
+    x[:, :7] *= 20  # outlier channels: one element of a 1×128 block sets its scale
+    keys = torch.randn(256, 128, generator=g)
+    head_weights = torch.randn(32, 64, generator=g)
+    q = (x @ weight.T).view(32, 64, 128)
+    exact = indexer.indexer_scores(q.double(), head_weights.double(), keys.double())
+    moved = _fp8_indexer_scores((fp8_fake_quant(x, 128) @ weight.T).view(32, 64, 128), head_weights, keys) - exact
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(indexer, "Q_ROUNDINGS", 2)
+        z = moved / indexer.fp8_score_noise(q, head_weights, keys).double()
+    assert 0.5 < float(z.std()) < 1.0 and float(z.abs().max()) < FP8_NOISE_MULTIPLE
+
+
 def test_fp8_boundary_recall_counts_only_picks_fp8_cannot_reorder():
     """One query, k = 2 of 4 rows. Scores 10, 9 (picked), 8, 1; FP8 noise σ = 0.025 everywhere but row 1 (0.375),
     so c·σ = 0.1 and 1.5 (c = FP8_NOISE_MULTIPLE = 4). Row 0 leads the best other row's reach (8 + 0.1) by more

@@ -90,11 +90,16 @@ class Group:
             dist.broadcast(buffer, src)
         parts = iter(buffer.split(sizes))
         restored = leaves if self.rank == src else [_from_bytes(next(parts), shape, dtype) for shape, dtype in shapes]
-        if self.one_gpu:  # src's buffer stays alive until every rank has copied its tensors out of it
+        if self.one_gpu:
+            # src holds its buffer until every rank has copied its tensors out: torch's IPC reference count is one
+            # per share, so with two or more receivers the first to let go would otherwise free it under the others
             torch.cuda.synchronize(self.device)
-            del buffer, parts
+            parts = None
+            if self.rank != src:
+                buffer = None
             dist.barrier()
-            torch.cuda.ipc_collect()  # src: free the buffer now that no rank maps it (else it waits in IPC limbo)
+            buffer = None
+            torch.cuda.ipc_collect()  # src: free it now that no rank maps it (else it waits in IPC limbo)
         return _build(layout, iter(restored))
 
     def all_gather_objects(self, obj: Any) -> list[Any]:

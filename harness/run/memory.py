@@ -12,7 +12,8 @@ what would not fit and which setting changes it:
   lens reads logits after every layer);
 - **streams**: every stack's input and output streams [T, hc, D] (fp32 or fp64 for the reference, bf16 else);
 - **recorded taps**: the reference's dense taps of one layer, per position (probes.DENSE_TAPS);
-- **tap broadcast buffer** (sharded runs): rank 0 sends those taps as one byte buffer, as large again;
+- **tap broadcast buffer** (sharded runs): rank 0 sends those taps as one byte buffer, as large again (with the
+  row and sampled taps, which are small beside them);
 - **working set**: the largest temporaries of one pass — the reference's whole-prompt projections and MoE
   buffers ([T, H·d] queries three times, [T·k, D] expert slots twice), or an engine chunk's.
 

@@ -29,7 +29,10 @@ magnitude by 2^-6 of its row's scale (amax/448) keeps 'ulp ≤ 2^-3 of the padde
 
 Q_ROUNDINGS = 3
 """FP8 roundings on the stock indexer's query path (spec §7.1, optimized-stack §3.1): the activations of wq_a and of
-the indexer's wq_b, then q itself; the keys are rounded once (the compressor runs in fp32 and bf16)."""
+the indexer's wq_b, then q itself; the keys are rounded once (the compressor runs in fp32 and bf16). An upstream
+rounding reaches q through a GEMM, which spreads it over a head's elements rather than in proportion to each;
+counting it like q's own rounding is an approximation, checked on a simulated GEMM chain with outlier channels
+(tests/test_metrics.py: the same spread of the error in units of σ as a spread model gives, for random weights)."""
 
 
 def fp8_score_noise(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
