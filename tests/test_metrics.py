@@ -93,11 +93,13 @@ def test_the_router_site_compares_effective_weights_where_the_expert_sets_agree(
 
 
 def _fp8_indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """The stock indexer's arithmetic (optimized-stack §3.1), written out here as the thing the bound must hold
-    for: e4m3 q with one scale per (row, head), e4m3 keys with one scale per row (amax/448), fp64 sums."""
+    """The stock indexer's arithmetic (optimized-stack §3.1), the thing the noise model must describe: e4m3 q with
+    one scale per (row, head), e4m3 keys with one scale per row (the engine's quantizer), fp64 sums."""
+    from optimized.paged_cache import quantize_fp8_per_row
+
     def fp8(x: torch.Tensor) -> torch.Tensor:
-        scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448.0
-        return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() * scale.double()
+        codes, scale = quantize_fp8_per_row(x)
+        return codes.double() * scale.double()[..., None]
 
     return (weights.double().unsqueeze(-1) * torch.relu(fp8(q) @ fp8(keys).T)).sum(1)
 

@@ -67,39 +67,30 @@ class Group:
         Flash width a copy of the reference's taps would be ~6 GB more on rank 0)."""
         leaves: list[torch.Tensor] = []
         layout = _layout(tree, leaves) if self.rank == src else None
+        if self.one_gpu:
+            return self._broadcast_by_ipc(layout, leaves, src)
+        message = [layout]
+        dist.broadcast_object_list(message, src)
+        shapes = _leaf_shapes(message[0])
+        buffer = _pack(leaves, self.device) if self.rank == src else \
+            torch.empty(sum(_sizes(shapes)), dtype=torch.uint8, device=self.device)
+        dist.broadcast(buffer, src)
+        return _build(message[0], iter(leaves if self.rank == src else _unpack(buffer, shapes)))
+
+    def _broadcast_by_ipc(self, layout: Any, leaves: list[torch.Tensor], src: int) -> Any:
+        """broadcast_tensors on one GPU: src's byte buffer is mapped into the other ranks, which copy their tensors
+        out of it. src holds the buffer until every rank has copied: torch counts one IPC reference per share, so
+        with two or more receivers the first to let go would otherwise free it under the others."""
+        buffer = _pack(leaves, self.device) if self.rank == src else None
+        message = [layout, reduce_tensor(buffer) if buffer is not None else None]
+        dist.broadcast_object_list(message, src)
+        layout, (rebuild, args) = message
+        # rebuild maps src's buffer (waiting for src's writes); the mapping is dropped once the copies are made
+        restored = leaves if self.rank == src else _unpack(rebuild(*args), _leaf_shapes(layout))
+        torch.cuda.synchronize(self.device)
+        dist.barrier()
         buffer = None
-        if self.rank == src:
-            sizes = [_padded(_nbytes(tuple(t.shape), t.dtype)) for t in leaves]
-            buffer = torch.cat([_as_bytes(t, size) for t, size in zip(leaves, sizes)]) if leaves else \
-                torch.zeros(0, dtype=torch.uint8, device=self.device)
-        if self.one_gpu:
-            message = [layout, reduce_tensor(buffer) if buffer is not None else None]
-            dist.broadcast_object_list(message, src)
-            layout, (rebuild, args) = message
-            if self.rank != src:
-                buffer = rebuild(*args)  # src's buffer, mapped into this process (waits for src's writes)
-        else:
-            message = [layout]
-            dist.broadcast_object_list(message, src)
-            layout = message[0]
-        shapes = _leaf_shapes(layout)
-        sizes = [_padded(_nbytes(shape, dtype)) for shape, dtype in shapes]
-        if not self.one_gpu:
-            if buffer is None:
-                buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-            dist.broadcast(buffer, src)
-        parts = iter(buffer.split(sizes))
-        restored = leaves if self.rank == src else [_from_bytes(next(parts), shape, dtype) for shape, dtype in shapes]
-        if self.one_gpu:
-            # src holds its buffer until every rank has copied its tensors out: torch's IPC reference count is one
-            # per share, so with two or more receivers the first to let go would otherwise free it under the others
-            torch.cuda.synchronize(self.device)
-            parts = None
-            if self.rank != src:
-                buffer = None
-            dist.barrier()
-            buffer = None
-            torch.cuda.ipc_collect()  # src: free it now that no rank maps it (else it waits in IPC limbo)
+        torch.cuda.ipc_collect()  # src: free it now that no rank maps it (else it waits in IPC limbo)
         return _build(layout, iter(restored))
 
     def all_gather_objects(self, obj: Any) -> list[Any]:
@@ -149,6 +140,23 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 def _padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def _sizes(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[int]:
+    return [_padded(_nbytes(shape, dtype)) for shape, dtype in shapes]
+
+
+def _pack(leaves: list[torch.Tensor], device: str) -> torch.Tensor:
+    """The leaves' bytes in one buffer, each padded to ALIGN."""
+    if not leaves:
+        return torch.zeros(0, dtype=torch.uint8, device=device)
+    sizes = _sizes([(tuple(t.shape), t.dtype) for t in leaves])
+    return torch.cat([_as_bytes(t, size) for t, size in zip(leaves, sizes)])
+
+
+def _unpack(buffer: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Copies of the tensors _pack put in `buffer`."""
+    return [_from_bytes(part, shape, dtype) for part, (shape, dtype) in zip(buffer.split(_sizes(shapes)), shapes)]
 
 
 def _as_bytes(t: torch.Tensor, size: int) -> torch.Tensor:

@@ -490,13 +490,13 @@ def compare_indexer_scores(pos, ref, var, ctx, ref_selected: dict[str, torch.Ten
     kth = torch.where(s_ref, scores, torch.full_like(scores, math.inf)).amin(1)  # the weakest reference pick
     reach = FP8_NOISE_MULTIPLE * _f64(ref["fp8_noise"])
     rival = torch.where(s_ref, torch.full_like(scores, -math.inf), scores + reach).amax(1)  # −inf rows stay −inf
-    windows = (("indexer.boundary_recall", s_ref & (scores > (kth + BOUNDARY_REL * kth.abs())[:, None])),
-               ("indexer.fp8_boundary_recall", s_ref & (scores - reach > rival[:, None])))
+    outside_fp8 = s_ref & (scores - reach > rival[:, None])
     n_picks = s_ref.sum(1).double()
     judged = n_picks > 0
     # what share of the picks the FP8 check judges at all (at Flash width ~23%: the rest lie within FP8 rounding)
-    out = [MetricValues("indexer.fp8_window_share", pos[judged], (windows[1][1].sum(1).double() / n_picks)[judged])]
-    for name, confident in windows:
+    out = [MetricValues("indexer.fp8_window_share", pos[judged], (outside_fp8.sum(1).double() / n_picks)[judged])]
+    for name, confident in (("indexer.boundary_recall", s_ref & (scores > (kth + BOUNDARY_REL * kth.abs())[:, None])),
+                            ("indexer.fp8_boundary_recall", outside_fp8)):
         n_conf = confident.sum(1).double()
         keep = n_conf > 0
         if bool(keep.any()):

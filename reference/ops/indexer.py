@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from reference.ops.compressor import visible_rows
+from reference.quant import FP8_MAX
 from reference.ops.topk import stable_topk_set
 
 
@@ -23,9 +24,12 @@ E4M3_ROUNDING_VAR = 2.0**-6 / 12
 """Variance of one e4m3 rounding, relative to x²: round to nearest leaves an error uniform within half an ulp, and
 an ulp is at most 2^-3·|x| (3 mantissa bits), so the variance is at most (2^-3·|x|)²/12."""
 
-E4M3_SUBNORMAL_PAD = 2.0**-6 / 448.0
+E4M3_SUBNORMAL_PAD = 2.0**-6 / FP8_MAX
 """Below 2^-6 (e4m3's smallest normal) a scaled value is subnormal, its ulp 2^-9 = 2^-3 of 2^-6: padding each
 magnitude by 2^-6 of its row's scale (amax/448) keeps 'ulp ≤ 2^-3 of the padded magnitude' for every value."""
+
+FP8_AMAX_FLOOR = 1e-4
+"""The per-row quantizers' amax floor (spec §7: scale = max(amax, 1e-4)/448)."""
 
 Q_ROUNDINGS = 3
 """FP8 roundings on the stock indexer's query path (spec §7.1, optimized-stack §3.1): the activations of wq_a and of
@@ -50,7 +54,7 @@ def fp8_score_noise(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) 
     """
     def padded_sq(x: torch.Tensor) -> torch.Tensor:
         mag = x.abs()
-        return (mag + E4M3_SUBNORMAL_PAD * mag.amax(-1, keepdim=True).clamp_min(1e-4)) ** 2
+        return (mag + E4M3_SUBNORMAL_PAD * mag.amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)) ** 2
 
     a = weights.unsqueeze(-1) * (q @ keys.T > 0)  # [B, n_I, R]
     from_q = Q_ROUNDINGS * (a**2 * (padded_sq(q) @ keys.T**2)).sum(1)
