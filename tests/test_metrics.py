@@ -152,28 +152,3 @@ def test_the_fp8_score_noise_counts_an_upstream_rounding_through_a_gemm():
         mp.setattr(indexer, "Q_ROUNDINGS", 2)
         z = moved / indexer.fp8_score_noise(q, head_weights, keys).double()
     assert 0.5 < float(z.std()) < 1.0 and float(z.abs().max()) < FP8_NOISE_MULTIPLE
-
-
-def test_fp8_boundary_recall_counts_only_picks_fp8_cannot_reorder():
-    """One query, k = 2 of 4 rows. Scores 10, 9 (picked), 8, 1; FP8 noise σ = 0.025 everywhere but row 1 (0.375),
-    so c·σ = 0.1 and 1.5 (c = FP8_NOISE_MULTIPLE = 4). Row 0 leads the best other row's reach (8 + 0.1) by more
-    than its own: confident. Row 1 (9 − 1.5 < 8.1) is not. A variant picking rows {0, 2} loses only the
-    non-confident pick (recall 1); one picking {1, 2} loses the confident one (recall 0). The bf16 window
-    (2^-7·|9|) counts row 0 only as well."""
-    from harness.run.metrics import FP8_NOISE_MULTIPLE, compare_indexer_scores
-
-    assert FP8_NOISE_MULTIPLE == 4.0
-    ctx = CompareContext("csa", 4, 4, torch.ones(100, dtype=torch.int64), torch.zeros(100, dtype=torch.int64), [])
-    ref = {"scores": torch.tensor([[10.0, 9.0, 8.0, 1.0]]), "fp8_noise": torch.tensor([[0.025, 0.375, 0.025, 0.025]])}
-    picks = {"row_ids": torch.tensor([[0, 1]]), "valid": torch.ones(1, 2, dtype=torch.bool)}
-
-    def recall(rows: list[int]) -> dict[str, float]:
-        var = {"row_ids": torch.tensor([rows]), "valid": torch.ones(1, 2, dtype=torch.bool)}
-        return {m.metric: m.value.item() for m in compare_indexer_scores(torch.tensor([50]), ref, None, ctx, picks, var)}
-
-    assert recall([0, 2]) == {"indexer.boundary_recall": 1.0, "indexer.fp8_boundary_recall": 1.0,
-                              "indexer.fp8_window_share": 0.5}  # one of the two picks is judged
-    assert recall([1, 2]) == {"indexer.boundary_recall": 0.0, "indexer.fp8_boundary_recall": 0.0,
-                              "indexer.fp8_window_share": 0.5}
-    ref["fp8_noise"] = torch.tensor([[0.5, 0.375, 0.025, 0.025]])  # 10 − 2 < 8.1: no pick is safe from FP8
-    assert recall([1, 2]) == {"indexer.boundary_recall": 0.0, "indexer.fp8_window_share": 0.0}

@@ -34,6 +34,14 @@ BOUNDARY_REL = 2.0**-7
 """boundary_recall ignores reference picks within one bf16 ulp (2^-7 relative) of the k-th score:
 such a pick can flip under any bf16 rounding of the scores and is a tie, not drift (DESIGN §4, §10)."""
 
+FP8_SCORE_REL = 2.0**-3
+"""fp8_boundary_recall ignores reference picks within one e4m3 ulp (3 mantissa bits: 2^-3 relative) of the k-th
+score: the stock indexer scores FP8 queries against FP8 keys (spec §5.3, optimized-stack O2), so such a pick may
+flip under any FP8 indexer. (A window from this layer's FP8 rounding alone, reference.ops.indexer.fp8_score_noise
+at FP8_NOISE_MULTIPLE σ, was tried in the fifth session: it passes the stock engine at Flash width where this one
+fails it, but fails it in the CPU demo's global decode, where drift through FP8 layers moves scores relative to
+themselves; not wired in until both are reconciled — closing note.)"""
+
 FP8_NOISE_MULTIPLE = 4.0
 """fp8_boundary_recall's window in standard deviations of the FP8 score error on each side of a (pick, rival)
 pair: c·(σ_r + σ_j) ≥ c·sqrt(σ_r² + σ_j²), the pair difference's σ, so a reorder by rounding alone lies beyond it
@@ -472,14 +480,7 @@ def compare_indexer_scores(pos, ref, var, ctx, ref_selected: dict[str, torch.Ten
     kind could have reordered — ties are not drift. Computed on the device holding the scores.
 
     - indexer.boundary_recall (bf16): picks more than BOUNDARY_REL·|k-th score| above the weakest pick.
-    - indexer.fp8_boundary_recall (FP8): picks that stay ahead of every row outside the picks by more than
-      FP8_NOISE_MULTIPLE standard deviations of an FP8 indexer's error on each side. The reference records σ per
-      score (fp8_noise: reference.ops.indexer.fp8_score_noise): a pick r drops out only if some row j outside the
-      picks overtakes it, which FP8 rounding alone does not do when s_r − c·σ_r > max_j (s_j + c·σ_j). σ follows
-      the terms' magnitudes, not the score's: at Flash width (64 heads × 128 dims, signed head weights) the terms
-      cancel, and the former window, one e4m3 ulp of the k-th score (2^-3·|s_k|), counted picks an FP8 indexer
-      reorders within its own rounding as lost (the stock engine failed it at flash-30k's L2 prefill: 0.94% of
-      picks, local 0.55%). A stale row, a mask off by one or a wrong length loses picks far outside the window.
+    - indexer.fp8_boundary_recall (FP8): picks more than FP8_SCORE_REL·|k-th score| above the weakest pick.
     """
     scores = _f64(ref["scores"])
     pos, dev = pos.to(scores.device), scores.device
@@ -488,9 +489,7 @@ def compare_indexer_scores(pos, ref, var, ctx, ref_selected: dict[str, torch.Ten
     s_ref = _membership(rows_r, valid_r, n_rows)
     s_opt = _membership(var_selected["row_ids"].to(dev), var_selected["valid"].to(dev), n_rows)
     kth = torch.where(s_ref, scores, torch.full_like(scores, math.inf)).amin(1)  # the weakest reference pick
-    reach = FP8_NOISE_MULTIPLE * _f64(ref["fp8_noise"])
-    rival = torch.where(s_ref, torch.full_like(scores, -math.inf), scores + reach).amax(1)  # −inf rows stay −inf
-    outside_fp8 = s_ref & (scores - reach > rival[:, None])
+    outside_fp8 = s_ref & (scores > (kth + FP8_SCORE_REL * kth.abs())[:, None])  # see FP8_SCORE_REL
     n_picks = s_ref.sum(1).double()
     judged = n_picks > 0
     # what share of the picks the FP8 check judges at all (at Flash width ~23%: the rest lie within FP8 rounding)

@@ -97,7 +97,7 @@ class RecordingSink:
 
     def wants(self, tap: str) -> bool:
         """Every tap the comparisons need, and indexer.scores' fp8_noise field (the FP8 boundary recall's window)."""
-        return tap in DENSE_TAPS or tap in ROW_TAPS or tap in SAMPLED_TAPS or tap == "indexer.fp8_noise" \
+        return tap in DENSE_TAPS or tap in ROW_TAPS or tap in SAMPLED_TAPS \
             or (self.dump is not None and self.dump.wants(tap))
 
     def sampled(self, positions: torch.Tensor) -> torch.Tensor:
