@@ -78,3 +78,24 @@ def test_a_rank_that_dies_fails_the_run_naming_it_and_the_written_layers_stay(tm
     assert manifest["status"] == "failed" and manifest["failure"]["rank"] == 1, manifest.get("failure")
     written = pq.read_table(out / "metrics.parquet").column("layer").to_pylist()
     assert set(written) == {0, 1}, f"expected layers 0 and 1 written before the rank died, found {sorted(set(written))}"
+
+
+AUTO_SHARD = ("import sys, harness.cli.threads as t; t.SHARD_MIN_TOKEN_LAYERS = 0; t.default_threads = lambda: 2; "
+              "from harness.cli.main import main; sys.exit(main(sys.argv[1:]))")
+"""The CLI on a 2-core machine with the length rule lowered to tiny-smoke's size (the ranks it starts decide
+nothing: they run what the manifest and the recipe say)."""
+
+
+def test_a_long_narrow_cpu_run_deals_its_stacks_over_the_cores_by_itself(one_process, tmp_path):
+    """Without --devices or --threads, a long CPU run of a narrow model shards over the cores (one thread each) and
+    writes the one-process run's metrics; the manifest's segment records the ranks."""
+    out = tmp_path / "run"
+    args = [a for i, a in enumerate(PIN_ARGS) if a != "--threads" and PIN_ARGS[i - 1] != "--threads"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", AUTO_SHARD, *args, "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 processes of 1 thread" in done.stderr and "2 processes × 1 thread(s)" in done.stderr, done.stderr
+    assert_same_run(out, one_process)
+    segment = json.loads((out / "manifest.json").read_text())["segments"][0]
+    assert segment["ranks"] == 2 and segment["threads"] == 1, segment

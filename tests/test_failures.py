@@ -686,3 +686,30 @@ def test_a_narrow_model_defaults_to_one_thread_unless_threads_are_asked_for():
         assert torch.get_num_threads() == 1 and "hidden size 64" in note and "--threads N" in note
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_narrow_cpu_run_shards_over_the_cores_only_when_nothing_was_asked_and_it_is_long(monkeypatch):
+    import harness.cli.threads as threads
+
+    monkeypatch.setattr(threads, "default_threads", lambda: 2)
+    long = threads.SHARD_MIN_TOKEN_LAYERS
+    world, note = threads.narrow_model_processes(None, None, 64, "cpu", long, 3)
+    assert world == 2 and "2 processes of 1 thread" in note, "the demo's case: two cores, three stacks"
+    assert threads.narrow_model_processes(None, None, 64, "cpu", long, 1) == (1, None), "one stack: nothing to deal"
+    assert threads.narrow_model_processes(None, None, 64, "cpu", long - 1, 3) == (1, None), "short: start-up bound"
+    assert threads.narrow_model_processes(None, None, 4096, "cpu", long, 3) == (1, None), "wide: threads pay"
+    assert threads.narrow_model_processes(None, None, 64, "cuda", long, 3) == (1, None)
+    assert threads.narrow_model_processes(3, None, 64, "cpu", long, 3) == (3, None), "--devices is kept"
+    assert threads.narrow_model_processes(None, 1, 64, "cpu", long, 3) == (1, None), "--threads keeps one process"
+    monkeypatch.setattr(threads, "default_threads", lambda: 1)
+    assert threads.narrow_model_processes(None, None, 64, "cpu", long, 3) == (1, None), "one core (or OMP_NUM_THREADS=1)"
+    monkeypatch.setattr(threads, "default_threads", lambda: 8)
+    assert threads.narrow_model_processes(None, None, 64, "cpu", long, 3)[0] == 3, "no more ranks than stacks"
+
+
+def test_oversubscription_counts_every_process_of_a_sharded_run():
+    assert oversubscription(1, 2, 0.9, processes=2) is None, "a job that just ended: its load is still decaying"
+    note = oversubscription(1, 2, 1.5, processes=2)
+    assert "adds 2 thread(s)" in note and "expect it to run slower" in note, "one process would be slower still"
+    assert "--threads 1 is likely faster" in oversubscription(2, 4, 1.5, processes=2)
+    assert "2 processes × 2 thread(s) is more than the 2 core(s)" in oversubscription(2, 2, 0.0, processes=2)

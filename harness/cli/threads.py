@@ -55,6 +55,32 @@ def narrow_model_threads(requested: int | None, hidden_size: int, device: str) -
             "(give --threads N to override; README: Threads)")
 
 
+SHARD_MIN_TOKEN_LAYERS = 100_000
+"""A narrow CPU run shards its stacks over processes only from this many tokens × layers. A rank costs ~3 s to
+start (Python, torch, the scenario rebuilt from the manifest) and each layer a broadcast of the reference's taps;
+the demo (43 layers × 8,032 tokens ≈ 345K) runs ~200 s in one process, ~0.6 ms per token-layer, so at 100K
+(~60 s) the start is ~5% of the run and the second core pays. tiny-smoke (5 × ~600) is 3K: 10.5 s either way."""
+
+
+def narrow_model_processes(requested_devices: int | None, requested_threads: int | None, hidden_size: int,
+                           device: str, token_layers: int, n_stacks: int) -> tuple[int, str | None]:
+    """How many processes a run without --devices shards its stacks over, and a note when it is more than one.
+
+    A narrow model runs one thread per process (narrow_model_threads): its ops are too small for intra-op threads,
+    so in one process every core but one idles. Processes do not wait for each other inside an op, so a long CPU run
+    of a narrow model deals its (stack, mode) pairs over min(cores, pairs) processes of one thread each (the demo on
+    two cores: 152 s wall against 210 s in one process). The numbers are a one-process run's (harness.run.distributed).
+    Anything asked for explicitly (--devices, --threads), a GPU, a wide model or a short run keeps what it had."""
+    if (requested_devices is not None or requested_threads is not None or device != "cpu"
+            or hidden_size >= NARROW_HIDDEN or token_layers < SHARD_MIN_TOKEN_LAYERS):
+        return requested_devices or 1, None
+    world = min(default_threads(), n_stacks)
+    if world < 2:
+        return 1, None
+    return world, (f"{world} processes of 1 thread: at hidden size {hidden_size} one process keeps one core busy, so "
+                   f"the stacks are dealt over {world} cores (give --devices 1 to keep one process; README: Threads)")
+
+
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, metavar="N",
                         help=f"CPU threads for torch (default: the cores this process may use, or OMP_NUM_THREADS "
@@ -62,25 +88,35 @@ def add_threads_argument(parser: argparse.ArgumentParser) -> None:
                              "machine (README: Threads)")
 
 
-def oversubscription(threads: int, cores: int, load_average: float) -> str | None:
-    """A one-line note when `threads` will compete for `cores`: more threads than cores, or other processes
-    already keeping the cores busy (the 1-minute load average, which does not yet count this process)."""
-    if threads > cores:
-        return (f"--threads {threads} is more than the {cores} core(s) this process may use: the threads will "
-                "wait for each other")
-    # half a core of slack: a load average is a decaying mean that an idle machine's daemons keep at a few tenths;
-    # the free cores round to the nearest whole one
-    if load_average + threads > cores + 0.5:
+def oversubscription(threads: int, cores: int, load_average: float, processes: int = 1) -> str | None:
+    """A one-line note when `threads` (in each of `processes`) will compete for `cores`: more threads than cores, or
+    other processes already keeping the cores busy (the 1-minute load average, which does not yet count this run)."""
+    total = threads * processes
+    if total > cores:
+        asked = f"--threads {threads}" if processes == 1 else f"{processes} processes × {threads} thread(s)"
+        return f"{asked} is more than the {cores} core(s) this process may use: they will wait for each other"
+    # half a core of slack: a load average is a decaying mean that an idle machine's daemons (and a job that just
+    # ended) keep at a few tenths; the free cores round to the nearest whole one. Processes of one thread get a whole
+    # core of slack: they time-slice a core another job uses (losing its share, no more), where threads of one
+    # parallel region wait at every barrier for the one that lost its core.
+    slack = 1.0 if processes > 1 and threads == 1 else 0.5
+    if load_average + total > cores + slack:
         free = max(1, int(cores - load_average + 0.5))
-        advice = f"--threads {free} is likely faster" if free < threads else "expect it to run slower"
+        if free >= total or threads == 1 < processes:  # a busy core slows a rank; one process would be slower still
+            advice = "expect it to run slower"
+        elif processes == 1:
+            advice = f"--threads {free} is likely faster"
+        else:
+            advice = f"--threads {max(1, free // processes)} is likely faster"
         return (f"the machine is oversubscribed: load average {load_average:.1f} from other processes on {cores} "
-                f"core(s), and this run adds {threads} thread(s); {advice} (README: Threads)")
+                f"core(s), and this run adds {total} thread(s); {advice} (README: Threads)")
     return None
 
 
-def oversubscription_note(threads: int) -> str | None:
-    """oversubscription() for this process: its cores and the machine's 1-minute load average."""
-    return oversubscription(threads, available_cores(), os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)
+def oversubscription_note(threads: int, processes: int = 1) -> str | None:
+    """oversubscription() for this run: this process's cores and the machine's 1-minute load average."""
+    return oversubscription(threads, available_cores(), os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
+                            processes)
 
 
 @contextmanager

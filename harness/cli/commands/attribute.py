@@ -12,7 +12,8 @@ from rich.table import Table
 from harness.attribution.attribute import run_attribution
 from harness.attribution.plan import attribution_variants
 from harness.cli.paths import new_output_dir
-from harness.cli.threads import add_threads_argument, narrow_model_threads, oversubscription_note, torch_threads
+from harness.cli.threads import (add_threads_argument, narrow_model_processes, narrow_model_threads,
+                                 oversubscription_note, torch_threads)
 from harness.errors import UsageError
 from harness.run.distributed import run_sharded
 from harness.run.memory import check_fits
@@ -58,10 +59,11 @@ def patches_of(spec: RunSpec) -> list:
 
 
 def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, ...], policy: str | None,
-              device: str | None, out: Path | None, interactions: str = "auto", progress=None, devices: int = 1,
-              threads: int | None = None, announce_threads: bool = True):
+              device: str | None, out: Path | None, interactions: str = "auto", progress=None,
+              devices: int | None = 1, threads: int | None = None, announce_threads: bool = True):
     """Programmatic entry (selftest and tests use it): returns (Attribution, run directory). `devices` > 1 shards
-    each pass over that many processes; `threads` is the --threads asked for (None: a narrow model runs on one).
+    each pass over that many processes (None: as the CLI without --devices, narrow_model_processes decides);
+    `threads` is the --threads asked for (None: a narrow model runs on one).
     `announce_threads`: print the oversubscription note for the thread count the passes will run with (known only
     once the scenario's model is, since a narrow model drops to one thread)."""
     from harness.run.runner import VariantSpec
@@ -74,20 +76,24 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
             raise UsageError(f"--out {store.dir} already holds a run; choose another --out")
         overrides = Overrides(device, patches, patch_modules)
         spec, plan = build_run_spec(scenario, overrides)
-        narrow = narrow_model_threads(threads, spec.source.config.hidden_size, spec.device)
-        note = oversubscription_note(torch.get_num_threads()) if announce_threads else None
-        for line in (narrow, note):
-            if line:
-                console(stderr=True).print(f"[yellow]note[/]: {line}", soft_wrap=True)
         choices = patches_of(spec)
         if not choices:
             raise UsageError("nothing to attribute: no patches selected (give --patches or a scenario with patched "
                              "variants)")
-        for warning in shadowing_warnings(attribution_variants(choices)):
+        first_pass = RunSpec(**{**spec.__dict__, "variants": attribution_variants(choices), "local": True})
+        cfg = spec.source.config
+        narrow = narrow_model_threads(threads, cfg.hidden_size, spec.device)
+        devices, sharded = narrow_model_processes(devices, threads, cfg.hidden_size, spec.device,
+                                                  cfg.num_hidden_layers * spec.n_total, len(first_pass.stacks()))
+        note = oversubscription_note(torch.get_num_threads(), devices) if announce_threads else None
+        for line in (narrow, sharded, note):
+            if line:
+                console(stderr=True).print(f"[yellow]note[/]: {line}", soft_wrap=True)
+        for warning in shadowing_warnings(first_pass.variants):
             console(stderr=True).print(f"[yellow]warning[/]: {warning}", soft_wrap=True)
         spec.variants = [VariantSpec("patches", choices)]
         manifest = manifest_for(scenario, path.read_text(), overrides, spec, plan)
-        check_fits(RunSpec(**{**spec.__dict__, "variants": attribution_variants(choices), "local": True}), devices)
+        check_fits(first_pass, devices)
     if devices > 1:
         threads = torch.get_num_threads()
         result = run_attribution(spec, store, manifest, policy, progress, interactions,
@@ -111,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         if args.devices is not None and args.devices < 1:
             raise UsageError(f"--devices {args.devices}: give at least 1")
         result, run_dir = attribute(args.scenario, args.patches, tuple(args.patch_module), args.policy, args.device,
-                                    args.out, args.interactions, progress, args.devices or 1, args.threads)
+                                    args.out, args.interactions, progress, args.devices, args.threads)
     table = Table(title="attribution: first divergence beyond the gate")
     for col in ("patch", "phase", "first layer", "metric", "value", "bound"):
         table.add_column(col)

@@ -26,7 +26,8 @@ from harness.run.store import RunStore
 from harness.cli.paths import new_output_dir
 from harness.cli.summary import summary_table
 from harness.cli.console import console
-from harness.cli.threads import add_threads_argument, narrow_model_threads, oversubscription_note, torch_threads
+from harness.cli.threads import (add_threads_argument, narrow_model_processes, narrow_model_threads,
+                                 oversubscription_note, torch_threads)
 from optimized.patching import PluginOpError
 
 DEFAULT_SCENARIO = "demo-cpu"
@@ -91,15 +92,16 @@ def run(args: argparse.Namespace) -> int:
         try:
             if args.resume:
                 spec, store, start, streams = _resume(store, manifest, args)
-            else:
                 world = group.world if group is not None else args.devices or 1
-                spec, store = _start(args, world)  # may narrow the thread count (narrow_model_threads)
+            else:
+                # may narrow the thread count (narrow_model_threads) and shard a narrow model's long run
+                spec, store, world = _start(args, group.world if group is not None else None)
                 start, streams = 0, None
         except BaseException:
             if group is not None:  # the other ranks wait for the run: tell them there is none
                 _lead(group, None)
             raise
-        note = oversubscription_note(torch.get_num_threads())  # for the count the layers will run with
+        note = oversubscription_note(torch.get_num_threads(), world)  # for the count the layers will run with
         if note:  # once, when the inputs are known to be good and the layers start
             out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
         threads_now = torch.get_num_threads()
@@ -107,10 +109,10 @@ def run(args: argparse.Namespace) -> int:
         if group is not None:
             recipe = _lead(group, RunRecipe.of(spec, store.dir, threads_now, start))
             execute = lambda: run_share(group, recipe)  # noqa: E731
-        elif (args.devices or 1) > 1:
-            execute = lambda: run_sharded(args.devices, spec, store, threads_now, start)  # noqa: E731
+        elif world > 1:
+            execute = lambda: run_sharded(world, spec, store, threads_now, start)  # noqa: E731
         try:
-            segments, seconds, peaks = _run_layers(spec, store, start, streams, out, execute)
+            segments, seconds, peaks = _run_layers(spec, store, start, streams, out, execute, world)
         except PluginOpError as e:
             raise PluginOpError(f"{e} — {store.dir} is marked failed and keeps the layers it finished; fix the "
                                 f"patch and continue with `dsv4-drift run --resume {store.dir}`") from e
@@ -152,10 +154,10 @@ def _resume_inputs(args: argparse.Namespace) -> tuple[int | None, RunStore, dict
     return threads, store, manifest
 
 
-def _start(args: argparse.Namespace, world: int) -> tuple[RunSpec, RunStore]:
-    """A new run over `world` ranks (torchrun's group, else --devices): the scenario and overrides resolved, the
-    memory checked, the run directory created (and proven writable before the prompt is built, as that may already
-    compute: a greedy decode)."""
+def _start(args: argparse.Namespace, group_world: int | None) -> tuple[RunSpec, RunStore, int]:
+    """A new run: the scenario and overrides resolved, the number of ranks chosen (torchrun's group, else --devices,
+    else narrow_model_processes), the memory checked, the run directory created (and proven writable before the
+    prompt is built, as that may already compute: a greedy decode). Returns the spec, the store and the ranks."""
     out = console(stderr=True)
     path = find_scenario(args.scenario or DEFAULT_SCENARIO)
     scenario = load_scenario(path, load_registry(list(args.patch_module)) if args.patch_module else None)
@@ -165,9 +167,14 @@ def _start(args: argparse.Namespace, world: int) -> tuple[RunSpec, RunStore]:
             raise UsageError(f"--out {store.dir} already holds a run (use --resume to continue it, or another --out)")
         overrides = Overrides(args.device, args.patches, tuple(args.patch_module), args.local, args.threads)
         spec, plan = build_run_spec(scenario, overrides)
-        narrow = narrow_model_threads(args.threads, spec.source.config.hidden_size, spec.device)
-        if narrow:
-            out.print(f"[yellow]note[/]: {narrow}", soft_wrap=True)
+        cfg = spec.source.config
+        narrow = narrow_model_threads(args.threads, cfg.hidden_size, spec.device)
+        world, sharded = (group_world, None) if group_world is not None else narrow_model_processes(
+            args.devices, args.threads, cfg.hidden_size, spec.device, cfg.num_hidden_layers * spec.n_total,
+            len(spec.stacks()))
+        for note in (narrow, sharded):
+            if note:
+                out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
         for warning in shadowing_warnings(spec.variants):
             out.print(f"[yellow]warning[/]: {warning}", soft_wrap=True)
         estimate = check_fits(spec, world)  # refused here, with the numbers, if it would not fit
@@ -175,8 +182,9 @@ def _start(args: argparse.Namespace, world: int) -> tuple[RunSpec, RunStore]:
                       "memory_estimate": estimate.to_dict()})
     out.print(f"[bold]{scenario.name}[/]: {spec.n_prompt} prompt + {len(spec.decode_ids)} decode tokens, "
               f"{spec.source.config.num_hidden_layers} layers, variants "
-              f"{', '.join(v.name for v in spec.variants)}, {torch.get_num_threads()} thread(s) → {store.dir}")
-    return spec, store
+              f"{', '.join(v.name for v in spec.variants)}, "
+              + (f"{world} processes × " if world > 1 else "") + f"{torch.get_num_threads()} thread(s) → {store.dir}")
+    return spec, store, world
 
 
 def _resume(store: RunStore, manifest: dict, args: argparse.Namespace
@@ -199,10 +207,12 @@ def _resume(store: RunStore, manifest: dict, args: argparse.Namespace
 
 
 def _run_layers(spec: RunSpec, store: RunStore, start: int, streams: dict[str, torch.Tensor] | None,
-                out: Console, sharded: Callable[[], None] | None = None) -> tuple[list[dict], float, dict[str, float]]:
+                out: Console, sharded: Callable[[], None] | None = None, ranks: int = 1
+                ) -> tuple[list[dict], float, dict[str, float]]:
     """The lockstep pass with a progress bar (one line per layer in logs), or `sharded`, a sharded run whose rank 0
-    prints a line per layer; each segment's time and peak memory (this process's: a sharded run's ranks keep
-    their own) go into the manifest. Returns the segments, this segment's seconds and its peaks."""
+    prints a line per layer over `ranks` processes; each segment's time and peak memory go into the manifest (the
+    host's: the largest of this process and the ranks it started; the device's: this process's — a sharded run's
+    ranks keep their own). Returns the segments, this segment's seconds and its peaks."""
     n_layers = spec.source.config.num_hidden_layers
     stacks = 1 + len(spec.stacks())
     if spec.device.startswith("cuda"):
@@ -210,13 +220,14 @@ def _run_layers(spec: RunSpec, store: RunStore, start: int, streams: dict[str, t
     t0 = time.perf_counter()
     segments = store.read_manifest().get("segments", [])
     segments.append({"start_layer": start, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                     "seconds": 0.0, "device": spec.device, "threads": torch.get_num_threads()})
+                     "seconds": 0.0, "device": spec.device, "threads": torch.get_num_threads(), "ranks": ranks})
     if sharded is not None:
         sharded()
     else:
         _run_with_bar(spec, store, start, streams, out, segments, t0, stacks, n_layers)
     seconds = time.perf_counter() - t0
-    peaks = {"peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+    rss_kib = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    peaks = {"peak_host_rss_gib": round(rss_kib / 2**20, 2)}
     if spec.device.startswith("cuda"):
         peaks["peak_device_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     segments[-1].update(seconds=round(seconds, 2), **peaks)
