@@ -99,3 +99,40 @@ def test_a_long_narrow_cpu_run_deals_its_stacks_over_the_cores_by_itself(one_pro
     assert_same_run(out, one_process)
     segment = json.loads((out / "manifest.json").read_text())["segments"][0]
     assert segment["ranks"] == 2 and segment["threads"] == 1, segment
+
+
+FAILING_REFERENCE_PLUGIN = '''
+import torch
+import torch.distributed as dist
+from optimized.patching import Patch
+from reference.model import ReferenceModel
+
+noop = Patch("reference-fails-at-layer-2", phases=("prefill", "decode"), description="the reference raises at layer 2")
+_run_layer = ReferenceModel.run_layer
+
+
+def run_layer(self, block, *args, **kwargs):  # the fp32 reference only (the yardstick is bf16)
+    if block.layer == 2 and block.dtype == torch.float32 and dist.is_initialized():
+        raise RuntimeError(f"reference failed at layer 2 on rank {dist.get_rank()}")
+    return _run_layer(self, block, *args, **kwargs)
+
+
+ReferenceModel.run_layer = run_layer
+'''
+
+
+def test_a_reference_run_ahead_that_fails_is_reported_at_its_layer_after_the_layer_before_is_written(tmp_path):
+    """The last rank runs layer L+1's reference while the others finish layer L; if it raises, layer L's rows are
+    still written and the run fails at layer L+1 naming that rank."""
+    plugin = tmp_path / "ref_fails.py"
+    plugin.write_text(FAILING_REFERENCE_PLUGIN)
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "harness.cli", "run", "tiny-smoke", "--patches",
+                           "reference-fails-at-layer-2", "--patch-module", str(plugin), "--threads", "1", "--no-gate",
+                           "--no-report", "--devices", "2", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 4, done.stderr[-3000:]
+    assert "rank 1 of 2 failed" in done.stderr and "reference failed at layer 2 on rank 1" in done.stderr
+    written = pq.read_table(out / "metrics.parquet").column("layer").to_pylist()
+    assert set(written) == {0, 1}, f"expected layers 0 and 1 written, found {sorted(set(written))}"

@@ -113,6 +113,12 @@ def oversubscription(threads: int, cores: int, load_average: float, processes: i
     return None
 
 
+def host_processes(device: str, ranks: int) -> int:
+    """How many of a run's ranks compete for the host's cores: all of them on the CPU; on GPUs their host threads
+    mostly wait for the device (their ops are GPU kernels), so the note counts one process's threads."""
+    return ranks if device == "cpu" else 1
+
+
 def oversubscription_note(threads: int, processes: int = 1) -> str | None:
     """oversubscription() for this run: this process's cores and the machine's 1-minute load average."""
     return oversubscription(threads, available_cores(), os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,

@@ -2,8 +2,10 @@
 
 The layer-major lockstep splits cleanly by stack. At every layer:
 
-1. rank 0 produces the reference's pass (its output streams and every recorded tap) and broadcasts it: the
-   reference runs once per layer, whatever the number of ranks;
+1. the last rank produces the reference's pass (its output streams and every recorded tap) and broadcasts it: the
+   reference runs once per layer, whatever the number of ranks. That rank has no more (stack, mode) pairs than any
+   other, and once its own are done it runs the next layer's reference while the others finish theirs, so the
+   reference costs the run no time of its own when that rank's share leaves room for it;
 2. each rank runs its share of the (stack, mode) pairs against those taps — pair i of `RunSpec.stacks()` runs on
    rank i mod N, so a stack's global mode, which carries its own streams from layer to layer, always runs on the
    same rank, and any number of ranks works;
@@ -34,11 +36,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.reductions import reduce_tensor
 
-from harness.run.probes import Finding, RecordingSink
-from harness.run.runner import LockstepRunner, RunSpec, VariantSpec
+from harness.run.probes import Finding
+from harness.run.runner import LockstepRunner, ReferencePass, RunSpec, VariantSpec
 from harness.run.setup import load_registry, scenario_from_manifest, spec_from_manifest
 from harness.run.store import RunStore
-from reference.layer import ReferenceLayer
+from reference.weights.source import TensorBundle
 
 ALIGN = 8
 """Tensors travel as bytes in one buffer per broadcast, each starting at a multiple of 8 bytes (the largest element
@@ -175,24 +177,55 @@ class ShardedRunner(LockstepRunner):
         super().__init__(spec, store, progress if group.rank == 0 else None)
         self.group = group
         self.ranks_per_device = group.ranks_per_device
+        self._ahead: ReferencePass | Exception | None = None
+        """The reference rank's pass over the next layer, run ahead (or the error it raised)."""
 
     def own_stacks(self) -> list[tuple[str, str]]:
         return self.spec.stacks_of_rank(self.group.rank, self.group.world)
 
-    def _reference_layer(self, build: Callable[[], ReferenceLayer], ref_in: torch.Tensor, record: RecordingSink
-                         ) -> torch.Tensor:
-        """Rank 0 builds and runs the reference; every rank receives its output and its recorded taps."""
-        tree = None
-        if self.group.rank == 0:
-            out = super()._reference_layer(build, ref_in, record)
-            tree = {"out": out, "dense": record.dense, "rows": record.rows, "samples": record.samples}
-        tree = self.group.broadcast_tensors(tree, src=0)
-        if self.group.rank != 0:
-            record.dense.update(tree["dense"])
-            record.rows.update(tree["rows"])
+    @property
+    def reference_rank(self) -> int:
+        """The rank that runs the reference: the last, which the round-robin deal gives no more pairs than any other,
+        so it has the time to run the next layer's reference while the others finish this layer's stacks."""
+        return self.group.world - 1
+
+    def _reference_pass(self, layer: int, ref_in: torch.Tensor, weights: TensorBundle | None) -> ReferencePass:
+        """The reference rank runs the reference (or has run it ahead, _between_layers); every rank receives its
+        output and its recorded taps."""
+        src = self.reference_rank
+        self._enter(layer, "reference", "global")
+        ahead, self._ahead = self._ahead, None
+        if isinstance(ahead, BaseException):  # this layer's reference failed, run ahead while the last rows were due
+            raise ahead
+        if ahead is not None and ahead.layer == layer:
+            ref = ahead
+        else:
+            ref = self._prepare_layer(layer, weights)
+            if self.group.rank == src:
+                self._run_reference(ref, ref_in)
+        tree = {"out": ref.out, "dense": ref.record.dense, "rows": ref.record.rows, "samples": ref.record.samples} \
+            if self.group.rank == src else None
+        tree = self.group.broadcast_tensors(tree, src=src)
+        if self.group.rank != src:
+            ref.record.dense.update(tree["dense"])
+            ref.record.rows.update(tree["rows"])
             for tap, entries in tree["samples"].items():
-                record.samples.setdefault(tap, {}).update(entries)
-        return tree["out"]
+                ref.record.samples.setdefault(tap, {}).update(entries)
+            ref.out = tree["out"]
+        return ref
+
+    def _between_layers(self, layer: int, ref_out: torch.Tensor) -> None:
+        """On the reference rank, once its stacks of `layer` are done: the next layer's reference, while the other
+        ranks still run theirs (the gather of this layer's rows waits for everyone). A failure is raised when that
+        layer starts, so this layer's rows are written first."""
+        if self.group.rank != self.reference_rank or layer + 1 >= self.weights.until:
+            return
+        try:
+            ref = self._prepare_layer(layer + 1)
+            self._run_reference(ref, ref_out)
+            self._ahead = ref
+        except Exception as e:  # noqa: BLE001 — raised again by _reference_pass at layer + 1
+            self._ahead = e
 
     def _write_layer(self, layer: int, rows: dict[tuple[str, str], list[dict]], dumped: dict[str, torch.Tensor]
                      ) -> None:

@@ -12,7 +12,7 @@ what would not fit and which setting changes it:
   lens reads logits after every layer);
 - **streams**: every stack's input and output streams [T, hc, D] (fp32 or fp64 for the reference, bf16 else);
 - **recorded taps**: the reference's dense taps of one layer, per position (probes.DENSE_TAPS);
-- **tap broadcast buffer** (sharded runs): rank 0 sends those taps as one byte buffer, as large again (with the
+- **tap broadcast buffer** (sharded runs): the reference's rank sends those taps as one byte buffer, as large again (with the
   row and sampled taps, which are small beside them);
 - **working set**: the largest temporaries of one pass — the reference's whole-prompt projections and MoE
   buffers ([T, H·d] queries three times, [T·k, D] expert slots twice), or an engine chunk's.
@@ -122,7 +122,7 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
         "recorded taps": T * taps_per_token,
         "working set": working,
     }
-    if world > 1:  # rank 0 packs its recorded taps into one byte buffer to broadcast them (distributed.Group)
+    if world > 1:  # the reference's rank packs its taps into one byte buffer to broadcast them (distributed.Group)
         terms["tap broadcast buffer"] = T * taps_per_token
     state_copy = T * n * D * (ref_size + 2 * all_global_stacks)  # the resume state, gathered on rank 0's host
     host = {"process (torch and its libraries)": PROCESS_BYTES[device.type], "resume state copy": state_copy}

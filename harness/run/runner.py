@@ -40,6 +40,19 @@ after the last layer it is the answer itself, also recorded on the logits row.""
 
 
 @dataclass
+class ReferencePass:
+    """One layer's reference in this process: the layer's weights and the cache of their dequantized copies (the
+    layer's stacks share both), the sinks holding the reference's taps, and its output streams once it has run."""
+
+    layer: int
+    weights: TensorBundle
+    dense: DenseCache
+    record: RecordingSink
+    dump: DumpSink | None
+    out: torch.Tensor | None = None
+
+
+@dataclass
 class VariantSpec:
     name: str
     choices: list[PatchChoice]
@@ -260,17 +273,21 @@ class LockstepRunner:
                   ) -> dict[str, torch.Tensor]:
         """Every stack and mode over layer `layer`; its rows written. `weights`: the layer's, when the caller has
         them (a benchmark that timed their making), else from the (prefetching) source."""
+        ref = self._reference_pass(layer, streams["reference"], weights)
+        rows, new_streams = self._run_stacks(layer, streams, ref)
+        dumped = ref.dump.tensors if ref.dump else {}
+        del ref  # the layer's weights, their dequantized copies and the taps: not needed past its stacks
+        self._between_layers(layer, new_streams["reference"])
+        self._write_layer(layer, rows, dumped)
+        return new_streams
+
+    def _run_stacks(self, layer: int, streams: dict[str, torch.Tensor], ref: ReferencePass
+                    ) -> tuple[dict[tuple[str, str], list[dict]], dict[str, torch.Tensor]]:
+        """This process's (stack, mode) pairs over the layer, compared with the reference's taps: their rows, and
+        the new streams (the reference's and each global stack's)."""
         spec, cfg = self.spec, self.cfg
-        weights = weights if weights is not None else self.weights.layer(layer, self.device)
-        dump = DumpSink(spec.dump_taps, spec.dump_positions) if spec.dump_taps else None
-        record = RecordingSink(spec.n_total, self.sampled, dump)
-        if dump:
-            dump.prefix = "reference/"
-        dense = DenseCache.for_device(self.device, self.ranks_per_device)  # dequantized weights shared by the stacks
-        self._enter(layer, "reference", "global")
-        ref_in = streams["reference"]
-        ref_out = self._reference_layer(lambda: ReferenceLayer(cfg, layer, weights, spec.reference_dtype, spec.parity,
-                                                               self.device, dense), ref_in, record)
+        weights, dense, record, dump = ref.weights, ref.dense, ref.record, ref.dump
+        ref_in, ref_out = streams["reference"], ref.out
         ctx = CompareContext(cfg.layer_kind(layer), cfg.compress_ratio(layer), cfg.sliding_window,
                              torch.tensor(spec.turn_of_position), self.turn_start, spec.needle_spans)
         ref_answers = self.lens.read(self.reference.logits, ref_out) if self.lens else None
@@ -306,8 +323,7 @@ class LockstepRunner:
             if mode == "global":
                 new_streams[name] = out
             rows[(name, mode)] = acc.rows(name, mode, layer)
-        self._write_layer(layer, rows, dump.tensors if dump else {})
-        return new_streams
+        return rows, new_streams
 
     # The steps a sharded run (harness.run.distributed) does differently: which stacks this process runs, where
     # the reference's taps come from, and who writes what the stacks measured.
@@ -318,11 +334,34 @@ class LockstepRunner:
         """The (stack, mode) pairs this process runs: all of them."""
         return self.spec.stacks_of_rank(0, 1)
 
-    def _reference_layer(self, build: Callable[[], ReferenceLayer], ref_in: torch.Tensor, record: RecordingSink
-                         ) -> torch.Tensor:
-        """The reference over the layer, its taps recorded. `build` makes its block (which dequantizes the layer's
-        weights), called only by the process that runs the reference."""
-        return self.reference.run_layer(build(), ref_in, self.ids, self.reference_segments, record)
+    def _reference_pass(self, layer: int, ref_in: torch.Tensor, weights: TensorBundle | None) -> ReferencePass:
+        """The reference over layer `layer`, its taps recorded."""
+        ref = self._prepare_layer(layer, weights)
+        self._run_reference(ref, ref_in)
+        return ref
+
+    def _prepare_layer(self, layer: int, weights: TensorBundle | None = None) -> ReferencePass:
+        """The layer's weights (from the prefetching source unless given), a cache for their dequantized copies
+        shared by every stack, and empty sinks for the reference's taps."""
+        spec = self.spec
+        dump = DumpSink(spec.dump_taps, spec.dump_positions) if spec.dump_taps else None
+        if dump:
+            dump.prefix = "reference/"
+        return ReferencePass(layer, weights if weights is not None else self.weights.layer(layer, self.device),
+                             DenseCache.for_device(self.device, self.ranks_per_device),
+                             RecordingSink(spec.n_total, self.sampled, dump), dump)
+
+    def _run_reference(self, ref: ReferencePass, ref_in: torch.Tensor) -> None:
+        """Run the reference over ref.layer from `ref_in`, recording its taps; its output in ref.out."""
+        spec = self.spec
+        self._enter(ref.layer, "reference", "global")
+        block = ReferenceLayer(self.cfg, ref.layer, ref.weights, spec.reference_dtype, spec.parity, self.device,
+                               ref.dense)
+        ref.out = self.reference.run_layer(block, ref_in, self.ids, self.reference_segments, ref.record)
+
+    def _between_layers(self, layer: int, ref_out: torch.Tensor) -> None:
+        """After this process's stacks of `layer`, before its rows are written: nothing here (a sharded run's
+        reference rank runs the next layer's reference while the other ranks finish theirs)."""
 
     def _write_layer(self, layer: int, rows: dict[tuple[str, str], list[dict]], dumped: dict[str, torch.Tensor]
                      ) -> None:

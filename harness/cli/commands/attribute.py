@@ -12,7 +12,8 @@ from rich.table import Table
 from harness.attribution.attribute import run_attribution
 from harness.attribution.plan import attribution_variants
 from harness.cli.paths import new_output_dir
-from harness.cli.threads import (add_threads_argument, narrow_model_processes, narrow_model_threads,
+from harness.cli.threads import (add_threads_argument, host_processes, narrow_model_processes,
+                                 narrow_model_threads,
                                  oversubscription_note, torch_threads)
 from harness.errors import UsageError
 from harness.run.distributed import run_sharded
@@ -85,7 +86,8 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
         narrow = narrow_model_threads(threads, cfg.hidden_size, spec.device)
         devices, sharded = narrow_model_processes(devices, threads, cfg.hidden_size, spec.device,
                                                   cfg.num_hidden_layers * spec.n_total, len(first_pass.stacks()))
-        note = oversubscription_note(torch.get_num_threads(), devices) if announce_threads else None
+        note = oversubscription_note(torch.get_num_threads(), host_processes(spec.device, devices)) \
+            if announce_threads else None
         for line in (narrow, sharded, note):
             if line:
                 console(stderr=True).print(f"[yellow]note[/]: {line}", soft_wrap=True)

@@ -26,7 +26,8 @@ from harness.run.store import RunStore
 from harness.cli.paths import new_output_dir
 from harness.cli.summary import summary_table
 from harness.cli.console import console
-from harness.cli.threads import (add_threads_argument, narrow_model_processes, narrow_model_threads,
+from harness.cli.threads import (add_threads_argument, host_processes, narrow_model_processes,
+                                 narrow_model_threads,
                                  oversubscription_note, torch_threads)
 from optimized.patching import PluginOpError
 
@@ -101,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
             if group is not None:  # the other ranks wait for the run: tell them there is none
                 _lead(group, None)
             raise
-        note = oversubscription_note(torch.get_num_threads(), world)  # for the count the layers will run with
+        # for the count the layers will run with
+        note = oversubscription_note(torch.get_num_threads(), host_processes(spec.device, world))
         if note:  # once, when the inputs are known to be good and the layers start
             out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
         threads_now = torch.get_num_threads()
