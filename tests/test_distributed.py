@@ -96,6 +96,7 @@ def test_a_long_narrow_cpu_run_deals_its_stacks_over_the_cores_by_itself(one_pro
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 processes of 1 thread" in done.stderr and "2 processes × 1 thread(s)" in done.stderr, done.stderr
+    assert "2 ranks)" in done.stdout, "rank 0's line per layer: the run was sharded"
     assert_same_run(out, one_process)
     segment = json.loads((out / "manifest.json").read_text())["segments"][0]
     assert segment["ranks"] == 2 and segment["threads"] == 1, segment
@@ -136,3 +137,6 @@ def test_a_reference_run_ahead_that_fails_is_reported_at_its_layer_after_the_lay
     assert "rank 1 of 2 failed" in done.stderr and "reference failed at layer 2 on rank 1" in done.stderr
     written = pq.read_table(out / "metrics.parquet").column("layer").to_pylist()
     assert set(written) == {0, 1}, f"expected layers 0 and 1 written, found {sorted(set(written))}"
+    failure = json.loads((out / "manifest.json").read_text())["failure"]
+    assert (failure["rank"], failure["layer"], failure["stack"]) == (1, 2, "reference"), failure
+    assert not list(out.glob("failure-rank-*.json")), "the rank's report is moved into the manifest"

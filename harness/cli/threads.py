@@ -58,8 +58,8 @@ def narrow_model_threads(requested: int | None, hidden_size: int, device: str) -
 SHARD_MIN_TOKEN_LAYERS = 100_000
 """A narrow CPU run shards its stacks over processes only from this many tokens × layers. A rank costs ~3 s to
 start (Python, torch, the scenario rebuilt from the manifest) and each layer a broadcast of the reference's taps;
-the demo (43 layers × 8,032 tokens ≈ 345K) runs ~200 s in one process, ~0.6 ms per token-layer, so at 100K
-(~60 s) the start is ~5% of the run and the second core pays. tiny-smoke (5 × ~600) is 3K: 10.5 s either way."""
+the demo (43 layers × 8,034 tokens ≈ 345K) runs ~205 s of layers in one process, ~0.6 ms per token-layer, so at
+100K (~60 s) the start is ~5% of the run and the second core pays. tiny-smoke (5 × ~600) is 3K: 10.5 s either way."""
 
 
 def narrow_model_processes(requested_devices: int | None, requested_threads: int | None, hidden_size: int,
@@ -69,7 +69,7 @@ def narrow_model_processes(requested_devices: int | None, requested_threads: int
     A narrow model runs one thread per process (narrow_model_threads): its ops are too small for intra-op threads,
     so in one process every core but one idles. Processes do not wait for each other inside an op, so a long CPU run
     of a narrow model deals its (stack, mode) pairs over min(cores, pairs) processes of one thread each (the demo on
-    two cores: 152 s wall against 210 s in one process). The numbers are a one-process run's (harness.run.distributed).
+    two cores: 125 s wall against 218 s in one process). The numbers are a one-process run's (harness.run.distributed).
     Anything asked for explicitly (--devices, --threads), a GPU, a wide model or a short run keeps what it had."""
     if (requested_devices is not None or requested_threads is not None or device != "cpu"
             or hidden_size >= NARROW_HIDDEN or token_layers < SHARD_MIN_TOKEN_LAYERS):
@@ -102,7 +102,9 @@ def oversubscription(threads: int, cores: int, load_average: float, processes: i
     slack = 1.0 if processes > 1 and threads == 1 else 0.5
     if load_average + total > cores + slack:
         free = max(1, int(cores - load_average + 0.5))
-        if free >= total or threads == 1 < processes:  # a busy core slows a rank; one process would be slower still
+        # ranks meet at every layer, so a rank that shares its core sets the pace; still, with one outside job on
+        # two cores, two ranks get 2/3 of a core each for half the work where one process gets one core for all of it
+        if free >= total or threads == 1 < processes:
             advice = "expect it to run slower"
         elif processes == 1:
             advice = f"--threads {free} is likely faster"
@@ -116,7 +118,9 @@ def oversubscription(threads: int, cores: int, load_average: float, processes: i
 def host_processes(device: str, ranks: int) -> int:
     """How many of a run's ranks compete for the host's cores: all of them on the CPU; on GPUs their host threads
     mostly wait for the device (their ops are GPU kernels), so the note counts one process's threads."""
-    return ranks if device == "cpu" else 1
+    if device != "cpu":
+        return 1
+    return int(os.environ.get("LOCAL_WORLD_SIZE", ranks))  # under torchrun, the ranks on this host
 
 
 def oversubscription_note(threads: int, processes: int = 1) -> str | None:

@@ -24,9 +24,11 @@ message naming it; the layers written so far stay valid.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -185,8 +187,9 @@ class ShardedRunner(LockstepRunner):
 
     @property
     def reference_rank(self) -> int:
-        """The rank that runs the reference: the last, which the round-robin deal gives no more pairs than any other,
-        so it has the time to run the next layer's reference while the others finish this layer's stacks."""
+        """The rank that runs the reference: the last, which the round-robin deal gives no more pairs than any other
+        (by count: with local mode on 2 ranks, it runs every local pair), so it has the time to run the next layer's
+        reference while the others finish this layer's stacks."""
         return self.group.world - 1
 
     def _reference_pass(self, layer: int, ref_in: torch.Tensor, weights: TensorBundle | None) -> ReferencePass:
@@ -214,17 +217,23 @@ class ShardedRunner(LockstepRunner):
             ref.out = tree["out"]
         return ref
 
-    def _between_layers(self, layer: int, ref_out: torch.Tensor) -> None:
+    def _between_layers(self, layer: int, inputs: dict[str, torch.Tensor], ref_out: torch.Tensor) -> None:
         """On the reference rank, once its stacks of `layer` are done: the next layer's reference, while the other
-        ranks still run theirs (the gather of this layer's rows waits for everyone). A failure is raised when that
-        layer starts, so this layer's rows are written first."""
+        ranks still run theirs (the gather of this layer's rows waits for everyone). The layer's input streams are
+        dropped first (run() replaces them with the layer's output), so the rank holds one set of streams beside
+        the reference's working set, as when it runs the reference at the start of a layer. A failure is raised
+        when that layer starts, so this layer's rows are written first; its frames (the next layer's weights and
+        taps) are cleared so that the gather and the resume state do not run short of memory on their account."""
         if self.group.rank != self.reference_rank or layer + 1 >= self.weights.until:
             return
+        inputs.clear()
         try:
             ref = self._prepare_layer(layer + 1)
             self._run_reference(ref, ref_out)
             self._ahead = ref
         except Exception as e:  # noqa: BLE001 — raised again by _reference_pass at layer + 1
+            ref = None
+            traceback.clear_frames(e.__traceback__)
             self._ahead = e
 
     def _write_layer(self, layer: int, rows: dict[tuple[str, str], list[dict]], dumped: dict[str, torch.Tensor]
@@ -339,10 +348,21 @@ def _entry(rank: int, world: int, worker: Callable[..., None], args: tuple) -> N
 
 class ReadOnlyStore(RunStore):
     """A rank's view of the run directory beside rank 0: it reads (the manifest, findings and resume state a
-    resumed run starts from) and writes nothing, as rank 0 writes everything."""
+    resumed run starts from) and writes nothing, as rank 0 writes everything — except, when it stops on an error,
+    where it stopped (`failure_path`), which the launching process puts into the manifest (run_sharded)."""
+
+    def __init__(self, run_dir: str | Path, rank: int) -> None:
+        super().__init__(run_dir)
+        self.rank = rank
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         pass
+
+    def update_manifest(self, **fields: Any) -> dict[str, Any]:
+        """Only a failure is kept (LockstepRunner._record_stop: the layer, stack and mode, and the error)."""
+        if fields.get("failure"):
+            failure_path(self.dir, self.rank).write_text(json.dumps(fields["failure"]))
+        return self.read_manifest()
 
     def write_layer(self, layer: int, rows: list[dict[str, Any]]) -> None:
         pass
@@ -397,7 +417,7 @@ def run_rank(rank: int, world: int, recipe: RunRecipe) -> None:
 def run_share(group: Group, recipe: RunRecipe) -> None:
     """This rank's share of the run: rebuild it from the run directory and run it (rank 0 prints a line a layer)."""
     rank, world = group.rank, group.world
-    store = RunStore(recipe.run_dir) if rank == 0 else ReadOnlyStore(recipe.run_dir)
+    store = RunStore(recipe.run_dir) if rank == 0 else ReadOnlyStore(recipe.run_dir, rank)
     spec = recipe.spec(store.read_manifest(), group.device)
     streams = store.load_streams()[1] if recipe.start_layer > 0 else None
     t0 = time.perf_counter()
@@ -417,7 +437,18 @@ def run_sharded(world: int, spec: RunSpec, store: RunStore, threads: int, start_
         launch(world, run_rank, RunRecipe.of(spec, store.dir, threads, start_layer))
     except RankFailed as e:
         manifest = store.read_manifest()
-        if manifest.get("status") == "running":  # rank 0 was ended before it could say so itself
-            store.update_manifest(status="failed", failure={"rank": e.rank, "error": str(e),
-                                                            "state_layer": manifest.get("state_layer")})
+        reported = failure_path(store.dir, e.rank)
+        where = json.loads(reported.read_text()) if reported.is_file() else None
+        for stale in range(1, world):  # the others' reports say only that the failed rank went away
+            failure_path(store.dir, stale).unlink(missing_ok=True)
+        # rank 0 was ended before it could say so itself, or said only that the failed rank's connection broke
+        if where is not None or manifest.get("status") == "running":
+            store.update_manifest(status="failed", failure={
+                "rank": e.rank, **{k: where[k] for k in ("layer", "stack", "mode") if k in (where or {})},
+                "error": str(e), "state_layer": manifest.get("state_layer")})
         raise
+
+
+def failure_path(run_dir: str | Path, rank: int) -> Path:
+    """Where rank `rank` (> 0) of a local sharded run says where it stopped on an error."""
+    return Path(run_dir) / f"failure-rank-{rank}.json"

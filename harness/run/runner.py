@@ -277,7 +277,7 @@ class LockstepRunner:
         rows, new_streams = self._run_stacks(layer, streams, ref)
         dumped = ref.dump.tensors if ref.dump else {}
         del ref  # the layer's weights, their dequantized copies and the taps: not needed past its stacks
-        self._between_layers(layer, new_streams["reference"])
+        self._between_layers(layer, streams, new_streams["reference"])
         self._write_layer(layer, rows, dumped)
         return new_streams
 
@@ -359,9 +359,10 @@ class LockstepRunner:
                                ref.dense)
         ref.out = self.reference.run_layer(block, ref_in, self.ids, self.reference_segments, ref.record)
 
-    def _between_layers(self, layer: int, ref_out: torch.Tensor) -> None:
-        """After this process's stacks of `layer`, before its rows are written: nothing here (a sharded run's
-        reference rank runs the next layer's reference while the other ranks finish theirs)."""
+    def _between_layers(self, layer: int, inputs: dict[str, torch.Tensor], ref_out: torch.Tensor) -> None:
+        """After this process's stacks of `layer` (which read `inputs`, the layer's input streams), before its rows
+        are written: nothing here (a sharded run's reference rank runs the next layer's reference while the other
+        ranks finish theirs)."""
 
     def _write_layer(self, layer: int, rows: dict[tuple[str, str], list[dict]], dumped: dict[str, torch.Tensor]
                      ) -> None:

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from harness.errors import UsageError
-from harness.run.distributed import Group, RunRecipe, from_environment, run_share, run_sharded
+from harness.run.distributed import Group, RankFailed, RunRecipe, from_environment, run_share, run_sharded
 from harness.run.memory import check_fits
 from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
                                prompt_digest, shadowing_warnings, spec_from_manifest)
@@ -93,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             if args.resume:
                 spec, store, start, streams = _resume(store, manifest, args)
-                world = group.world if group is not None else args.devices or 1
+                world, sharded = (group.world, None) if group is not None else _ranks(args, spec)
+                if sharded:
+                    out.print(f"[yellow]note[/]: {sharded}", soft_wrap=True)
             else:
                 # may narrow the thread count (narrow_model_threads) and shard a narrow model's long run
                 spec, store, world = _start(args, group.world if group is not None else None)
@@ -115,9 +117,14 @@ def run(args: argparse.Namespace) -> int:
             execute = lambda: run_sharded(world, spec, store, threads_now, start)  # noqa: E731
         try:
             segments, seconds, peaks = _run_layers(spec, store, start, streams, out, execute, world)
-        except PluginOpError as e:
-            raise PluginOpError(f"{e} — {store.dir} is marked failed and keeps the layers it finished; fix the "
-                                f"patch and continue with `dsv4-drift run --resume {store.dir}`") from e
+        except (PluginOpError, RankFailed) as e:
+            hint = (f" — {store.dir} is marked failed and keeps the layers it finished; fix the patch and continue "
+                    f"with `dsv4-drift run --resume {store.dir}`")
+            if isinstance(e, PluginOpError):
+                raise PluginOpError(f"{e}{hint}") from e
+            if e.plugin_fault:  # a patch's op raised on one of the ranks
+                raise RankFailed(e.rank, f"{e}{hint}") from e
+            raise
     if not args.keep_state:
         store.delete_state()
     out.print(summary_table(store.read_metrics().to_pandas()))
@@ -169,11 +176,8 @@ def _start(args: argparse.Namespace, group_world: int | None) -> tuple[RunSpec, 
             raise UsageError(f"--out {store.dir} already holds a run (use --resume to continue it, or another --out)")
         overrides = Overrides(args.device, args.patches, tuple(args.patch_module), args.local, args.threads)
         spec, plan = build_run_spec(scenario, overrides)
-        cfg = spec.source.config
-        narrow = narrow_model_threads(args.threads, cfg.hidden_size, spec.device)
-        world, sharded = (group_world, None) if group_world is not None else narrow_model_processes(
-            args.devices, args.threads, cfg.hidden_size, spec.device, cfg.num_hidden_layers * spec.n_total,
-            len(spec.stacks()))
+        narrow = narrow_model_threads(args.threads, spec.source.config.hidden_size, spec.device)
+        world, sharded = (group_world, None) if group_world is not None else _ranks(args, spec)
         for note in (narrow, sharded):
             if note:
                 out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
@@ -187,6 +191,14 @@ def _start(args: argparse.Namespace, group_world: int | None) -> tuple[RunSpec, 
               f"{', '.join(v.name for v in spec.variants)}, "
               + (f"{world} processes × " if world > 1 else "") + f"{torch.get_num_threads()} thread(s) → {store.dir}")
     return spec, store, world
+
+
+def _ranks(args: argparse.Namespace, spec: RunSpec) -> tuple[int, str | None]:
+    """The processes a new or resumed run (not under torchrun) shards over: --devices, else one, or several for a
+    long CPU run of a narrow model (narrow_model_processes); and the note saying so."""
+    cfg = spec.source.config
+    return narrow_model_processes(args.devices, args.threads, cfg.hidden_size, spec.device,
+                                  cfg.num_hidden_layers * spec.n_total, len(spec.stacks()))
 
 
 def _resume(store: RunStore, manifest: dict, args: argparse.Namespace
@@ -213,8 +225,8 @@ def _run_layers(spec: RunSpec, store: RunStore, start: int, streams: dict[str, t
                 ) -> tuple[list[dict], float, dict[str, float]]:
     """The lockstep pass with a progress bar (one line per layer in logs), or `sharded`, a sharded run whose rank 0
     prints a line per layer over `ranks` processes; each segment's time and peak memory go into the manifest (the
-    host's: the largest of this process and the ranks it started; the device's: this process's — a sharded run's
-    ranks keep their own). Returns the segments, this segment's seconds and its peaks."""
+    host's: the largest process's RSS, this one's or a rank's it started; the device's: this process's — a sharded
+    run's ranks keep their own). Returns the segments, this segment's seconds and its peaks."""
     n_layers = spec.source.config.num_hidden_layers
     stacks = 1 + len(spec.stacks())
     if spec.device.startswith("cuda"):
@@ -228,7 +240,10 @@ def _run_layers(spec: RunSpec, store: RunStore, start: int, streams: dict[str, t
     else:
         _run_with_bar(spec, store, start, streams, out, segments, t0, stacks, n_layers)
     seconds = time.perf_counter() - t0
-    rss_kib = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    # a sharded run's ranks are this process's children: the largest of them (RUSAGE_CHILDREN counts every child
+    # waited for, so only when this segment started some)
+    whose = (resource.RUSAGE_SELF,) + ((resource.RUSAGE_CHILDREN,) if sharded is not None else ())
+    rss_kib = max(resource.getrusage(who).ru_maxrss for who in whose)
     peaks = {"peak_host_rss_gib": round(rss_kib / 2**20, 2)}
     if spec.device.startswith("cuda"):
         peaks["peak_device_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
