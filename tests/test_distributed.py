@@ -140,3 +140,5 @@ def test_a_reference_run_ahead_that_fails_is_reported_at_its_layer_after_the_lay
     failure = json.loads((out / "manifest.json").read_text())["failure"]
     assert (failure["rank"], failure["layer"], failure["stack"]) == (1, 2, "reference"), failure
     assert not list(out.glob("failure-rank-*.json")), "the rank's report is moved into the manifest"
+    segments = json.loads((out / "manifest.json").read_text())["segments"]
+    assert len(segments) == 1 and segments[0]["ranks"] == 2 and segments[0]["seconds"] > 0, segments

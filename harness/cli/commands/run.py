@@ -236,7 +236,12 @@ def _run_layers(spec: RunSpec, store: RunStore, start: int, streams: dict[str, t
     segments.append({"start_layer": start, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                      "seconds": 0.0, "device": spec.device, "threads": torch.get_num_threads(), "ranks": ranks})
     if sharded is not None:
-        sharded()
+        try:
+            sharded()
+        except BaseException:  # the ranks report no layer to this process: the segment's time up to the failure
+            segments[-1].update(seconds=round(time.perf_counter() - t0, 2))
+            store.update_manifest(segments=segments)
+            raise
     else:
         _run_with_bar(spec, store, start, streams, out, segments, t0, stacks, n_layers)
     seconds = time.perf_counter() - t0
