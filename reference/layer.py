@@ -20,7 +20,7 @@ from reference.config import ModelConfig
 from reference.ops.attention import (KeySet, kv_path, output_path, query_path, sparse_attention_with_sink,
                                      window_band)
 from reference.ops.compressor import CompressorState, CompressorWeights, compress, visible_rows
-from reference.ops.indexer import fp8_score_noise, indexer_scores, select_rows
+from reference.ops.indexer import indexer_scores, select_rows
 from reference.ops.mhc import hc_post, hc_pre
 from reference.ops.moe import moe_forward, route
 from reference.ops.norms import rms_norm
@@ -232,11 +232,7 @@ class ReferenceLayer:
                 chosen, chosen_valid = select_rows(scores, pos, self.ratio, cfg.index_topk)
                 if sink.wants("indexer.scores"):
                     hidden = torch.arange(scores.shape[1], device=self.device)[None] >= visible[sampled][:, None]
-                    noise = {"fp8_noise": fp8_score_noise(q_idx[blk][sampled], idx_weights[blk][sampled],
-                                                          state.indexer.rows[:n_vis])} \
-                        if sink.wants("indexer.fp8_noise") else {}  # the recorded reference's, not the yardstick's
-                    sink.emit("indexer.scores", pos[sampled], scores=scores[sampled].masked_fill(hidden, float("-inf")),
-                              **noise)
+                    sink.emit("indexer.scores", pos[sampled], scores=scores[sampled].masked_fill(hidden, float("-inf")))
                 if sink.wants("indexer.selected"):
                     sink.emit("indexer.selected", pos, row_ids=chosen, valid=chosen_valid)
                 if share_rows(n_vis, chosen.shape[-1], cfg.num_attention_heads, self.device):

@@ -12,9 +12,7 @@ Canonical taps (values are keyword tensors; [B] = the positions given):
   attn.kv             kv [B, d] (as stored in the window cache)
   compressor.rows     rows [R, d], row_ids [R] (rows emitted by this call; `positions` = row start w·m)
   indexer.rows        rows [R, d_I], row_ids [R]
-  indexer.scores      scores [B, R_total] over every row emitted so far (−inf where not visible); to a sink that
-                      wants "indexer.fp8_noise" (not a tap of its own) the reference adds fp8_noise [B, R_total],
-                      the standard deviation of an FP8 indexer's error in each score (ops.indexer.fp8_score_noise)
+  indexer.scores      scores [B, R_total] over every row emitted so far (−inf where not visible)
   indexer.selected    row_ids [B, k], valid [B, k]
   attn.probs          window_pos [B, Kw], comp_rows [B, Kc], probs [B, H, Kw+Kc], sink_prob [B, H],
                       max_logit [B, H] — sampled: a stack may emit only the positions `sampled()` selects

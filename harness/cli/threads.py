@@ -56,10 +56,11 @@ def narrow_model_threads(requested: int | None, hidden_size: int, device: str) -
 
 
 SHARD_MIN_TOKEN_LAYERS = 100_000
-"""A narrow CPU run shards its stacks over processes only from this many tokens × layers. A rank costs ~3 s to
-start (Python, torch, the scenario rebuilt from the manifest) and each layer a broadcast of the reference's taps;
-the demo (43 layers × 8,034 tokens ≈ 345K) runs ~205 s of layers in one process, ~0.6 ms per token-layer, so at
-100K (~60 s) the start is ~5% of the run and the second core pays. tiny-smoke (5 × ~600) is 3K: 10.5 s either way."""
+"""A narrow CPU run shards its stacks over processes only from this many tokens × layers. A rank costs ~2 s to
+start (measured on the 2-core machine: its imports 1.2–1.6 s, the spec rebuilt from the manifest 0.05 s, then the
+process spawn and the group's handshake) and each layer a broadcast of the reference's taps; the demo (43 layers ×
+8,034 tokens ≈ 345K) runs ~205 s of layers in one process, ~0.6 ms per token-layer, so at 100K (~60 s) the start is
+~3% of the run and the second core pays. tiny-smoke (5 × ~600) is 3K: 10.5 s either way."""
 
 
 def narrow_model_processes(requested_devices: int | None, requested_threads: int | None, hidden_size: int,
@@ -104,10 +105,8 @@ def oversubscription(threads: int, cores: int, load_average: float, processes: i
         free = max(1, int(cores - load_average + 0.5))
         # ranks meet at every layer, so a rank that shares its core sets the pace; still, with one outside job on
         # two cores, two ranks get 2/3 of a core each for half the work where one process gets one core for all of it
-        if free >= total or threads == 1 < processes:
+        if free >= total or (processes > 1 and threads == 1):
             advice = "expect it to run slower"
-        elif processes == 1:
-            advice = f"--threads {free} is likely faster"
         else:
             advice = f"--threads {max(1, free // processes)} is likely faster"
         return (f"the machine is oversubscribed: load average {load_average:.1f} from other processes on {cores} "

@@ -43,7 +43,8 @@ fails it, but fails it in the CPU demo's global decode, where drift through FP8 
 themselves; not wired in until both are reconciled — closing note.)"""
 
 FP8_NOISE_MULTIPLE = 4.0
-"""fp8_boundary_recall's window in standard deviations of the FP8 score error on each side of a (pick, rival)
+"""The withdrawn σ window's width (FP8_SCORE_REL says why it is not in use; tests/test_metrics.py still checks
+fp8_score_noise against it): its window in standard deviations of the FP8 score error on each side of a (pick, rival)
 pair: c·(σ_r + σ_j) ≥ c·sqrt(σ_r² + σ_j²), the pair difference's σ, so a reorder by rounding alone lies beyond it
 with probability < 3.2e-5 (Gaussian tail at 4σ; the error sums 64 × 128 roundings) — and σ is itself an upper
 estimate (ulp ≤ 2^-3·|x|): on random data the measured error is 0.71 σ (tests/test_metrics.py)."""

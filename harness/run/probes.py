@@ -96,7 +96,7 @@ class RecordingSink:
         self.dump = dump
 
     def wants(self, tap: str) -> bool:
-        """Every tap the comparisons need, and indexer.scores' fp8_noise field (the FP8 boundary recall's window)."""
+        """Every tap the comparisons need, and those asked to be dumped."""
         return tap in DENSE_TAPS or tap in ROW_TAPS or tap in SAMPLED_TAPS \
             or (self.dump is not None and self.dump.wants(tap))
 

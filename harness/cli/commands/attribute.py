@@ -12,8 +12,7 @@ from rich.table import Table
 from harness.attribution.attribute import run_attribution
 from harness.attribution.plan import attribution_variants
 from harness.cli.paths import new_output_dir
-from harness.cli.threads import (add_threads_argument, host_processes, narrow_model_processes,
-                                 narrow_model_threads,
+from harness.cli.threads import (add_threads_argument, host_processes, narrow_model_processes, narrow_model_threads,
                                  oversubscription_note, torch_threads)
 from harness.errors import UsageError
 from harness.run.distributed import run_sharded

@@ -26,8 +26,7 @@ from harness.run.store import RunStore
 from harness.cli.paths import new_output_dir
 from harness.cli.summary import summary_table
 from harness.cli.console import console
-from harness.cli.threads import (add_threads_argument, host_processes, narrow_model_processes,
-                                 narrow_model_threads,
+from harness.cli.threads import (add_threads_argument, host_processes, narrow_model_processes, narrow_model_threads,
                                  oversubscription_note, torch_threads)
 from optimized.patching import PluginOpError
 
@@ -93,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             if args.resume:
                 spec, store, start, streams = _resume(store, manifest, args)
-                world, sharded = (group.world, None) if group is not None else _ranks(args, spec)
+                world, sharded = _ranks(args, spec, group.world if group is not None else None)
                 if sharded:
                     out.print(f"[yellow]note[/]: {sharded}", soft_wrap=True)
             else:
@@ -177,7 +176,7 @@ def _start(args: argparse.Namespace, group_world: int | None) -> tuple[RunSpec, 
         overrides = Overrides(args.device, args.patches, tuple(args.patch_module), args.local, args.threads)
         spec, plan = build_run_spec(scenario, overrides)
         narrow = narrow_model_threads(args.threads, spec.source.config.hidden_size, spec.device)
-        world, sharded = (group_world, None) if group_world is not None else _ranks(args, spec)
+        world, sharded = _ranks(args, spec, group_world)
         for note in (narrow, sharded):
             if note:
                 out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
@@ -193,9 +192,11 @@ def _start(args: argparse.Namespace, group_world: int | None) -> tuple[RunSpec, 
     return spec, store, world
 
 
-def _ranks(args: argparse.Namespace, spec: RunSpec) -> tuple[int, str | None]:
-    """The processes a new or resumed run (not under torchrun) shards over: --devices, else one, or several for a
-    long CPU run of a narrow model (narrow_model_processes); and the note saying so."""
+def _ranks(args: argparse.Namespace, spec: RunSpec, group_world: int | None) -> tuple[int, str | None]:
+    """The processes a new or resumed run shards over: torchrun's (group_world), else --devices, else one, or several
+    for a long CPU run of a narrow model (narrow_model_processes); and the note saying so."""
+    if group_world is not None:
+        return group_world, None
     cfg = spec.source.config
     return narrow_model_processes(args.devices, args.threads, cfg.hidden_size, spec.device,
                                   cfg.num_hidden_layers * spec.n_total, len(spec.stacks()))
