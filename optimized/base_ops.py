@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from optimized.graphs import replay
+from reference.graphs import replay
 from optimized.numerics import bf16, bf16_linear, fp8_activation, fp8_linear, fp32_linear, rms_norm_bf16
 from optimized.ops import OpContext, Routing
 from optimized.paged_cache import quantize_fp8_per_row

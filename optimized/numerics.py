@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from optimized.graphs import replay
+from reference.graphs import replay
 from reference.quant import fp8_fake_quant
 
 ACT_BLOCK = 128  # FP8 activation quantization: one UE8M0 scale per token per 128 K-elements

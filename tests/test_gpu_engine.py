@@ -80,10 +80,10 @@ def test_optimized_engine_with_triton_kernels_on_gpu():
 
 
 def test_graph_replays_give_the_eager_bits():
-    """optimized.graphs replays the decode step's small pure functions (mHC mix, FP8 activation quantizer, RMSNorm)
+    """reference.graphs replays the decode step's small pure functions (mHC mix, FP8 activation quantizer, RMSNorm)
     from CUDA graphs: the same kernels on inputs of the same layout, so the eager call's bits — also for a strided
     input and for a second call with new values (the replay path, not the capture)."""
-    from optimized import graphs
+    from reference import graphs
     from optimized.base_ops import hc_mix
     from optimized.numerics import fp8_activation, rms_norm_bf16
 
@@ -109,9 +109,28 @@ def test_graph_replays_give_the_eager_bits():
     assert any(v is not None for v in graphs._graphs.values()), "nothing was captured"  # noqa: SLF001
 
 
+def test_reference_decode_with_graph_replays_is_bit_identical():
+    """The reference replays its Sinkhorn from a CUDA graph in decode steps (reference.graphs): a prompt and 8
+    teacher-forced decode steps, replays on and off, give identical logits."""
+    from reference import graphs
+
+    src = SyntheticWeights(TINY, 0)
+    ids = torch.randint(0, TINY.vocab_size, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    model = ReferenceModel(src, device="cuda")
+    graphs._graphs.clear()  # noqa: SLF001
+    replayed = model.forward(ids[:292], ids[292:]).logits
+    assert any(v is not None for v in graphs._graphs.values()), "nothing was captured"  # noqa: SLF001
+    graphs.ENABLED = False
+    try:
+        eager = model.forward(ids[:292], ids[292:]).logits
+    finally:
+        graphs.ENABLED = True
+    assert torch.equal(replayed, eager)
+
+
 def test_engine_decode_with_graph_replays_is_bit_identical():
     """A whole engine (every patch) over a prompt and 8 decode steps, graph replays on and off: identical logits."""
-    from optimized import graphs
+    from reference import graphs
 
     src = SyntheticWeights(TINY, 0)
     ids = torch.randint(0, TINY.vocab_size, (300,), generator=torch.Generator().manual_seed(4)).tolist()

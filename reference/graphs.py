@@ -1,5 +1,9 @@
 """Small fixed-shape pure functions replayed as CUDA graphs (issue #14): the decode steps' launch overhead.
 
+An execution helper, not math: it lives in `reference/` so that both sides may use it (DESIGN §2: the optimized
+engine may import the reference, never the reverse). The reference replays one function, the Sinkhorn of its
+mHC (~120 kernels, two calls per decode step, in the reference and twice more in the yardstick).
+
 A decode step of the engine is host-bound on a GPU: ~1,500 small kernels per step, and half of them come from
 a few pure functions called with the same shapes at every step — the mHC mix (20 Sinkhorn iterations, ~120
 kernels, six calls a step with the site twins) and the FP8 activation quantizer (~17 kernels, ~15 calls a step).
