@@ -173,6 +173,33 @@ def test_the_first_nan_is_the_earliest_in_emission_order_with_decode_comparisons
     assert found[0]["tap"] == "moe.out" and found[0]["position"] == first_decode + 2, found
 
 
+def test_the_first_nan_in_a_deferred_prefill_block_is_found_at_its_position(tmp_path, monkeypatch):
+    """Query-block emissions of prefill are compared in batches across blocks of different sizes (on a GPU; here
+    forced on the CPU; tiny-smoke: 256 and 64 per chunk of 320); an LSE poisoned from position 270 on (the chunk's
+    second block) is still the first non-finite value, at 270 — before attn.out, which holds no NaN, and before the
+    attn.site that carries the same LSE later in the block."""
+    from harness.run.probes import ComparingSink
+
+    monkeypatch.setattr(ComparingSink, "DEFER_BLOCKS_ON_CPU", True)
+    plugin = tmp_path / "lse_nan.py"
+    plugin.write_text(
+        "import torch\n"
+        "from optimized.patching import Patch\n"
+        "p = Patch('lse-nan', phases=('prefill',), description='NaN LSE from position 270 at layer 1')\n"
+        "@p.op('sparse_attention')\n"
+        "def sparse_attention(ctx, **inputs):\n"
+        "    o, lse = ctx.base(**inputs)\n"
+        "    query = inputs['window_slots'][:, -1]  # the window ends at the query's own position\n"
+        "    if ctx.layer == 1:\n"
+        "        lse = torch.where((query >= 270)[:, None], float('nan'), lse)\n"
+        "    return o, lse\n")
+    found = [f for f in _findings_with_plugin(tmp_path / "lse", plugin, "lse-nan", "--no-local")
+             if f["variant"] != "base"]
+    assert len(found) == 1, found
+    assert (found[0]["layer"], found[0]["tap"], found[0]["field"], found[0]["phase"], found[0]["position"]) == \
+        (1, "attn.lse", "lse", "prefill", 270), found
+
+
 def test_run_cli_input_errors_exit_2(tmp_path, capsys):
     assert main(["run", "no-such-scenario", "--out", str(tmp_path / "x")]) == 2
     assert main(["run", "tiny-smoke", "--patches", "no-such-patch", "--out", str(tmp_path / "y")]) == 2

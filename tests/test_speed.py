@@ -168,16 +168,31 @@ def _tiny_metrics(tmp_path, name: str):
     return store.read_metrics().to_pandas().sort_values(keys).reset_index(drop=True)
 
 
-def test_decode_comparisons_deferred_in_batches_give_the_same_bits_as_one_by_one(tmp_path, monkeypatch):
-    """ComparingSink compares one-position decode emissions in batches (issue #14); DEFER_EMISSIONS = 1 compares
-    each as it arrives, as before. Every metric value must be the same bits: the deferred comparators are row-local
-    (harness.run.probes.BATCHED_TAPS) and every bin receives its values in the same order."""
+def test_comparisons_deferred_in_batches_give_the_same_bits_as_one_by_one(tmp_path, monkeypatch):
+    """ComparingSink compares one-position decode emissions and query-block prefill emissions in batches (issue
+    #14); DEFER_EMISSIONS = 1 compares each as it arrives, as before. Every metric value must be the same bits: the
+    deferred comparators are row-local (harness.run.probes.BATCHED_TAPS) and every bin receives its values in the
+    same order. tiny-smoke's chunks of 320 queries run as blocks of 256 and 64, so the batched run must have
+    compared indexer.selected over more positions at once than one block holds."""
     from harness.run.probes import ComparingSink
+    from reference.layer import MAX_QUERY_BLOCK
 
     torch.set_num_threads(1)
+    widest: dict[str, int] = {}
+    compare = ComparingSink._compare
+
+    def noting(self, tap, positions, values):
+        widest[tap] = max(widest.get(tap, 0), positions.numel())
+        return compare(self, tap, positions, values)
+
+    monkeypatch.setattr(ComparingSink, "_compare", noting)
+    monkeypatch.setattr(ComparingSink, "DEFER_BLOCKS_ON_CPU", True)  # the GPU's path
     batched = _tiny_metrics(tmp_path, "batched")
+    assert widest["indexer.selected"] > MAX_QUERY_BLOCK, widest
     monkeypatch.setattr(ComparingSink, "DEFER_EMISSIONS", 1)
+    widest.clear()
     one_by_one = _tiny_metrics(tmp_path, "one")
+    assert widest["indexer.selected"] <= MAX_QUERY_BLOCK, widest
     assert len(batched) > 1000
     assert batched.equals(one_by_one)
 

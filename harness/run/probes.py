@@ -170,15 +170,17 @@ as they were on arrival."""
 class ComparingSink:
     """Compares one stack's taps of one layer with the reference's, accumulating metrics per bin.
 
-    Prefill taps are compared as they arrive (a chunk's worth of positions per call). A decode step emits each tap
-    for one position, and comparing it there costs a dozen small tensor operations and a device synchronisation
-    per tap and step, which made the probes cost more than the decode steps they watch (issue #14): one-position
-    emissions are kept (cloned: the stack may reuse its buffers) and compared when DEFER_EMISSIONS of a tap are
-    waiting, when the tap next arrives with more positions, or at finish() — those of BATCHED_TAPS in one call per
-    run of equal shapes, the others one by one. Each tap's emissions are compared in emission order, so every bin
-    receives its values in the order it did before; and a decode step no longer waits for the device to read a
-    comparison's result. NaN/Inf checks of deferred emissions are made with their batch, and the first non-finite
-    value is still the first in emission order.
+    A decode step emits each tap for one position, and a prefill query block a block's positions; comparing each
+    emission on arrival costs a dozen to a hundred small tensor operations and several device synchronisations per
+    tap, which made the probes cost more than the steps they watch (issue #14: at Flash width and 30K tokens,
+    indexer.selected alone was ~130 kernels and ~9 host reads per query block, 120 blocks per stack and mode).
+    One-position emissions, and on a GPU emissions of BATCHED_TAPS of at most DEFER_MAX_ROWS positions, are kept (cloned:
+    the stack may reuse its buffers) and compared when DEFER_EMISSIONS of a tap are waiting, when the tap next
+    arrives with more positions, or at finish() — those of BATCHED_TAPS in one call per run of equal shapes, the
+    others one by one. Each tap's emissions are compared in emission order, so every bin receives its values in the
+    order it did before (and LayerAccumulator sums a layer's values once, in arrival order: the same bits); and a
+    step or block no longer waits for the device to read a comparison's result. NaN/Inf checks of deferred
+    emissions are made with their batch, and the first non-finite value is still the first in emission order.
 
     Sampled taps (attention rows, indexer scores) come a few positions per query block or decode step; they are
     held and compared in batches of up to BATCH_POSITIONS, never mixing phases. `finish()` compares what is left."""
@@ -207,7 +209,15 @@ class ComparingSink:
     a batch's temporaries near 0.5 GB."""
     DEFER_EMISSIONS = 64
     """Deferred emissions of one tap compared together: a Flash decode step's largest deferred field is layer.out
-    (4 × 4096 fp32, 64 KB), so a full batch of every tap holds a few MB."""
+    (4 × 4096 fp32, 64 KB), so a full batch of decode steps holds a few MB; a full batch of 256-query prefill blocks
+    of indexer.selected (512 int64 ids and flags per query) ~75 MB."""
+    DEFER_MAX_ROWS = 256
+    """Multi-position emissions of BATCHED_TAPS are deferred up to this many positions: a query block's
+    (reference.layer.MAX_QUERY_BLOCK); a whole chunk's emission (layer.out, attn.out) is compared as it arrives."""
+    DEFER_BLOCKS_ON_CPU = False
+    """Query blocks are deferred on a GPU only. On the CPU a comparison costs its arithmetic, not its launches, and
+    deferring blocks made the demo ~8% slower (the clones and larger temporaries; 117.8 s against 108.3 s wall,
+    the same metrics); tests set this to run the deferred path on the CPU."""
 
     def wants(self, tap: str) -> bool:
         """The taps compared with the reference's, and indexer.scores (at sampled positions) for its NaN/Inf
@@ -229,8 +239,11 @@ class ComparingSink:
         if positions.numel() == 0:  # no rows (a compressor that completed none this step): no value, no NaN
             return
         number, self._emitted = self._emitted, self._emitted + 1
-        if (tap in COMPARATORS and positions.dim() == 1 and positions.numel() == 1
-                and all(v.dim() and v.shape[0] == 1 for v in values.values())):
+        n = positions.numel()
+        block = tap in BATCHED_TAPS and n <= self.DEFER_MAX_ROWS and (positions.device.type != "cpu"
+                                                                     or self.DEFER_BLOCKS_ON_CPU)
+        if (tap in COMPARATORS and positions.dim() == 1 and (n == 1 or block)
+                and all(v.dim() and v.shape[0] == n for v in values.values())):
             held = self._deferred.setdefault(tap, [])
             held.append((number, positions.clone(), {k: v.detach().clone() for k, v in values.items()}))
             if len(held) >= self.DEFER_EMISSIONS:
@@ -263,23 +276,31 @@ class ComparingSink:
 
     def _compare_deferred(self, tap: str) -> None:
         """Compare the tap's deferred emissions in emission order: of a BATCHED_TAPS tap, each run of emissions with
-        the same field shapes as one call; of any other, one call per emission."""
+        the same field widths (shapes past the positions) as one call; of any other, one call per emission."""
         held = self._deferred.pop(tap, None)
         if not held:
             return
 
-        def shapes(entry: tuple[int, torch.Tensor, dict[str, torch.Tensor]]) -> tuple:
-            return tuple((k, v.shape, v.dtype) for k, v in entry[2].items())
+        def widths(entry: tuple[int, torch.Tensor, dict[str, torch.Tensor]]) -> tuple:
+            return tuple((k, v.shape[1:], v.dtype) for k, v in entry[2].items())
 
         start = 0
         while start < len(held):
             stop = start + 1
-            while tap in BATCHED_TAPS and stop < len(held) and shapes(held[stop]) == shapes(held[start]):
+            while tap in BATCHED_TAPS and stop < len(held) and widths(held[stop]) == widths(held[start]):
                 stop += 1
             run = held[start:stop]
             positions = torch.cat([p for _, p, _ in run])
             values = {k: torch.cat([v[k] for _, _, v in run]) for k in run[0][2]}
-            self._check_finite(tap, [n for n, _, _ in run], positions, values, rows_per_emission=1)
+            first = 0  # NaN/Inf notes per stretch of emissions with as many positions each (a chunk's last block)
+            while first < len(run):
+                n, last = run[first][1].numel(), first
+                while last < len(run) and run[last][1].numel() == n:
+                    last += 1
+                rows = slice(sum(p.numel() for _, p, _ in run[:first]), sum(p.numel() for _, p, _ in run[:last]))
+                self._check_finite(tap, [number for number, _, _ in run[first:last]], positions[rows],
+                                   {k: v[rows] for k, v in values.items()}, rows_per_emission=n)
+                first = last
             self._compare(tap, positions, values)
             start = stop
 
