@@ -18,7 +18,7 @@ from reference.graphs import replay
 from optimized.numerics import bf16, bf16_linear, fp8_activation, fp8_linear, fp32_linear, rms_norm_bf16
 from optimized.ops import OpContext, Routing
 from optimized.paged_cache import quantize_fp8_per_row
-from reference.quant import QuantizedTensor, mx32_to_nvfp4
+from reference.quant import QuantizedTensor, mx32_to_nvfp4, mx32_to_nvfp4_dense
 from reference.layer import share_rows
 from reference.ops.attention import KeySet
 from reference.ops.compressor import pool_new_windows, visible_rows
@@ -115,19 +115,52 @@ def compressor(ctx: OpContext, which: str, x: torch.Tensor, positions: torch.Ten
     return rows
 
 
+NVFP4_FORMATS = {"nvfp4": "modelopt", "nvfp4-pow2": "pow2"}
+"""load_weight's NVFP4 formats and the global-scale rule of each (reference.quant.NVFP4_GLOBAL_RULES)."""
+
+
 def load_weight(ctx: OpContext, name: str, fmt: str) -> torch.Tensor:
     """Exact fp32 dequantization of the stored tensor (cached for the layer); 'nvfp4' / 'nvfp4-pow2' give the NVFP4
     form of an FP4 expert weight (the checkpoint's own when it is stored as NVFP4), reference.quant.mx32_to_nvfp4."""
     stored = ctx.weights.stored(name)
     if fmt == "stored":
         return ctx.dense.get(name, stored, ctx.device)
-    if fmt not in ("nvfp4", "nvfp4-pow2"):
+    if fmt not in NVFP4_FORMATS:
         raise ValueError(f"load_weight: unknown format {fmt!r} for '{name}' (stored, nvfp4 or nvfp4-pow2)")
     if not isinstance(stored, QuantizedTensor) or stored.format not in ("fp4_mx32", "nvfp4"):
         raise ValueError(f"'{name}' is not an FP4 or NVFP4 weight; it has no NVFP4 form")
-    rule = "pow2" if fmt == "nvfp4-pow2" else "modelopt"
+    rule = NVFP4_FORMATS[fmt]
     as_nvfp4 = (lambda: stored) if stored.format == "nvfp4" else (lambda: mx32_to_nvfp4(stored, rule, name))
     return ctx.dense.get(f"{name}#{fmt}", as_nvfp4, ctx.device)
+
+
+NVFP4_GROUP = 8
+"""FP4 expert matrices converted to their NVFP4 form together (prepare_nvfp4_forms): at Flash width 8 matrices'
+temporaries are ~1.3 GB (two ranks sharing an H200 have a few GB to spare), and a layer's 768 take 96 groups
+instead of 768 conversions of ~70 launches and three host reads each."""
+
+
+def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
+    """Put the NVFP4 forms that `load_weight(name, fmt)` would convert one at a time into the layer's dense cache in
+    groups of NVFP4_GROUP (reference.quant.mx32_to_nvfp4_dense: the same bits), while the cache has room for a
+    whole group; what does not fit is converted on use, as before. Only FP4-stored names not cached yet are
+    converted. A patch calls this before its loads; a plugin that replaces load_weight without calling the stock
+    one never reads these values, so nothing it computes changes."""
+    if fmt not in NVFP4_FORMATS:
+        raise ValueError(f"prepare_nvfp4_forms: unknown format {fmt!r} (nvfp4 or nvfp4-pow2)")
+    todo: dict[tuple, list[str]] = {}  # by shape: w1/w3 and w2 differ
+    for name in dict.fromkeys(names):
+        stored = ctx.weights.stored(name)
+        if f"{name}#{fmt}" not in ctx.dense and isinstance(stored, QuantizedTensor) and stored.format == "fp4_mx32":
+            todo.setdefault((stored.shape, stored.device), []).append(name)
+    for (shape, _), same in todo.items():
+        for i in range(0, len(same), NVFP4_GROUP):
+            group = same[i:i + NVFP4_GROUP]
+            if not ctx.dense.room_for(len(group) * shape[0] * shape[1] * 4):
+                return
+            dense = mx32_to_nvfp4_dense([ctx.weights.stored(n) for n in group], NVFP4_FORMATS[fmt], group)
+            for name, value in zip(group, dense.to(ctx.device)):
+                ctx.dense.put(f"{name}#{fmt}", value)
 
 
 def kv_store(ctx: OpContext, cache: str, rows: torch.Tensor) -> None:
@@ -181,11 +214,12 @@ def indexer_topk(ctx: OpContext, logits: torch.Tensor, positions: torch.Tensor, 
 
 
 def _valid_range(slots: torch.Tensor) -> tuple[int, int] | None:
-    """Smallest and largest valid (≥ 0) slot; None when no slot is valid. (Two reductions, no boolean-mask copy.)"""
-    hi = int(slots.max()) if slots.numel() else -1
-    if hi < 0:
+    """Smallest and largest valid (≥ 0) slot; None when no slot is valid. Two reductions read in one transfer: on a
+    GPU each read waits for every queued kernel, and a prefill chunk reads this twice per 256-query block."""
+    if not slots.numel():
         return None
-    return int(torch.where(slots >= 0, slots, hi).min()), hi
+    lo, hi = torch.stack([torch.where(slots >= 0, slots, torch.iinfo(slots.dtype).max).min(), slots.max()]).tolist()
+    return None if hi < 0 else (lo, hi)
 
 
 def _slots_as_shared(ctx: OpContext, cache: str, slots: torch.Tensor, span: tuple[int, int] | None

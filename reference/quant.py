@@ -320,22 +320,50 @@ def mx32_to_nvfp4(q: QuantizedTensor, global_rule: str = "modelopt", name: str =
     """
     if q.format != "fp4_mx32":
         raise ValueError(f"{name}: expected an fp4_mx32 tensor, got {q.format}")
+    _, block16, global_scale = _nvfp4_scales(q.codes[None], q.scale[None], global_rule, [name])
+    return QuantizedTensor("nvfp4", q.codes.clone(), block16[0], global_scale[0].reshape(()), None)
+
+
+def mx32_to_nvfp4_dense(qs: list[QuantizedTensor], global_rule: str = "modelopt",
+                        names: list[str] | None = None) -> torch.Tensor:
+    """[G, out, in] fp32: `mx32_to_nvfp4(q, global_rule).dequantize()` of G same-shaped FP4 tensors, the same bits,
+    computed over the stack at once (a Flash layer converts 768 expert matrices: a few dozen launches and one host
+    read per stack instead of per matrix)."""
+    names = names or [f"tensor {i}" for i in range(len(qs))]
+    for q, name in zip(qs, names):
+        if q.format != "fp4_mx32":
+            raise ValueError(f"{name}: expected an fp4_mx32 tensor, got {q.format}")
+    vals, block16, global_scale = _nvfp4_scales(torch.stack([q.codes for q in qs]), torch.stack([q.scale for q in qs]),
+                                                global_rule, names)
+    s = block16.float().repeat_interleave(16, -1)[..., : vals.shape[-1]]
+    return vals * s * global_scale[:, None, None]  # QuantizedTensor.dequantize's nvfp4 arithmetic, in its order
+
+
+def _nvfp4_scales(codes: torch.Tensor, scale: torch.Tensor, global_rule: str, names: list[str]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mx32_to_nvfp4 over a stack: packed e2m1 codes [G, out, in/2] and UE8M0 scales [G, out, in/32] -> the e2m1
+    values [G, out, in] (fp32), the e4m3 block scales [G, out, in/16] and the fp32 global scales [G]. Each tensor's
+    rule and numbers are those of the docstring above; the per-tensor Python arithmetic (f, the global) runs in
+    float64 tensors, the same IEEE double operations (round() and torch.round both round half to even)."""
     if global_rule not in NVFP4_GLOBAL_RULES:
         raise ValueError(f"unknown NVFP4 global-scale rule {global_rule!r}; expected one of {NVFP4_GLOBAL_RULES}")
-    exp = q.scale.to(torch.int32) - 127
-    emax = int(exp.max())
+    vals = e2m1_decode(unpack_e2m1(codes))
+    exp = scale.to(torch.int32) - 127
+    emax = exp.flatten(1).amax(1)[:, None, None]
     # an all-zero block's scale multiplies only zeros: any exponent is exact, so it must not widen the span
-    zero = (e2m1_decode(unpack_e2m1(q.codes)) == 0).unflatten(1, (-1, 32)).all(-1)
-    exp = torch.where(zero, emax, exp)
-    if global_rule == "modelopt" and int(exp.min()) - emax + 7 >= -6:
-        amax = float(q.dequantize(torch.float32).abs().max())
-        f = min(max(round(FP4_MAX * 2.0**emax / amax * 8) / 8, 1.0), 1.875) if amax > 0 else 1.0
-        block16 = (pow2(exp - emax + 7) * f).repeat_interleave(2, dim=1).to(torch.float8_e4m3fn)
-        global_scale = torch.tensor(2.0 ** (emax - 7) / f, dtype=torch.float32)
-        return QuantizedTensor("nvfp4", q.codes.clone(), block16, global_scale.reshape(()), None)
-    rel = exp - emax + 8  # in [-9, 8] when the span is <= 17 binades
-    if int(rel.min()) < -9:
-        raise ValueError(f"{name}: per-32 scales span more than 17 binades; NVFP4 conversion would not be lossless")
-    block16 = pow2(rel).repeat_interleave(2, dim=1).to(torch.float8_e4m3fn)
-    global_scale = pow2(torch.tensor(emax - 8))
-    return QuantizedTensor("nvfp4", q.codes.clone(), block16, global_scale.reshape(()), None)
+    exp = torch.where((vals == 0).unflatten(-1, (-1, 32)).all(-1), emax, exp)
+    lowest = exp.flatten(1).amin(1)[:, None, None]
+    modelopt = (lowest - emax + 7 >= -6) & (global_rule == "modelopt")
+    rel = exp - emax + 8  # the pow2 rule: in [-9, 8] when the span is <= 17 binades
+    lossy = ~modelopt.flatten() & (lowest - emax + 8 < -9).flatten()
+    amax = (vals * e8m0_decode(scale).repeat_interleave(32, -1)[..., : vals.shape[-1]]).abs().flatten(1).amax(1)
+    bad = torch.nonzero(lossy).flatten().tolist()  # the one host read
+    if bad:
+        raise ValueError(f"{names[bad[0]]}: per-32 scales span more than 17 binades; NVFP4 conversion would not be "
+                         "lossless")
+    top = torch.ldexp(torch.ones_like(amax, dtype=torch.float64), emax.flatten())  # 2^emax, exact
+    ratio = (FP4_MAX * top / amax.double() * 8).round() / 8
+    f = torch.where(amax > 0, ratio.clamp(1.0, 1.875), 1.0)
+    block = torch.where(modelopt, pow2(exp - emax + 7) * f.float()[:, None, None], pow2(rel))
+    global_scale = torch.where(modelopt.flatten(), (top * 2.0**-7 / f).float(), pow2(emax.flatten() - 8))
+    return vals, block.repeat_interleave(2, dim=-1).to(torch.float8_e4m3fn), global_scale

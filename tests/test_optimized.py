@@ -268,6 +268,7 @@ def test_nvfp4_experts_laid_out_by_expert_give_the_per_expert_loops_bits(monkeyp
 
     monkeypatch.setattr(nv, "_nvfp4_weight", load)
     monkeypatch.setattr(nv, "_input_scale", lambda ctx, name: table[name][1])
+    monkeypatch.setattr(nv, "prepare_nvfp4_forms", lambda ctx, names, fmt: None)  # the cache's part: tested below
     ctx = SimpleNamespace(options={"activations": activations, "input_scale": "checkpoint", "global_scale": "modelopt"},
                           cfg=SimpleNamespace(moe_intermediate_size=inter, swiglu_limit=7.0))
     y = torch.randn(S, D, generator=gen) * 3
@@ -285,6 +286,43 @@ def test_nvfp4_experts_laid_out_by_expert_give_the_per_expert_loops_bits(monkeyp
         per_slot[pairs] = bf16(act(h, s2) @ w2.T)
     expected = per_slot.view(S, k, -1).sum(1)
     assert torch.equal(nv.experts(ctx, y, routing), expected)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4-pow2"])
+def test_nvfp4_forms_prepared_in_groups_are_load_weights_bits_and_stop_at_the_budget(fmt):
+    """prepare_nvfp4_forms converts FP4 expert matrices to their NVFP4 form in groups (issue #14: 768 conversions per
+    Flash layer, ~70 launches and three host reads each) into the layer's dense cache. What load_weight then returns
+    must be the bits it converts one at a time; groups that would pass the cache's budget are left to load_weight
+    (converted on use, as before), and names not stored as FP4 are skipped."""
+    from types import SimpleNamespace
+
+    from optimized import base_ops
+    from reference.quant import quantize_fp4_mx32
+    from reference.weights.dense_cache import DenseCache
+
+    gen = torch.Generator().manual_seed(5)
+    stored = {f"ffn.experts.{e}.w{i}.weight": quantize_fp4_mx32(
+        torch.randn((32, 64) if i != 2 else (64, 32), generator=gen) * 2.0 ** float(e % 5 - 2))
+        for e in range(20) for i in (1, 2, 3)}
+    stored["ffn.experts.0.w1.weight"] = quantize_fp4_mx32(torch.zeros(32, 64))  # all-zero: every block's exponent
+    stored["attn.wkv.weight"] = torch.randn(8, 64, generator=gen)  # not FP4: skipped
+    weights = SimpleNamespace(stored=stored.__getitem__)
+    names = list(stored)
+
+    def ctx(budget: int) -> SimpleNamespace:
+        return SimpleNamespace(weights=weights, dense=DenseCache(budget), device=torch.device("cpu"))
+
+    one_by_one = ctx(0)  # caches nothing: load_weight converts every call
+    expected = {n: base_ops.load_weight(one_by_one, n, fmt) for n in names if n != "attn.wkv.weight"}
+    whole = ctx(1 << 30)
+    base_ops.prepare_nvfp4_forms(whole, names, fmt)
+    assert all(f"{n}#{fmt}" in whole.dense for n in expected) and f"attn.wkv.weight#{fmt}" not in whole.dense
+    assert all(torch.equal(base_ops.load_weight(whole, n, fmt), v) for n, v in expected.items())
+    group_bytes = base_ops.NVFP4_GROUP * 32 * 64 * 4
+    part = ctx(int(2.5 * group_bytes))  # two groups fit, the third does not
+    base_ops.prepare_nvfp4_forms(part, names, fmt)
+    assert sum(f"{n}#{fmt}" in part.dense for n in expected) == 2 * base_ops.NVFP4_GROUP
+    assert all(torch.equal(base_ops.load_weight(part, n, fmt), v) for n, v in expected.items())
 
 
 def test_per_chunk_probe_rows_are_padded_to_one_width_and_cut_into_blocks():

@@ -15,7 +15,9 @@ what would not fit and which setting changes it:
 - **tap broadcast buffer** (sharded runs): the reference's rank sends those taps as one byte buffer, as large again (with the
   row and sampled taps, which are small beside them);
 - **working set**: the largest temporaries of one pass — the reference's whole-prompt projections and MoE
-  buffers ([T, H·d] queries three times, [T·k, D] expert slots twice), or an engine chunk's.
+  buffers ([T, H·d] queries three times, [T·k, D] expert slots twice), or an engine chunk's;
+- **NVFP4 conversion** (with `nvfp4-experts`): the temporaries of one group of expert matrices converted together
+  (optimized.base_ops.prepare_nvfp4_forms).
 
 On a GPU the device holds all of it and the host a copy of the streams when the resume state is saved; on a CPU
 the host holds everything. The estimate is checked against a measured peak in `dsv4-drift bench`'s output.
@@ -30,6 +32,7 @@ import torch
 
 from harness.run.distributed import ranks_per_device
 from harness.run.runner import RunSpec
+from optimized.base_ops import NVFP4_GROUP
 from reference.config import ModelConfig
 from reference.weights.dense_cache import DenseCache
 from reference.weights.schema import layer_specs
@@ -122,6 +125,8 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
         "recorded taps": T * taps_per_token,
         "working set": working,
     }
+    if nvfp4:  # prepare_nvfp4_forms: a group's e2m1 values, scales, products and dense forms (5 copies, fp32)
+        terms["NVFP4 conversion (one group)"] = NVFP4_GROUP * 5 * 4 * cfg.moe_intermediate_size * D
     if world > 1:  # the reference's rank packs its taps into one byte buffer to broadcast them (distributed.Group)
         terms["tap broadcast buffer"] = T * taps_per_token
     state_copy = T * n * D * (ref_size + 2 * all_global_stacks)  # the resume state, gathered on rank 0's host

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from optimized.base_ops import PairLayout, swiglu_fp32
+from optimized.base_ops import PairLayout, prepare_nvfp4_forms, swiglu_fp32
 from optimized.numerics import bf16
 from optimized.ops import OpContext, Routing
 from optimized.patching import Patch
@@ -54,10 +54,14 @@ def _input_scale(ctx: OpContext, name: str) -> float | None:
     return None if stored.input_scale is None else float(stored.input_scale)
 
 
+def _nvfp4_format(ctx: OpContext) -> str:
+    """load_weight's format for the patch's global-scale option."""
+    return "nvfp4" if ctx.options["global_scale"] == "modelopt" else "nvfp4-pow2"
+
+
 def _nvfp4_weight(ctx: OpContext, name: str) -> torch.Tensor:
     """Dense fp32 value of the NVFP4 form of an expert weight (through the load_weight op)."""
-    rule = ctx.options["global_scale"]
-    return ctx.call("load_weight", name=name, fmt="nvfp4" if rule == "modelopt" else "nvfp4-pow2")
+    return ctx.call("load_weight", name=name, fmt=_nvfp4_format(ctx))
 
 
 def _act_rows(act, x: torch.Tensor, scales: list[float | None], spans: list[slice]) -> torch.Tensor:
@@ -91,6 +95,7 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
     tokens = layout.tokens
     names = {e: [f"ffn.experts.{e}.{p}.weight" for p in ("w1", "w3", "w2")] for e, _ in layout.spans}
     scales = {e: [_input_scale(ctx, n) for n in names[e]] for e in names}
+    prepare_nvfp4_forms(ctx, [n for e in names for n in names[e]], _nvfp4_format(ctx))  # in groups, while they fit
     # weights are loaded inside the GEMM loops, one at a time: the NVFP4 forms the dense cache cannot hold (a GPU
     # shared by ranks, a CPU at Flash width) are dequantized on use, and a whole layer's at once is 25.8 GB
     # the routed input is quantized per token, independent of the expert: once per global input_scale

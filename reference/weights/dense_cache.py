@@ -55,3 +55,17 @@ class DenseCache:
                 self._cache[name] = t
                 self.used_bytes += t.numel() * 4
         return t
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._cache
+
+    def room_for(self, n_bytes: int) -> bool:
+        """Whether `n_bytes` more fit the budget."""
+        return self.used_bytes + n_bytes <= self.budget_bytes
+
+    def put(self, name: str, value: torch.Tensor) -> None:
+        """Keep an fp32 value computed elsewhere (a batch of conversions) as `get` would have kept it; the caller checks
+        `room_for` first."""
+        if name not in self._cache:
+            self._cache[name] = value
+            self.used_bytes += value.numel() * 4
