@@ -235,3 +235,25 @@ def test_the_resume_state_is_written_in_the_background_from_a_copy(tmp_path, mon
     store.save_streams(9, streams, background=True)
     store.delete_state()  # waits for the writer; a failed write leaves nothing behind
     assert not store.state_path.exists() and not store.state_path.parent.exists()
+
+
+def test_launch_count_names_the_regions_of_a_layer():
+    """bench/launch_count.py counts the operations one lockstep layer launches per region (the GPU run's host cost,
+    counted on the CPU): on tiny, each stack's prefill and decode, the sites and the comparisons have launches."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "launch_count.py"), "--model", "tiny", "--tokens", "300",
+                          "--decode", "2", "--top", "100"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root)}, check=True).stdout
+    line = re.compile(r"^\s+([\d,]+)\s+[\d,]+ reads\s+(.*?)(?:\s+\(|$)", re.M)  # "  1,234   5 reads  REGION"
+    counts = {m[2]: int(m[1].replace(",", "")) for m in line.finditer(out)}
+    for region in ("reference prefill stack", "reference decode stack", "base/global decode stack",
+                   "all/local decode sites", "yardstick/global prefill compare"):
+        assert counts.get(region, 0) > 0, (region, out)
+    total = int(re.search(r"([\d,]+) launching operations", out)[1].replace(",", ""))
+    assert total >= sum(counts.values())

@@ -1,0 +1,137 @@
+"""How many tensor operations one layer of the lockstep launches, and where: the GPU run's host cost, counted anywhere.
+
+    python bench/launch_count.py --model flash-mini --tokens 30720 --decode 64 --layer 2
+
+At Flash width a layer is host-bound on an H200: a `torch.profiler` trace of a CSA layer at 30,720 + 64 tokens
+counted ~895,000 kernel launches, whose kernels kept the GPU busy 7.8 s of the layer's 26.8 s (README,
+Benchmarks). Every tensor operation that is not a view launches at least one kernel on a GPU, so counting them on
+the CPU (a TorchDispatchMode; flash-mini has Flash's structure: the same stacks, blocks, decode steps and probes)
+shows where launches come from without a GPU, and whether a change removed some. Host reads (`.item()`, `.tolist()`,
+`nonzero`: a GPU waits for its queue there) are counted too.
+
+The count differs from a GPU's where the code differs by device: the CUDA graphs of reference.graphs (a replayed
+function launches once on a GPU, its operations here), the comparisons of prefill query blocks (batched on a GPU
+only: probes.ComparingSink.DEFER_BLOCKS_ON_CPU) and the query block size (a GPU's from its memory).
+Regions: `reference` / `yardstick/MODE` / `VARIANT/MODE`, then `prefill` or `decode`, then what ran —
+`stack` (the layer's own computation), `sites` (the stock op and its twin beside a variant's), `compare` (the
+comparing sink), `record` (the reference's taps).
+"""
+
+from __future__ import annotations
+
+import collections
+import tempfile
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench_common import bench_parser, bench_setup
+from harness.run import probes
+from harness.run.runner import LockstepRunner, RunSpec, VariantSpec
+from harness.run.store import RunStore
+from optimized import engine
+from optimized.registry import default_registry
+from reference import layer as reference_layer
+from reference.weights.synthetic import SyntheticWeights
+
+NO_LAUNCH = frozenset({
+    "view", "_unsafe_view", "as_strided", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "transpose",
+    "permute", "detach", "alias", "unflatten", "split", "split_with_sizes", "unbind", "empty", "empty_strided",
+    "empty_like", "_local_scalar_dense", "reshape", "flatten", "_reshape_alias", "resolve_conj", "resolve_neg",
+    "lift_fresh", "narrow", "diagonal", "chunk", "expand_as", "view_as"})
+"""ATen operations that only make views or read metadata: no kernel on a GPU."""
+HOST_READS = frozenset({"_local_scalar_dense", "nonzero"})
+"""Operations that wait for the device: a scalar read (`.item()`, `int()`, `.tolist()` per element) and nonzero."""
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts operations that launch and host reads per region (the innermost label on `labels`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.labels = ["(outside)"]
+        self.launches: collections.Counter[str] = collections.Counter()
+        self.reads: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        name = func.__name__.split(".")[0]
+        if name not in NO_LAUNCH:
+            self.launches[self.labels[-1]] += 1
+        if name in HOST_READS:
+            self.reads[self.labels[-1]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def labelled(counter: LaunchCounter, fn: Callable[..., Any], label: Callable[..., str]) -> Callable[..., Any]:
+    """fn, counting what it launches under label(*args) while it runs."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        counter.labels.append(label(*args))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            counter.labels.pop()
+    return wrapper
+
+
+def instrument(counter: LaunchCounter, where: dict[str, str]) -> None:
+    """Wrap the stacks' forwards, the engine's site computations and the sinks; `where['stack']` follows the
+    runner's progress events."""
+    def phase(streams: torch.Tensor) -> str:
+        return "prefill" if streams.shape[0] > 1 else "decode"
+
+    def stack_label(_self: Any, streams: torch.Tensor, *_: Any) -> str:
+        where["phase"] = phase(streams)
+        return f"{where['stack']} {where['phase']} stack"
+
+    engine.OptimizedLayer.forward = labelled(counter, engine.OptimizedLayer.forward, stack_label)
+    reference_layer.ReferenceLayer.forward = labelled(counter, reference_layer.ReferenceLayer.forward, stack_label)
+    for method in ("_emit_site", "_emit_indexer_site", "_emit_probs"):
+        setattr(engine.OptimizedLayer, method, labelled(counter, getattr(engine.OptimizedLayer, method),
+                                                        lambda *_: f"{where['stack']} {where['phase']} sites"))
+    for method in ("emit", "finish"):
+        setattr(probes.ComparingSink, method, labelled(counter, getattr(probes.ComparingSink, method),
+                                                       lambda *_: f"{where['stack']} {where['phase']} compare"))
+    probes.RecordingSink.emit = labelled(counter, probes.RecordingSink.emit, lambda *_: "reference record")
+
+
+def main() -> None:
+    ap = bench_parser(__doc__, tokens=8192)
+    ap.add_argument("--layer", type=int, default=2, help="the layer counted (default 2: CSA in every preset)")
+    ap.add_argument("--variants", default="base,all", help="comma-separated patch sets (default base,all)")
+    ap.add_argument("--top", type=int, default=30, help="regions listed (default 30)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    cfg, ids = bench_setup(args)
+    ids = ids.tolist()
+    turns = [0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2)
+    variants = [VariantSpec(v, [] if v in ("base", "none") else default_registry().choose(v))
+                for v in args.variants.split(",")]
+    spec = RunSpec(SyntheticWeights(cfg, 0), ids[: args.tokens], ids[args.tokens:], turns,
+                   [(args.tokens // 8, args.tokens // 8 + 16)], variants, local=True, device=args.device)
+    counter, where = LaunchCounter(), {"stack": "reference", "phase": "prefill"}
+    instrument(counter, where)
+
+    def progress(event: dict) -> None:
+        if event.get("event") == "stack":
+            where["stack"] = "reference" if event["stack"] == "reference" else f"{event['stack']}/{event['mode']}"
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = RunStore(tmp + "/run")
+        store.create({})
+        runner = LockstepRunner(spec, store, progress)
+        streams = runner.initial_streams()
+        weights = spec.source.layer(args.layer, torch.device(args.device))
+        with counter:
+            runner.run_layer(args.layer, streams, weights=weights)
+    total, reads = sum(counter.launches.values()), sum(counter.reads.values())
+    print(f"{args.model} layer {args.layer} ({cfg.layer_kind(args.layer)}), {args.tokens} + {args.decode} tokens, "
+          f"variants {args.variants}, {args.device}: {total:,} launching operations, {reads:,} host reads")
+    for region, n in counter.launches.most_common(args.top):
+        steps = " decode " in region and not region.endswith("compare") and args.decode  # compare: flushed at the end
+        per_step = f"  ({n / args.decode:,.0f} per decode step)" if steps else ""
+        print(f"  {n:9,d}  {counter.reads[region]:6,d} reads  {region}{per_step}")
+
+
+if __name__ == "__main__":
+    main()
