@@ -100,6 +100,7 @@ def test_a_long_narrow_cpu_run_deals_its_stacks_over_the_cores_by_itself(one_pro
     assert_same_run(out, one_process)
     segment = json.loads((out / "manifest.json").read_text())["segments"][0]
     assert segment["ranks"] == 2 and segment["threads"] == 1, segment
+    assert segment["last_layer"] == 4, "rank 0 records each layer in the open segment, as one process does"
 
 
 FAILING_REFERENCE_PLUGIN = '''
@@ -142,3 +143,4 @@ def test_a_reference_run_ahead_that_fails_is_reported_at_its_layer_after_the_lay
     assert not list(out.glob("failure-rank-*.json")), "the rank's report is moved into the manifest"
     segments = json.loads((out / "manifest.json").read_text())["segments"]
     assert len(segments) == 1 and segments[0]["ranks"] == 2 and segments[0]["seconds"] > 0, segments
+    assert segments[0]["last_layer"] == 1, "the last layer rank 0 finished is kept with the failed segment"

@@ -389,12 +389,16 @@ class RunRecipe:
     variants: tuple[tuple[str, tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]], ...]
     local: bool
     start_layer: int = 0
+    segment_started: float | None = None
+    """time.time() when the launcher opened this segment in the manifest's `segments` (None: no segment to keep
+    current, e.g. under torchrun): rank 0 records its time and last layer there after every layer."""
 
     @classmethod
-    def of(cls, spec: RunSpec, run_dir: Path, threads: int, start_layer: int = 0) -> "RunRecipe":
+    def of(cls, spec: RunSpec, run_dir: Path, threads: int, start_layer: int = 0,
+           segment_started: float | None = None) -> "RunRecipe":
         variants = tuple((v.name, tuple((c.id, tuple(sorted(c.options.items()))) for c in v.choices))
                          for v in spec.variants)
-        return cls(str(run_dir), spec.device, threads, variants, spec.local, start_layer)
+        return cls(str(run_dir), spec.device, threads, variants, spec.local, start_layer, segment_started)
 
     def spec(self, manifest: dict[str, Any], device: str) -> RunSpec:
         spec = spec_from_manifest(manifest, device)
@@ -426,15 +430,28 @@ def run_share(group: Group, recipe: RunRecipe) -> None:
         if event["event"] == "layer_done":
             print(f"layer {event['layer'] + 1}/{event['layers']} done in {event['seconds']:.1f} s "
                   f"({time.perf_counter() - t0:.0f} s elapsed, {world} ranks)", flush=True)
+            if rank == 0 and recipe.segment_started is not None:
+                record_layer_in_segment(store, recipe.segment_started, event["layer"])
 
     ShardedRunner(spec, store, group, progress).run(recipe.start_layer, streams)
 
 
-def run_sharded(world: int, spec: RunSpec, store: RunStore, threads: int, start_layer: int = 0) -> None:
+def record_layer_in_segment(store: RunStore, started: float, layer: int) -> None:
+    """After a layer, the open segment (the manifest's last) gets its seconds so far and the layer: a run killed
+    mid-way still says what it cost, as the one-process run's segments do."""
+    segments = store.read_manifest().get("segments", [])
+    if segments:
+        segments[-1].update(seconds=round(time.time() - started, 2), last_layer=layer)
+        store.update_manifest(segments=segments)
+
+
+def run_sharded(world: int, spec: RunSpec, store: RunStore, threads: int, start_layer: int = 0,
+                segment_started: float | None = None) -> None:
     """The run in `world` local processes. A rank that fails fails the run: the manifest says `failed`, names the
-    rank, and keeps the layers rank 0 wrote (`run --resume` continues from its last saved state)."""
+    rank, and keeps the layers rank 0 wrote (`run --resume` continues from its last saved state). With
+    `segment_started`, rank 0 keeps the manifest's last segment current after every layer."""
     try:
-        launch(world, run_rank, RunRecipe.of(spec, store.dir, threads, start_layer))
+        launch(world, run_rank, RunRecipe.of(spec, store.dir, threads, start_layer, segment_started))
     except RankFailed as e:
         manifest = store.read_manifest()
         reported = failure_path(store.dir, e.rank)

@@ -111,9 +111,9 @@ def run(args: argparse.Namespace) -> int:
         execute = None
         if group is not None:
             recipe = _lead(group, RunRecipe.of(spec, store.dir, threads_now, start))
-            execute = lambda: run_share(group, recipe)  # noqa: E731
+            execute = lambda started: run_share(group, recipe)  # noqa: E731 - torchrun: rank 0 is this process
         elif world > 1:
-            execute = lambda: run_sharded(world, spec, store, threads_now, start)  # noqa: E731
+            execute = lambda started: run_sharded(world, spec, store, threads_now, start, started)  # noqa: E731
         try:
             segments, seconds, peaks = _run_layers(spec, store, start, streams, out, execute, world)
         except (PluginOpError, RankFailed) as e:
@@ -222,10 +222,11 @@ def _resume(store: RunStore, manifest: dict, args: argparse.Namespace
 
 
 def _run_layers(spec: RunSpec, store: RunStore, start: int, streams: dict[str, torch.Tensor] | None,
-                out: Console, sharded: Callable[[], None] | None = None, ranks: int = 1
+                out: Console, sharded: Callable[[float], None] | None = None, ranks: int = 1
                 ) -> tuple[list[dict], float, dict[str, float]]:
-    """The lockstep pass with a progress bar (one line per layer in logs), or `sharded`, a sharded run whose rank 0
-    prints a line per layer over `ranks` processes; each segment's time and peak memory go into the manifest (the
+    """The lockstep pass with a progress bar (one line per layer in logs), or `sharded(started)`, a sharded run whose
+    rank 0 prints a line per layer over `ranks` processes (and, given the segment's start as time.time(), keeps its
+    seconds and last layer current in the manifest); each segment's time and peak memory go into the manifest (the
     host's: the largest process's RSS, this one's or a rank's it started; the device's: this process's — a sharded
     run's ranks keep their own). Returns the segments, this segment's seconds and its peaks."""
     n_layers = spec.source.config.num_hidden_layers
@@ -237,12 +238,15 @@ def _run_layers(spec: RunSpec, store: RunStore, start: int, streams: dict[str, t
     segments.append({"start_layer": start, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                      "seconds": 0.0, "device": spec.device, "threads": torch.get_num_threads(), "ranks": ranks})
     if sharded is not None:
+        store.update_manifest(segments=segments)  # open: rank 0 records its time and last layer after every layer
         try:
-            sharded()
-        except BaseException:  # the ranks report no layer to this process: the segment's time up to the failure
+            sharded(time.time() - (time.perf_counter() - t0))
+        except BaseException:  # the segment's time up to the failure
+            segments = store.read_manifest().get("segments", segments)
             segments[-1].update(seconds=round(time.perf_counter() - t0, 2))
             store.update_manifest(segments=segments)
             raise
+        segments = store.read_manifest().get("segments", segments)  # with rank 0's last layer
     else:
         _run_with_bar(spec, store, start, streams, out, segments, t0, stacks, n_layers)
     seconds = time.perf_counter() - t0
