@@ -123,6 +123,22 @@ ReferenceModel.run_layer = run_layer
 '''
 
 
+def test_a_rank_that_cannot_write_a_file_exits_2_like_one_process(tmp_path):
+    """An OSError on a rank (disk full while rank 1 runs layer 2's reference) is the user's to fix, not a bug: the
+    run exits 2, as the same error in one process does (harness.cli.main), and still names the rank."""
+    plugin = tmp_path / "disk_full.py"
+    plugin.write_text(FAILING_REFERENCE_PLUGIN.replace(
+        'raise RuntimeError(f"reference failed at layer 2 on rank {dist.get_rank()}")',
+        'raise OSError(28, "No space left on device", "/full/disk")'))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "harness.cli", "run", "tiny-smoke", "--patches",
+                           "reference-fails-at-layer-2", "--patch-module", str(plugin), "--threads", "1", "--no-gate",
+                           "--no-report", "--devices", "2", "--out", str(tmp_path / "run")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "rank 1 of 2 failed" in done.stderr and "No space left on device" in done.stderr
+
+
 def test_a_reference_run_ahead_that_fails_is_reported_at_its_layer_after_the_layer_before_is_written(tmp_path):
     """The last rank runs layer L+1's reference while the others finish layer L; if it raises, layer L's rows are
     still written and the run fails at layer L+1 naming that rank."""

@@ -713,3 +713,22 @@ def test_oversubscription_counts_every_process_of_a_sharded_run():
     assert "adds 2 thread(s)" in note and "expect it to run slower" in note, "one process would be slower still"
     assert "--threads 1 is likely faster" in oversubscription(2, 4, 1.5, processes=2)
     assert "2 processes × 2 thread(s) is more than the 2 core(s)" in oversubscription(2, 2, 0.0, processes=2)
+
+
+@pytest.mark.parametrize("last_line, plugin, user", [
+    ("harness.errors.UsageError: tokens.json: not a list", False, True),
+    ("OSError: [Errno 28] No space left on device: '/full/disk'", False, True),
+    ("PermissionError: [Errno 13] Permission denied", False, True),
+    ("optimized.patching.PluginOpError: patch 'x' failed in op 'experts'", True, False),
+    ("RuntimeError: reference failed at layer 2", False, False),
+    ("KeyError: 3", False, False),
+])
+def test_a_rank_failure_is_classified_by_the_error_it_raised(last_line, plugin, user):
+    """harness.cli.main exits 3 for a patch's fault, 2 for an input or file error and 4 for anything else, on a rank
+    as in one process: RankFailed reads the type from the last line of the rank's report."""
+    from harness.run.distributed import RankFailed
+
+    e = RankFailed(1, f"rank 1 of 2 failed: {last_line}")
+    assert (e.plugin_fault, e.input_fault) == (plugin, user)
+    died = RankFailed(1, "rank 1 of 2 died (exit code -9, signal SIGKILL)")
+    assert not died.plugin_fault and not died.input_fault

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except RankFailed as e:  # a rank of a sharded run (its own traceback is above)
         print(f"dsv4-drift {args.command}: {e}", file=sys.stderr)
-        return 3 if e.plugin_fault else 4
+        return 3 if e.plugin_fault else 2 if e.input_fault else 4
     except OSError as e:  # a file or directory the command reads or writes (disk full, permissions)
         where = f"{e.filename}: " if e.filename else ""
         print(f"dsv4-drift {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)

@@ -24,8 +24,10 @@ message naming it; the layers written so far stay valid.
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
+import re
 import socket
 import time
 import traceback
@@ -315,12 +317,25 @@ def from_environment(device: str) -> Group | None:
 
 
 class RankFailed(RuntimeError):
-    """A rank of a sharded run stopped with an error (the message names it)."""
+    """A rank of a sharded run stopped with an error (the message names it, ending with the rank's
+    `ExceptionType: message` line, as torch.multiprocessing reports it)."""
 
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(message)
         self.rank = rank
+        raised = _raised_type(message)
         self.plugin_fault = "PluginOpError" in message  # a patch's op raised on that rank (exit code 3)
+        # a file the run reads or writes, or an input it checks, failed on that rank: the user's to fix (exit code 2),
+        # as the same error in one process would be
+        self.input_fault = not self.plugin_fault and (raised == "UsageError" or (
+            isinstance(getattr(builtins, raised, None), type) and issubclass(getattr(builtins, raised), OSError)))
+
+
+def _raised_type(message: str) -> str:
+    """The unqualified exception type of a rank's report's last line (`harness.errors.UsageError: …` -> UsageError;
+    '' when the line names none)."""
+    head = message.strip().splitlines()[-1].split(" failed: ")[-1].split(":", 1)[0].strip()
+    return head.rsplit(".", 1)[-1] if re.fullmatch(r"[\w.]+", head) else ""
 
 
 def launch(world: int, worker: Callable[..., None], *args: Any) -> None:
