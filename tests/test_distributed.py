@@ -123,6 +123,29 @@ ReferenceModel.run_layer = run_layer
 '''
 
 
+def test_under_torchrun_the_manifest_names_the_rank_that_failed_not_rank_0s_broken_collective(tmp_path):
+    """Under torchrun no launcher collects the ranks' reports: rank 0 sees only that rank 1 went away. It reads rank 1's
+    report (failure_path) and fails the run with it: the manifest names rank 1, layer 2 and the reference, the exit
+    code is the reference's error's (4: a RuntimeError), and the report is merged and removed."""
+    plugin = tmp_path / "ref_fails.py"
+    plugin.write_text(FAILING_REFERENCE_PLUGIN)
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "-m", "harness.cli", "--", "run", "tiny-smoke", "--patches",
+                           "reference-fails-at-layer-2", "--patch-module", str(plugin), "--threads", "1", "--no-gate",
+                           "--no-report", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert done.returncode != 0
+    assert "rank 1 of 2 failed: RuntimeError: reference failed at layer 2 on rank 1" in done.stderr, done.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    failure = manifest["failure"]
+    assert manifest["status"] == "failed" and (failure["rank"], failure["layer"], failure["stack"]) == (
+        1, 2, "reference"), failure
+    assert not list(out.glob("failure-rank-*.json"))
+    assert set(pq.read_table(out / "metrics.parquet").column("layer").to_pylist()) == {0, 1}
+
+
 def test_a_rank_that_cannot_write_a_file_exits_2_like_one_process(tmp_path):
     """An OSError on a rank (disk full while rank 1 runs layer 2's reference) is the user's to fix, not a bug: the
     run exits 2, as the same error in one process does (harness.cli.main), and still names the rank."""

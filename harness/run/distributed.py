@@ -468,19 +468,37 @@ def run_sharded(world: int, spec: RunSpec, store: RunStore, threads: int, start_
     try:
         launch(world, run_rank, RunRecipe.of(spec, store.dir, threads, start_layer, segment_started))
     except RankFailed as e:
-        manifest = store.read_manifest()
         reported = failure_path(store.dir, e.rank)
         where = json.loads(reported.read_text()) if reported.is_file() else None
-        for stale in range(1, world):  # the others' reports say only that the failed rank went away
-            failure_path(store.dir, stale).unlink(missing_ok=True)
         # rank 0 was ended before it could say so itself, or said only that the failed rank's connection broke
-        if where is not None or manifest.get("status") == "running":
-            store.update_manifest(status="failed", failure={
-                "rank": e.rank, **{k: where[k] for k in ("layer", "stack", "mode") if k in (where or {})},
-                "error": str(e), "state_layer": manifest.get("state_layer")})
+        record_rank_failure(store, world, e.rank, where, str(e),
+                            overwrite=where is not None or store.read_manifest().get("status") == "running")
         raise
 
 
 def failure_path(run_dir: str | Path, rank: int) -> Path:
-    """Where rank `rank` (> 0) of a local sharded run says where it stopped on an error."""
+    """Where rank `rank` (> 0) of a sharded run says where it stopped on an error."""
     return Path(run_dir) / f"failure-rank-{rank}.json"
+
+
+def first_reported_failure(run_dir: str | Path, world: int) -> tuple[int, dict[str, Any]] | None:
+    """The rank > 0 whose failure report was written first, and the report: when one rank stops, the others'
+    collectives break and they report too, later, that it went away."""
+    reports = [(path.stat().st_mtime_ns, rank, path) for rank in range(1, world)
+               if (path := failure_path(run_dir, rank)).is_file()]
+    if not reports:
+        return None
+    _, rank, path = min(reports)
+    return rank, json.loads(path.read_text())
+
+
+def record_rank_failure(store: RunStore, world: int, rank: int, where: dict[str, Any] | None, error: str,
+                        overwrite: bool = True) -> None:
+    """The manifest's failure names the rank that stopped, with where it stopped (its report: layer, stack, mode)
+    and its error; the ranks' reports are removed once merged."""
+    for stale in range(1, world):
+        failure_path(store.dir, stale).unlink(missing_ok=True)
+    if overwrite:
+        store.update_manifest(status="failed", failure={
+            "rank": rank, **{k: where[k] for k in ("layer", "stack", "mode") if k in (where or {})},
+            "error": error, "state_layer": store.read_manifest().get("state_layer")})

@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from harness.errors import UsageError
-from harness.run.distributed import Group, RankFailed, RunRecipe, from_environment, run_share, run_sharded
+from harness.run.distributed import (Group, RankFailed, RunRecipe, first_reported_failure, from_environment,
+                                      record_rank_failure, run_share, run_sharded)
 from harness.run.memory import check_fits
 from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
                                prompt_digest, shadowing_warnings, spec_from_manifest)
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         execute = None
         if group is not None:
             recipe = _lead(group, RunRecipe.of(spec, store.dir, threads_now, start))
-            execute = lambda started: run_share(group, recipe)  # noqa: E731 - torchrun: rank 0 is this process
+            execute = lambda started: _share_as_rank_zero(group, recipe, store)  # noqa: E731 - torchrun
         elif world > 1:
             execute = lambda started: run_sharded(world, spec, store, threads_now, start, started)  # noqa: E731
         try:
@@ -287,6 +288,24 @@ def _run_with_bar(spec: RunSpec, store: RunStore, start: int, streams: dict[str,
                               f"({time.perf_counter() - t0:.0f} s elapsed)")
 
         LockstepRunner(spec, store, progress).run(start, streams)
+
+
+def _share_as_rank_zero(group: Group, recipe: RunRecipe, store: RunStore) -> None:
+    """Rank 0 under torchrun (this process) runs its share. When another rank stopped first and said where
+    (distributed.failure_path), the run fails with that rank's error and place — in the manifest and the exit code —
+    not with the broken collective rank 0 saw; an error of rank 0's own kind (a patch, an input, a file) stands."""
+    try:
+        run_share(group, recipe)
+    except (PluginOpError, UsageError, OSError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        first = first_reported_failure(store.dir, group.world)
+        if first is None:
+            raise
+        rank, where = first
+        message = f"rank {rank} of {group.world} failed: {where.get('error', 'no error recorded')}"
+        record_rank_failure(store, group.world, rank, where, message)
+        raise RankFailed(rank, message) from e
 
 
 def _lead(group: Group, recipe: RunRecipe | None) -> RunRecipe | None:
