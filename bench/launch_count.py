@@ -6,15 +6,16 @@ At Flash width a layer is host-bound on an H200: a `torch.profiler` trace of a C
 counted ~895,000 kernel launches, whose kernels kept the GPU busy 7.8 s of the layer's 26.8 s (README,
 Benchmarks). Every tensor operation that is not a view launches at least one kernel on a GPU, so counting them on
 the CPU (a TorchDispatchMode; flash-mini has Flash's structure: the same stacks, blocks, decode steps and probes)
-shows where launches come from without a GPU, and whether a change removed some. Host reads (`.item()`, `.tolist()`,
-`nonzero`: a GPU waits for its queue there) are counted too.
+shows where launches come from without a GPU, and whether a change removed some. Host reads (`.item()`, `int()`,
+`nonzero`, and every `.tolist()` and `.cpu()` call: on a GPU each waits for the queue) are counted too.
 
 The count differs from a GPU's where the code differs by device: the CUDA graphs of reference.graphs (a replayed
 function launches once on a GPU, its operations here), the comparisons of prefill query blocks (batched on a GPU
-only: probes.ComparingSink.DEFER_BLOCKS_ON_CPU) and the query block size (a GPU's from its memory).
-Regions: `reference` / `yardstick/MODE` / `VARIANT/MODE`, then `prefill` or `decode`, then what ran —
-`stack` (the layer's own computation), `sites` (the stock op and its twin beside a variant's), `compare` (the
-comparing sink), `record` (the reference's taps).
+only; `--defer-blocks` batches them here too: probes.ComparingSink.DEFER_BLOCKS_ON_CPU) and the query block size
+(a GPU's from its memory). Regions: `reference` / `yardstick/MODE` / `VARIANT/MODE`, then `prefill` or `decode`,
+then what ran — `stack` (the layer's own computation), `sites` (the stock op and its twin beside a variant's),
+`compare` (the comparing sink, as taps arrive), `finish compare` (what the sink held until the stack finished: the
+deferred and sampled comparisons, of both phases), `record` (the reference's taps).
 """
 
 from __future__ import annotations
@@ -46,13 +47,30 @@ HOST_READS = frozenset({"_local_scalar_dense", "nonzero"})
 
 
 class LaunchCounter(TorchDispatchMode):
-    """Counts operations that launch and host reads per region (the innermost label on `labels`)."""
+    """Counts operations that launch and host reads per region (the innermost label on `labels`). `.tolist()` and
+    `.cpu()` do not reach the dispatcher on a CPU tensor: they are wrapped while the counter is active."""
 
     def __init__(self) -> None:
         super().__init__()
         self.labels = ["(outside)"]
         self.launches: collections.Counter[str] = collections.Counter()
         self.reads: collections.Counter[str] = collections.Counter()
+        self._unwrapped: dict[str, Callable[..., Any]] = {}
+
+    def __enter__(self) -> "LaunchCounter":
+        for method in ("tolist", "cpu"):
+            original = self._unwrapped[method] = getattr(torch.Tensor, method)
+
+            def read(tensor: torch.Tensor, *args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+                self.reads[self.labels[-1]] += 1
+                return _original(tensor, *args, **kwargs)
+            setattr(torch.Tensor, method, read)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for method, original in self._unwrapped.items():
+            setattr(torch.Tensor, method, original)
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
         name = func.__name__.split(".")[0]
@@ -89,9 +107,10 @@ def instrument(counter: LaunchCounter, where: dict[str, str]) -> None:
     for method in ("_emit_site", "_emit_indexer_site", "_emit_probs"):
         setattr(engine.OptimizedLayer, method, labelled(counter, getattr(engine.OptimizedLayer, method),
                                                         lambda *_: f"{where['stack']} {where['phase']} sites"))
-    for method in ("emit", "finish"):
-        setattr(probes.ComparingSink, method, labelled(counter, getattr(probes.ComparingSink, method),
-                                                       lambda *_: f"{where['stack']} {where['phase']} compare"))
+    probes.ComparingSink.emit = labelled(counter, probes.ComparingSink.emit,
+                                         lambda *_: f"{where['stack']} {where['phase']} compare")
+    probes.ComparingSink.finish = labelled(counter, probes.ComparingSink.finish,
+                                           lambda *_: f"{where['stack']} finish compare")
     probes.RecordingSink.emit = labelled(counter, probes.RecordingSink.emit, lambda *_: "reference record")
 
 
@@ -100,7 +119,9 @@ def main() -> None:
     ap.add_argument("--layer", type=int, default=2, help="the layer counted (default 2: CSA in every preset)")
     ap.add_argument("--variants", default="base,all", help="comma-separated patch sets (default base,all)")
     ap.add_argument("--top", type=int, default=30, help="regions listed (default 30)")
+    ap.add_argument("--defer-blocks", action="store_true", help="batch prefill blocks' comparisons, as on a GPU")
     args = ap.parse_args()
+    probes.ComparingSink.DEFER_BLOCKS_ON_CPU = args.defer_blocks
     torch.set_num_threads(1)
     cfg, ids = bench_setup(args)
     ids = ids.tolist()
@@ -128,7 +149,7 @@ def main() -> None:
     print(f"{args.model} layer {args.layer} ({cfg.layer_kind(args.layer)}), {args.tokens} + {args.decode} tokens, "
           f"variants {args.variants}, {args.device}: {total:,} launching operations, {reads:,} host reads")
     for region, n in counter.launches.most_common(args.top):
-        steps = " decode " in region and not region.endswith("compare") and args.decode  # compare: flushed at the end
+        steps = " decode " in region and args.decode
         per_step = f"  ({n / args.decode:,.0f} per decode step)" if steps else ""
         print(f"  {n:9,d}  {counter.reads[region]:6,d} reads  {region}{per_step}")
 

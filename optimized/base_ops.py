@@ -14,10 +14,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from reference.graphs import replay
 from optimized.numerics import bf16, bf16_linear, fp8_activation, fp8_linear, fp32_linear, rms_norm_bf16
 from optimized.ops import OpContext, Routing
 from optimized.paged_cache import quantize_fp8_per_row
+from reference.graphs import replay
 from reference.quant import QuantizedTensor, mx32_to_nvfp4, mx32_to_nvfp4_dense
 from reference.layer import share_rows
 from reference.ops.attention import KeySet
@@ -141,13 +141,16 @@ instead of 768 conversions of ~70 launches and three host reads each."""
 
 
 def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
-    """Put the NVFP4 forms that `load_weight(name, fmt)` would convert one at a time into the layer's dense cache in
-    groups of NVFP4_GROUP (reference.quant.mx32_to_nvfp4_dense: the same bits), while the cache has room for a
-    whole group; what does not fit is converted on use, as before. Only FP4-stored names not cached yet are
-    converted. A patch calls this before its loads; a plugin that replaces load_weight without calling the stock
-    one never reads these values, so nothing it computes changes."""
+    """Put the NVFP4 forms that the stock `load_weight(name, fmt)` would convert one at a time into the layer's dense
+    cache in groups of NVFP4_GROUP (reference.quant.mx32_to_nvfp4_dense: the same bits), while the cache has room
+    for a whole group; what does not fit is converted on use, as before. Only FP4-stored names not cached yet are
+    converted. Nothing is prepared when a patch overrides load_weight in this phase (it may never ask the stock op
+    for these forms), and a group that cannot be converted (scales spanning too many binades) is left to its use,
+    which raises for the tensor actually loaded."""
     if fmt not in NVFP4_FORMATS:
         raise ValueError(f"prepare_nvfp4_forms: unknown format {fmt!r} (nvfp4 or nvfp4-pow2)")
+    if ctx.table.patched("load_weight"):
+        return
     todo: dict[tuple, list[str]] = {}  # by shape: w1/w3 and w2 differ
     for name in dict.fromkeys(names):
         stored = ctx.weights.stored(name)
@@ -157,8 +160,11 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
         for i in range(0, len(same), NVFP4_GROUP):
             group = same[i:i + NVFP4_GROUP]
             if not ctx.dense.room_for(len(group) * shape[0] * shape[1] * 4):
-                return
-            dense = mx32_to_nvfp4_dense([ctx.weights.stored(n) for n in group], NVFP4_FORMATS[fmt], group)
+                break  # a smaller group of the other shape may still fit
+            try:
+                dense = mx32_to_nvfp4_dense([ctx.weights.stored(n) for n in group], NVFP4_FORMATS[fmt], group)
+            except ValueError:
+                continue
             for name, value in zip(group, dense.to(ctx.device)):
                 ctx.dense.put(f"{name}#{fmt}", value)
 
@@ -218,8 +224,9 @@ def _valid_range(slots: torch.Tensor) -> tuple[int, int] | None:
     GPU each read waits for every queued kernel, and a prefill chunk reads this twice per 256-query block."""
     if not slots.numel():
         return None
-    lo, hi = torch.stack([torch.where(slots >= 0, slots, torch.iinfo(slots.dtype).max).min(), slots.max()]).tolist()
-    return None if hi < 0 else (lo, hi)
+    hi = slots.max()
+    lo, hi = torch.stack([torch.where(slots >= 0, slots, hi).min(), hi]).tolist()  # invalid slots count as the largest
+    return None if hi < 0 else (int(lo), int(hi))
 
 
 def _slots_as_shared(ctx: OpContext, cache: str, slots: torch.Tensor, span: tuple[int, int] | None

@@ -143,6 +143,10 @@ class OpTable:
     def call(self, name: str, ctx: OpContext, inputs: dict[str, Any]) -> Any:
         return self._invoke(name, len(self.chains[name]) - 1, ctx, inputs)
 
+    def patched(self, name: str) -> bool:
+        """Whether a patch implements op `name` in this phase (the stock implementation may then never run)."""
+        return len(self.chains[name]) > 1
+
     def _invoke(self, name: str, level: int, ctx: OpContext, inputs: dict[str, Any]) -> Any:
         fn, choice = self.chains[name][level]
         inputs = _declared(fn, name, inputs)

@@ -14,7 +14,9 @@ arguments) and replays the graph afterwards: one launch instead of many.
 Same numbers: a replay runs the kernels the eager call would launch, on inputs of the same shapes and strides
 (the static inputs copy the caller's layout), so the results are the eager call's bit for bit — checked by
 tests/test_gpu_engine.py. The CPU never replays (nothing changes there), and neither do large inputs (prefill
-chunks: their kernels are long enough that launching them costs nothing, and a graph would pin their memory).
+chunks: their kernels are long enough that launching them costs nothing, and a graph would pin their memory). What
+is small is the inputs' total (MAX_ELEMENTS): the reference's Sinkhorn takes 16 elements per token, so its prefill
+passes of up to 4,096 tokens replay too — one graph per distinct length, a few hundred KB each.
 """
 
 from __future__ import annotations

@@ -330,21 +330,25 @@ def mx32_to_nvfp4_dense(qs: list[QuantizedTensor], global_rule: str = "modelopt"
     computed over the stack at once (a Flash layer converts 768 expert matrices: a few dozen launches and one host
     read per stack instead of per matrix)."""
     names = names or [f"tensor {i}" for i in range(len(qs))]
+    if not qs or len(names) != len(qs):
+        raise ValueError(f"mx32_to_nvfp4_dense: give at least one tensor and one name per tensor ({len(qs)} tensors, "
+                         f"{len(names)} names)")
     for q, name in zip(qs, names):
         if q.format != "fp4_mx32":
             raise ValueError(f"{name}: expected an fp4_mx32 tensor, got {q.format}")
     vals, block16, global_scale = _nvfp4_scales(torch.stack([q.codes for q in qs]), torch.stack([q.scale for q in qs]),
                                                 global_rule, names)
     s = block16.float().repeat_interleave(16, -1)[..., : vals.shape[-1]]
-    return vals * s * global_scale[:, None, None]  # QuantizedTensor.dequantize's nvfp4 arithmetic, in its order
+    return vals * s * global_scale.to(vals.device)[:, None, None]  # QuantizedTensor.dequantize's arithmetic, in order
 
 
 def _nvfp4_scales(codes: torch.Tensor, scale: torch.Tensor, global_rule: str, names: list[str]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mx32_to_nvfp4 over a stack: packed e2m1 codes [G, out, in/2] and UE8M0 scales [G, out, in/32] -> the e2m1
-    values [G, out, in] (fp32), the e4m3 block scales [G, out, in/16] and the fp32 global scales [G]. Each tensor's
-    rule and numbers are those of the docstring above; the per-tensor Python arithmetic (f, the global) runs in
-    float64 tensors, the same IEEE double operations (round() and torch.round both round half to even)."""
+    values [G, out, in] (fp32, on the codes' device), the e4m3 block scales [G, out, in/16] (there too) and the fp32
+    global scales [G] (on the host, as the one-tensor code made them). Each tensor's rule and numbers are those of
+    mx32_to_nvfp4's docstring; the per-tensor arithmetic once done in Python floats (f, the global) runs in float64
+    tensors on the host, the same IEEE double operations (round() and torch.round both round half to even)."""
     if global_rule not in NVFP4_GLOBAL_RULES:
         raise ValueError(f"unknown NVFP4 global-scale rule {global_rule!r}; expected one of {NVFP4_GLOBAL_RULES}")
     vals = e2m1_decode(unpack_e2m1(codes))
@@ -355,15 +359,18 @@ def _nvfp4_scales(codes: torch.Tensor, scale: torch.Tensor, global_rule: str, na
     lowest = exp.flatten(1).amin(1)[:, None, None]
     modelopt = (lowest - emax + 7 >= -6) & (global_rule == "modelopt")
     rel = exp - emax + 8  # the pow2 rule: in [-9, 8] when the span is <= 17 binades
-    lossy = ~modelopt.flatten() & (lowest - emax + 8 < -9).flatten()
-    amax = (vals * e8m0_decode(scale).repeat_interleave(32, -1)[..., : vals.shape[-1]]).abs().flatten(1).amax(1)
-    bad = torch.nonzero(lossy).flatten().tolist()  # the one host read
+    lossy = ~modelopt & (lowest - emax + 8 < -9)
+    # amax of the dequantized tensor: each 32-block's largest |value| times its power-of-two scale (exact)
+    amax = (vals.abs().unflatten(-1, (-1, 32)).amax(-1) * e8m0_decode(scale)).flatten(1).amax(1)
+    # the per-tensor numbers on the host, as the one-tensor code computed them in Python: one transfer
+    is_modelopt, is_lossy, top_exp, amax = torch.stack([modelopt.flatten().double(), lossy.flatten().double(),
+                                                        emax.flatten().double(), amax.double()]).cpu()
+    bad = torch.nonzero(is_lossy).flatten().tolist()
     if bad:
         raise ValueError(f"{names[bad[0]]}: per-32 scales span more than 17 binades; NVFP4 conversion would not be "
                          "lossless")
-    top = torch.ldexp(torch.ones_like(amax, dtype=torch.float64), emax.flatten())  # 2^emax, exact
-    ratio = (FP4_MAX * top / amax.double() * 8).round() / 8
-    f = torch.where(amax > 0, ratio.clamp(1.0, 1.875), 1.0)
-    block = torch.where(modelopt, pow2(exp - emax + 7) * f.float()[:, None, None], pow2(rel))
-    global_scale = torch.where(modelopt.flatten(), (top * 2.0**-7 / f).float(), pow2(emax.flatten() - 8))
+    top = torch.ldexp(torch.ones_like(amax), top_exp.long())  # 2^emax, exact
+    f = torch.where(amax > 0, ((FP4_MAX * top / amax * 8).round() / 8).clamp(1.0, 1.875), 1.0)
+    global_scale = torch.where(is_modelopt > 0, (top * 2.0**-7 / f).float(), pow2(top_exp.long() - 8))
+    block = torch.where(modelopt, pow2(exp - emax + 7) * f.float().to(exp.device)[:, None, None], pow2(rel))
     return vals, block.repeat_interleave(2, dim=-1).to(torch.float8_e4m3fn), global_scale

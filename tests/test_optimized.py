@@ -309,8 +309,9 @@ def test_nvfp4_forms_prepared_in_groups_are_load_weights_bits_and_stop_at_the_bu
     weights = SimpleNamespace(stored=stored.__getitem__)
     names = list(stored)
 
-    def ctx(budget: int) -> SimpleNamespace:
-        return SimpleNamespace(weights=weights, dense=DenseCache(budget), device=torch.device("cpu"))
+    def ctx(budget: int, load_weight_patched: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(weights=weights, dense=DenseCache(budget), device=torch.device("cpu"),
+                               table=SimpleNamespace(patched=lambda op: op == "load_weight" and load_weight_patched))
 
     one_by_one = ctx(0)  # caches nothing: load_weight converts every call
     expected = {n: base_ops.load_weight(one_by_one, n, fmt) for n in names if n != "attn.wkv.weight"}
@@ -319,10 +320,38 @@ def test_nvfp4_forms_prepared_in_groups_are_load_weights_bits_and_stop_at_the_bu
     assert all(f"{n}#{fmt}" in whole.dense for n in expected) and f"attn.wkv.weight#{fmt}" not in whole.dense
     assert all(torch.equal(base_ops.load_weight(whole, n, fmt), v) for n, v in expected.items())
     group_bytes = base_ops.NVFP4_GROUP * 32 * 64 * 4
-    part = ctx(int(2.5 * group_bytes))  # two groups fit, the third does not
+    part = ctx(int(2.5 * group_bytes))  # two groups fit; a third, of either shape, does not
     base_ops.prepare_nvfp4_forms(part, names, fmt)
     assert sum(f"{n}#{fmt}" in part.dense for n in expected) == 2 * base_ops.NVFP4_GROUP
     assert all(torch.equal(base_ops.load_weight(part, n, fmt), v) for n, v in expected.items())
+    patched = ctx(1 << 30, load_weight_patched=True)  # a plugin's load_weight may never ask for these forms
+    base_ops.prepare_nvfp4_forms(patched, names, fmt)
+    assert not any(f"{n}#{fmt}" in patched.dense for n in expected)
+
+
+def test_an_nvfp4_group_that_cannot_convert_is_left_to_its_use():
+    """A matrix whose per-32 scales span more than 17 binades has no lossless NVFP4 form (pow2 rule): preparing a
+    group that holds it skips that group (the error is load_weight's, for the tensor actually loaded), and the other
+    groups are still prepared."""
+    from types import SimpleNamespace
+
+    from optimized import base_ops
+    from reference.quant import quantize_fp4_mx32
+    from reference.weights.dense_cache import DenseCache
+
+    gen = torch.Generator().manual_seed(6)
+    stored = {f"w{i}": quantize_fp4_mx32(torch.randn(32, 64, generator=gen)) for i in range(2 * base_ops.NVFP4_GROUP)}
+    wide = torch.randn(32, 64, generator=gen)
+    wide[0, :32] *= 2.0**14
+    wide[5, 32:] *= 2.0**-12
+    stored["w0"] = quantize_fp4_mx32(wide)
+    c = SimpleNamespace(weights=SimpleNamespace(stored=stored.__getitem__), dense=DenseCache(1 << 30),
+                        device=torch.device("cpu"), table=SimpleNamespace(patched=lambda op: False))
+    base_ops.prepare_nvfp4_forms(c, list(stored), "nvfp4-pow2")
+    assert [f"w{i}#nvfp4-pow2" in c.dense for i in range(len(stored))] == \
+        [False] * base_ops.NVFP4_GROUP + [True] * base_ops.NVFP4_GROUP
+    with pytest.raises(ValueError, match="w0: per-32 scales span more than 17 binades"):
+        base_ops.load_weight(c, "w0", "nvfp4-pow2")
 
 
 def test_per_chunk_probe_rows_are_padded_to_one_width_and_cut_into_blocks():

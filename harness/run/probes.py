@@ -17,6 +17,7 @@ import torch
 
 from harness.run.aggregate import LayerAccumulator
 from harness.run.metrics import COMPARATORS, SITE_COMPARATORS, CompareContext, MetricValues, compare_indexer_scores
+from reference.layer import MAX_QUERY_BLOCK
 
 DENSE_TAPS = ("attn.out", "moe.out", "attn.hc", "ffn.hc", "attn.lse", "moe.router", "indexer.selected", "layer.out")
 ROW_TAPS = ("compressor.rows", "indexer.rows")
@@ -174,10 +175,10 @@ class ComparingSink:
     emission on arrival costs a dozen to a hundred small tensor operations and several device synchronisations per
     tap, which made the probes cost more than the steps they watch (issue #14: at Flash width and 30K tokens,
     indexer.selected alone was ~130 kernels and ~9 host reads per query block, 120 blocks per stack and mode).
-    One-position emissions, and on a GPU emissions of BATCHED_TAPS of at most DEFER_MAX_ROWS positions, are kept (cloned:
-    the stack may reuse its buffers) and compared when DEFER_EMISSIONS of a tap are waiting, when the tap next
-    arrives with more positions, or at finish() — those of BATCHED_TAPS in one call per run of equal shapes, the
-    others one by one. Each tap's emissions are compared in emission order, so every bin receives its values in the
+    One-position emissions, and on a GPU the query blocks' emissions of BLOCK_TAPS, are kept (cloned: the stack may
+    reuse its buffers) and compared when DEFER_EMISSIONS of a tap are waiting, when the tap next arrives with more
+    positions, or at finish() — those of BATCHED_TAPS in one call per run of equal field widths, the others one by
+    one. Each tap's emissions are compared in emission order, so every bin receives its values in the
     order it did before (and LayerAccumulator sums a layer's values once, in arrival order: the same bits); and a
     step or block no longer waits for the device to read a comparison's result. NaN/Inf checks of deferred
     emissions are made with their batch, and the first non-finite value is still the first in emission order.
@@ -197,7 +198,7 @@ class ComparingSink:
     _held: dict[str, list[tuple[int, dict[str, torch.Tensor]]]] = field(
         default_factory=lambda: {"attn.probs": [], "indexer.scores": []})
     _deferred: dict[str, list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]]] = field(default_factory=dict)
-    """Per tap, one-position emissions not compared yet: (emission number, positions, cloned values)."""
+    """Per tap, deferred emissions not compared yet: (emission number, positions, cloned values)."""
     _emitted: int = 0
     _finite_notes: list[tuple[int, str, list[tuple[str, int]], torch.Tensor, torch.Tensor]] = field(
         default_factory=list)
@@ -211,9 +212,11 @@ class ComparingSink:
     """Deferred emissions of one tap compared together: a Flash decode step's largest deferred field is layer.out
     (4 × 4096 fp32, 64 KB), so a full batch of decode steps holds a few MB; a full batch of 256-query prefill blocks
     of indexer.selected (512 int64 ids and flags per query) ~75 MB."""
-    DEFER_MAX_ROWS = 256
-    """Multi-position emissions of BATCHED_TAPS are deferred up to this many positions: a query block's
-    (reference.layer.MAX_QUERY_BLOCK); a whole chunk's emission (layer.out, attn.out) is compared as it arrives."""
+    BLOCK_TAPS = frozenset({"indexer.selected", "attn.lse", "attn.site", "indexer.site"})
+    """The BATCHED_TAPS a stack emits once per query block of a prefill chunk (the indexer site per chunk, in calls of
+    at most a block): on a GPU their emissions of at most MAX_QUERY_BLOCK positions are deferred too. Taps emitted
+    once per chunk (layer.out, attn.out, the mHC taps, …) are compared as they arrive whatever the chunk's size:
+    deferring 64 of those would hold 64 chunks' streams."""
     DEFER_BLOCKS_ON_CPU = False
     """Query blocks are deferred on a GPU only. On the CPU a comparison costs its arithmetic, not its launches, and
     deferring blocks made the demo ~8% slower (the clones and larger temporaries; 117.8 s against 108.3 s wall,
@@ -240,8 +243,8 @@ class ComparingSink:
             return
         number, self._emitted = self._emitted, self._emitted + 1
         n = positions.numel()
-        block = tap in BATCHED_TAPS and n <= self.DEFER_MAX_ROWS and (positions.device.type != "cpu"
-                                                                     or self.DEFER_BLOCKS_ON_CPU)
+        block = tap in self.BLOCK_TAPS and n <= MAX_QUERY_BLOCK and (positions.device.type != "cpu"
+                                                                    or self.DEFER_BLOCKS_ON_CPU)
         if (tap in COMPARATORS and positions.dim() == 1 and (n == 1 or block)
                 and all(v.dim() and v.shape[0] == n for v in values.values())):
             held = self._deferred.setdefault(tap, [])

@@ -54,7 +54,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(m[..., n : 2 * n] * scale[1] + base[n : 2 * n])
     comb_logits = (m[..., 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n))  # row-major Ĉ[j][k]
-    comb = replay(sinkhorn, comb_logits, iters=sinkhorn_iters, eps=hc_eps)  # sinkhorn(…); one CUDA graph in decode
+    comb = replay(sinkhorn, comb_logits, iters=sinkhorn_iters, eps=hc_eps)  # sinkhorn(…), from a CUDA graph if small
     a = (pre.unsqueeze(-1) * streams).sum(-2)
     return a, HCMix(pre, post, comb)
 
