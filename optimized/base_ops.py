@@ -119,6 +119,11 @@ NVFP4_FORMATS = {"nvfp4": "modelopt", "nvfp4-pow2": "pow2"}
 """load_weight's NVFP4 formats and the global-scale rule of each (reference.quant.NVFP4_GLOBAL_RULES)."""
 
 
+def _nvfp4_key(name: str, fmt: str) -> str:
+    """The dense cache's name for a weight's NVFP4 form (load_weight and prepare_nvfp4_forms must agree on it)."""
+    return f"{name}#{fmt}"
+
+
 def load_weight(ctx: OpContext, name: str, fmt: str) -> torch.Tensor:
     """Exact fp32 dequantization of the stored tensor (cached for the layer); 'nvfp4' / 'nvfp4-pow2' give the NVFP4
     form of an FP4 expert weight (the checkpoint's own when it is stored as NVFP4), reference.quant.mx32_to_nvfp4."""
@@ -131,13 +136,15 @@ def load_weight(ctx: OpContext, name: str, fmt: str) -> torch.Tensor:
         raise ValueError(f"'{name}' is not an FP4 or NVFP4 weight; it has no NVFP4 form")
     rule = NVFP4_FORMATS[fmt]
     as_nvfp4 = (lambda: stored) if stored.format == "nvfp4" else (lambda: mx32_to_nvfp4(stored, rule, name))
-    return ctx.dense.get(f"{name}#{fmt}", as_nvfp4, ctx.device)
+    return ctx.dense.get(_nvfp4_key(name, fmt), as_nvfp4, ctx.device)
 
 
 NVFP4_GROUP = 8
-"""FP4 expert matrices converted to their NVFP4 form together (prepare_nvfp4_forms): at Flash width 8 matrices'
-temporaries are ~1.3 GB (two ranks sharing an H200 have a few GB to spare), and a layer's 768 take 96 groups
-instead of 768 conversions of ~70 launches and three host reads each."""
+"""FP4 expert matrices converted to their NVFP4 form together (prepare_nvfp4_forms): at Flash width a group's
+temporaries are at most 5 fp32 copies of its matrices (e2m1 values, |values|, expanded block scales, the product,
+the dense forms: harness.run.memory counts them), 8 × 2048 × 4096 × 4 B × 5 = 1.3 GB (two ranks sharing an H200
+have a few GB to spare), and a layer's 768 take 96 groups instead of 768 conversions of ~70 launches and three
+host reads each."""
 
 
 def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
@@ -151,10 +158,11 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
         raise ValueError(f"prepare_nvfp4_forms: unknown format {fmt!r} (nvfp4 or nvfp4-pow2)")
     if ctx.table.patched("load_weight"):
         return
-    todo: dict[tuple, list[str]] = {}  # by shape: w1/w3 and w2 differ
+    todo: dict[tuple, list[str]] = {}  # by shape (w1/w3 and w2 differ) and device: a group is one stack
     for name in dict.fromkeys(names):
         stored = ctx.weights.stored(name)
-        if f"{name}#{fmt}" not in ctx.dense and isinstance(stored, QuantizedTensor) and stored.format == "fp4_mx32":
+        if _nvfp4_key(name, fmt) not in ctx.dense and isinstance(stored, QuantizedTensor) \
+                and stored.format == "fp4_mx32":
             todo.setdefault((stored.shape, stored.device), []).append(name)
     for (shape, _), same in todo.items():
         for i in range(0, len(same), NVFP4_GROUP):
@@ -166,7 +174,7 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
             except ValueError:
                 continue
             for name, value in zip(group, dense.to(ctx.device)):
-                ctx.dense.put(f"{name}#{fmt}", value)
+                ctx.dense.put(_nvfp4_key(name, fmt), value)
 
 
 def kv_store(ctx: OpContext, cache: str, rows: torch.Tensor) -> None:

@@ -324,11 +324,12 @@ class RankFailed(RuntimeError):
         super().__init__(message)
         self.rank = rank
         raised = _raised_type(message)
+        builtin = getattr(builtins, raised, None)
         self.plugin_fault = "PluginOpError" in message  # a patch's op raised on that rank (exit code 3)
         # a file the run reads or writes, or an input it checks, failed on that rank: the user's to fix (exit code 2),
         # as the same error in one process would be
-        self.input_fault = not self.plugin_fault and (raised == "UsageError" or (
-            isinstance(getattr(builtins, raised, None), type) and issubclass(getattr(builtins, raised), OSError)))
+        self.input_fault = not self.plugin_fault and (
+            raised == "UsageError" or (isinstance(builtin, type) and issubclass(builtin, OSError)))
 
 
 def _raised_type(message: str) -> str:

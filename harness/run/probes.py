@@ -10,6 +10,7 @@ positions.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -295,15 +296,13 @@ class ComparingSink:
             run = held[start:stop]
             positions = torch.cat([p for _, p, _ in run])
             values = {k: torch.cat([v[k] for _, _, v in run]) for k in run[0][2]}
-            first = 0  # NaN/Inf notes per stretch of emissions with as many positions each (a chunk's last block)
-            while first < len(run):
-                n, last = run[first][1].numel(), first
-                while last < len(run) and run[last][1].numel() == n:
-                    last += 1
-                rows = slice(sum(p.numel() for _, p, _ in run[:first]), sum(p.numel() for _, p, _ in run[:last]))
-                self._check_finite(tap, [number for number, _, _ in run[first:last]], positions[rows],
-                                   {k: v[rows] for k, v in values.items()}, rows_per_emission=n)
-                first = last
+            offset = 0  # NaN/Inf notes per stretch of emissions with as many positions each (a chunk's last block)
+            for n, stretch in itertools.groupby(run, key=lambda entry: entry[1].numel()):
+                numbers = [number for number, _, _ in stretch]
+                rows = slice(offset, offset + n * len(numbers))
+                self._check_finite(tap, numbers, positions[rows], {k: v[rows] for k, v in values.items()},
+                                   rows_per_emission=n)
+                offset = rows.stop
             self._compare(tap, positions, values)
             start = stop
 

@@ -51,9 +51,8 @@ class DenseCache:
                 stored = stored()
             t = stored.dequantize(torch.float32) if isinstance(stored, QuantizedTensor) else stored.float()
             t = t.to(device)
-            if self.used_bytes + t.numel() * 4 <= self.budget_bytes:
-                self._cache[name] = t
-                self.used_bytes += t.numel() * 4
+            if self.room_for(t.numel() * 4):
+                self.put(name, t)
         return t
 
     def __contains__(self, name: str) -> bool:
