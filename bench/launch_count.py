@@ -9,10 +9,11 @@ the CPU (a TorchDispatchMode; flash-mini has Flash's structure: the same stacks,
 shows where launches come from without a GPU, and whether a change removed some. Host reads (`.item()`, `int()`,
 `nonzero`, and every `.tolist()` and `.cpu()` call: on a GPU each waits for the queue) are counted too.
 
-The count differs from a GPU's where the code differs by device: the CUDA graphs of reference.graphs (a replayed
-function launches once on a GPU, its operations here), the comparisons of prefill query blocks (batched on a GPU
-only; `--defer-blocks` batches them here too: probes.ComparingSink.DEFER_BLOCKS_ON_CPU) and the query block size
-(a GPU's from its memory). Regions: `reference` / `yardstick/MODE` / `VARIANT/MODE`, then `prefill` or `decode`,
+The count follows a GPU's where the code differs by device: a function `reference.graphs.replay` would replay from a
+CUDA graph on a GPU counts as its input copies, one launch and its output copies (`--eager` counts its operations,
+as the CPU runs them); the comparisons of prefill query blocks are batched on a GPU only (`--defer-blocks` batches
+them here too: probes.ComparingSink.DEFER_BLOCKS_ON_CPU). It still differs in the query block size (a GPU's from
+its memory). Regions: `reference` / `yardstick/MODE` / `VARIANT/MODE`, then `prefill` or `decode`,
 then what ran — `stack` (the layer's own computation), `sites` (the stock op and its twin beside a variant's),
 `compare` (the comparing sink, as taps arrive), `finish compare` (what the sink held until the stack finished: the
 deferred and sampled comparisons, of both phases), `record` (the reference's taps).
@@ -21,6 +22,7 @@ deferred and sampled comparisons, of both phases), `record` (the reference's tap
 from __future__ import annotations
 
 import collections
+import sys
 import tempfile
 from typing import Any, Callable
 
@@ -33,6 +35,7 @@ from harness.run.runner import LockstepRunner, RunSpec, VariantSpec
 from harness.run.store import RunStore
 from optimized import engine
 from optimized.registry import default_registry
+from reference import graphs
 from reference import layer as reference_layer
 from reference.weights.synthetic import SyntheticWeights
 
@@ -55,7 +58,9 @@ class LaunchCounter(TorchDispatchMode):
         self.labels = ["(outside)"]
         self.launches: collections.Counter[str] = collections.Counter()
         self.reads: collections.Counter[str] = collections.Counter()
+        self.ops: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self._unwrapped: dict[str, Callable[..., Any]] = {}
+        self.paused = False  # inside a function counted as a graph replay
 
     def __enter__(self) -> "LaunchCounter":
         for method in ("tolist", "cpu"):
@@ -74,11 +79,38 @@ class LaunchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
         name = func.__name__.split(".")[0]
+        if self.paused:
+            return func(*args, **(kwargs or {}))
         if name not in NO_LAUNCH:
             self.launches[self.labels[-1]] += 1
+            self.ops[self.labels[-1]][name] += 1
         if name in HOST_READS:
             self.reads[self.labels[-1]] += 1
         return func(*args, **(kwargs or {}))
+
+
+def count_replays_as_graphs(counter: LaunchCounter) -> None:
+    """Count each call `reference.graphs.replay` would replay on a GPU as a GPU runs it: a copy per input, the graph's
+    launch and a copy per output (graphs._Graph.__call__), not the operations inside. Patched where it is imported."""
+    def replay(fn: Callable[..., Any], *tensors: torch.Tensor, **static: Any) -> Any:
+        size = sum(t.numel() for t in tensors)
+        if not (0 < size <= graphs.MAX_ELEMENTS and tensors[0].numel()) or counter.paused:
+            return fn(*tensors, **static)
+        counter.paused = True
+        try:
+            out = fn(*tensors, **static)
+        finally:
+            counter.paused = False
+        copies = len(tensors) + (1 if isinstance(out, torch.Tensor) else len(out))
+        counter.launches[counter.labels[-1]] += copies + 1
+        counter.ops[counter.labels[-1]]["graph replay"] += 1
+        counter.ops[counter.labels[-1]]["copy_ (graph in/out)"] += copies
+        return out
+    replay.counts_graphs = True  # type: ignore[attr-defined]  # a later counter replaces this one's wrapper
+    for module in list(sys.modules.values()):
+        current = module.__dict__.get("replay") if isinstance(getattr(module, "__dict__", None), dict) else None
+        if module is not graphs and (current is graphs.replay or getattr(current, "counts_graphs", False)):
+            module.replay = replay
 
 
 def labelled(counter: LaunchCounter, fn: Callable[..., Any], label: Callable[..., str]) -> Callable[..., Any]:
@@ -120,6 +152,8 @@ def main() -> None:
     ap.add_argument("--variants", default="base,all", help="comma-separated patch sets (default base,all)")
     ap.add_argument("--top", type=int, default=30, help="regions listed (default 30)")
     ap.add_argument("--defer-blocks", action="store_true", help="batch prefill blocks' comparisons, as on a GPU")
+    ap.add_argument("--ops", type=int, default=0, help="also list each region's N most frequent operations")
+    ap.add_argument("--eager", action="store_true", help="count what a GPU replays from CUDA graphs op by op")
     args = ap.parse_args()
     probes.ComparingSink.DEFER_BLOCKS_ON_CPU = args.defer_blocks
     torch.set_num_threads(1)
@@ -132,6 +166,8 @@ def main() -> None:
                    [(args.tokens // 8, args.tokens // 8 + 16)], variants, local=True, device=args.device)
     counter, where = LaunchCounter(), {"stack": "reference", "phase": "prefill"}
     instrument(counter, where)
+    if not args.eager:
+        count_replays_as_graphs(counter)
 
     def progress(event: dict) -> None:
         if event.get("event") == "stack":
@@ -152,6 +188,8 @@ def main() -> None:
         steps = " decode " in region and args.decode
         per_step = f"  ({n / args.decode:,.0f} per decode step)" if steps else ""
         print(f"  {n:9,d}  {counter.reads[region]:6,d} reads  {region}{per_step}")
+        if args.ops:
+            print("             " + ", ".join(f"{op} {k:,}" for op, k in counter.ops[region].most_common(args.ops)))
 
 
 if __name__ == "__main__":
