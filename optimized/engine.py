@@ -356,14 +356,22 @@ class OptimizedModel:
                               self.device, self.options, dense)
 
     def run_layer(self, block: OptimizedLayer, streams: torch.Tensor, token_ids: torch.Tensor,
-                  segments: Sequence[int], n_prompt: int, sink: ProbeSink = NULL_SINK) -> torch.Tensor:
-        """Prefill chunks (positions < n_prompt) then decode steps, from a fresh state."""
-        state = block.new_state(int(streams.shape[0]))
+                  segments: Sequence[int], n_prompt: int, sink: ProbeSink = NULL_SINK, state: EngineState | None = None,
+                  at_decode: Callable[[EngineState], None] | None = None) -> torch.Tensor:
+        """Prefill chunks (positions < n_prompt) then decode steps, from a fresh state — or from `state`, another
+        run's state after the segments before its position (a variant whose patches act in decode only continues
+        from a copy of a variant's state after the same prefill: harness.run.prefill_sharing); those segments are
+        skipped and the output holds the positions from state.position on. `at_decode(state)` is called before the
+        first decode step."""
+        state = state or block.new_state(int(streams.shape[0]))
         outs, start, counts = [], 0, {"prefill": 0, "decode": 0}
         for n in segments:
             phase = "prefill" if start < n_prompt else "decode"
-            outs.append(block.forward(streams[start : start + n], token_ids[start : start + n], state, phase,
-                                      counts[phase], sink))
+            if start >= state.position:
+                if phase == "decode" and counts["decode"] == 0 and at_decode is not None:
+                    at_decode(state)
+                outs.append(block.forward(streams[start : start + n], token_ids[start : start + n], state, phase,
+                                          counts[phase], sink))
             counts[phase] += 1
             start += n
         return torch.cat(outs, 0)

@@ -52,6 +52,12 @@ class LayerAccumulator:
             p.num.append(values.num.detach().to(torch.float64))
             p.den.append(values.den.detach().to(torch.float64))
 
+    def copy(self) -> "LayerAccumulator":
+        """An accumulator holding the same pieces so far, each to grow on its own (the tensors are shared: nothing
+        changes a value once it is kept)."""
+        return LayerAccumulator(self.plan, {key: _Pieces(p.combine, list(p.positions), list(p.values), list(p.num),
+                                                         list(p.den)) for key, p in self.pieces.items()})
+
     def _on_host(self) -> dict[tuple[str, str], tuple[torch.Tensor, ...]]:
         """Every piece on the host, concatenated per (tap, metric) and field in arrival order: (positions, values,
         numerators, denominators), the last two None for mean metrics. The pieces held on a device travel in one

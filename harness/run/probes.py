@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -257,6 +257,14 @@ class ComparingSink:
         self._check_finite(tap, [number], positions, values, rows_per_emission=None)
         self._compare(tap, positions, values)
 
+    def fork(self, variant: str) -> "ComparingSink":
+        """This sink as `variant`'s, holding what it has compared, deferred and held so far: a variant whose prefill
+        is another's continues from it (harness.run.prefill_sharing). The containers are copied; the tensors in them
+        are shared, as nothing changes a value once it is kept."""
+        return replace(self, variant=variant, acc=self.acc.copy(), _held={k: list(v) for k, v in self._held.items()},
+                       _deferred={k: list(v) for k, v in self._deferred.items()},
+                       _finite_notes=list(self._finite_notes))
+
     def _compare(self, tap: str, positions: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
         if tap not in COMPARATORS:
             return
@@ -351,7 +359,7 @@ class ComparingSink:
         (in emission order: the data flow) as this stack's finding. `numbers`: the emissions' numbers; with
         `rows_per_emission` None there is one emission, else len(numbers) emissions of that many rows per field,
         concatenated."""
-        if self._has_finding():
+        if self.has_finding():
             return
         names, row_bad = [], []
         for name, v in values.items():
@@ -370,13 +378,15 @@ class ComparingSink:
         for i, number in enumerate(numbers):
             self._finite_notes.append((number, tap, names, positions[i * step: (i + 1) * step], notes[i]))
 
-    def _has_finding(self) -> bool:
+    def has_finding(self) -> bool:
+        """Whether this stack and mode already has its first non-finite value (from an earlier layer): no more are
+        noted."""
         return any(f.variant == self.variant and f.mode == self.mode for f in self.findings)
 
     def _record_first_non_finite(self) -> None:
         """One device read for the whole layer: the first emission that held NaN/Inf becomes the Finding."""
         notes, self._finite_notes = sorted(self._finite_notes, key=lambda n: n[0]), []
-        if not notes or self._has_finding():
+        if not notes or self.has_finding():
             return
         read = torch.stack([n[4] for n in notes]).tolist()
         for (_, tap, names, positions, _), (any_bad, first) in zip(notes, read):

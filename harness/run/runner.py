@@ -22,6 +22,7 @@ from harness.run.aggregate import LayerAccumulator
 from harness.run.bins import BinPlan
 from harness.run.metrics import CompareContext, compare_logits
 from harness.run.needles import AnswerLens, needle_queries
+from harness.run.prefill_sharing import PrefillKey, SharedPrefills, prefill_key, shareable
 from harness.run.probes import ComparingSink, DumpSink, Finding, RecordingSink
 from harness.run.store import RunStore
 from optimized.engine import EngineOptions, OptimizedLayer, OptimizedModel
@@ -297,12 +298,13 @@ class LockstepRunner:
         yard_layer = ReferenceLayer(cfg, layer, weights, torch.bfloat16, ParityOptions(), self.device, dense) \
             if any(name == YARDSTICK for name, _ in own) else None  # built (weights dequantized) where it runs
         engine_layers: dict[str, OptimizedLayer] = {}
+        shares = SharedPrefills(self._prefill_keys(own))
         for name, mode in own:
             self._enter(layer, name, mode)
-            acc = LayerAccumulator(self.plan)
             if dump:
                 dump.prefix = f"{name}.{mode}/"
-            sink = ComparingSink(record, acc, ctx, name, mode, layer, self.phase_of, self.findings, dump)
+            sink = ComparingSink(record, LayerAccumulator(self.plan), ctx, name, mode, layer, self.phase_of,
+                                 self.findings, dump)
             x_in = streams[name] if mode == "global" else ref_in.to(torch.bfloat16)
             if name == YARDSTICK:
                 out = self.yardstick.run_layer(yard_layer, x_in, self.ids, self.variant_segments, sink)
@@ -314,16 +316,46 @@ class LockstepRunner:
                 else:
                     block = engine_layers.get(name) or self.engines[name].layer(layer, weights, dense)
                     engine_layers[name] = block
-                out = self.engines[name].run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink)
+                out, sink = self._run_engine(name, mode, block, x_in, sink, shares)
+                shares.done(self._prefill_keys([(name, mode)]).get((name, mode)))
             sink.finish()
             if ref_answers is not None:  # the needle answer through this stack's own head, after this layer
                 model = self.yardstick if name == YARDSTICK else self.engines[name]
                 for mv in self.lens.compare(ref_answers, self.lens.read(model.logits, out)):
-                    acc.add(ANSWER_TAP, mv)
+                    sink.acc.add(ANSWER_TAP, mv)
             if mode == "global":
                 new_streams[name] = out
-            rows[(name, mode)] = acc.rows(name, mode, layer)
+            rows[(name, mode)] = sink.acc.rows(name, mode, layer)
         return rows, new_streams
+
+    SHARE_PREFILL = True
+    """Variants with the same patches in prefill compute their prefill once per mode (harness.run.prefill_sharing);
+    False runs every variant in full (tests compare the two)."""
+
+    def _prefill_keys(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], PrefillKey]:
+        """The prefill key of each engine pair that may share its prefill (none when sharing is off or the run dumps
+        tensors)."""
+        if not (self.SHARE_PREFILL and shareable(self.spec)):
+            return {}
+        keys = {(name, mode): prefill_key(self._choices(name), mode) for name, mode in pairs if name != YARDSTICK}
+        return {pair: key for pair, key in keys.items() if key is not None}
+
+    def _run_engine(self, name: str, mode: str, block: OptimizedLayer, x_in: torch.Tensor, sink: ComparingSink,
+                    shares: SharedPrefills) -> tuple[torch.Tensor, ComparingSink]:
+        """Variant `name` in `mode` over the layer: its output and the sink that compared it — from the prefill of
+        an earlier variant with the same patches in prefill when one ran in this layer and fits, else in full (the
+        first of a prefill that later pairs share keeps its state at its first decode step)."""
+        spec, engine = self.spec, self.engines[name]
+        key = self._prefill_keys([(name, mode)]).get((name, mode))
+        share = shares.get(key)
+        if share is not None and share.fits(x_in, sink, spec.n_prompt):
+            state, sink = share.continue_as(name)
+            decode = engine.run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink, state=state)
+            return torch.cat([share.prefill_out, decode]), sink
+        keep = shares.keeper(key, sink)
+        out = engine.run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink, at_decode=keep)
+        shares.finish(key, out[: spec.n_prompt], x_in[: spec.n_prompt])
+        return out, sink
 
     # The steps a sharded run (harness.run.distributed) does differently: which stacks this process runs, where
     # the reference's taps come from, and who writes what the stacks measured.

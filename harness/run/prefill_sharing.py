@@ -1,0 +1,120 @@
+"""Variants that differ only in decode share one prefill (issue #14: attribution at Flash width).
+
+A patch acts only in the phases it declares (optimized.ops.OpTable builds each phase's op chains from the patches
+active in it), and a prefill position never reads a decode position (causal attention, teacher-forced decode).
+So two variants whose patches active in prefill are the same — `base` and `only:mma-sparse-decode`, `all` and
+`all-but:triton-indexer` — compute the same prefill, bit for bit, at every layer: the same ops on the same inputs
+(the embedding at layer 0; each one's own prefill rows after, equal by induction). Attribution over the six built-in
+patches runs 14 variants with 10 distinct prefills.
+
+The runner runs the first such variant of a mode in full and keeps, at its first decode step, a copy of its engine
+state (paged caches, compressor windows, plugins' `extras`), of its comparing sink (what it compared and holds) and
+its prefill output; each later one continues from copies of these with its own decode steps. Whatever could make
+the shared prefill differ from the variant's own falls back to running the variant in full: a global input whose
+prefill rows differ (a resumed or nondeterministic run), a different NaN/Inf history (a sink stops noting
+non-finite values once its stack has a finding), a state that cannot be copied. Decision forcing (its patch is
+made per variant) and dumps (kept per variant and position) are never shared.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from harness.run.probes import ComparingSink
+from optimized.patching import PatchChoice
+from optimized.state import EngineState
+
+PrefillKey = tuple[str, tuple[tuple[int, str], ...]]
+
+
+def prefill_key(choices: list[PatchChoice], mode: str) -> PrefillKey | None:
+    """What decides a variant's prefill in `mode`: its choices active in prefill, in order (a later patch wraps an
+    earlier one), each as (the patch object, its options). None for a mode that is never shared."""
+    if mode == "forced":
+        return None
+    return mode, tuple((id(c.patch), repr(sorted(c.options.items()))) for c in choices
+                       if "prefill" in c.patch.active_phases(c.options))
+
+
+@dataclass
+class PrefillShare:
+    """A variant's layer at its first decode step: what a variant with the same prefill continues from."""
+
+    state: EngineState
+    sink: ComparingSink
+    prefill_out: torch.Tensor  # the output rows of the prompt positions
+    prefill_in: torch.Tensor  # the input rows of the prompt positions (global mode: the variant's own)
+
+    @classmethod
+    def at_decode(cls, state: EngineState, sink: ComparingSink) -> "PrefillShare | None":
+        """Copies of the state and sink now (the output and input are filled in once the layer has run); None when
+        the state cannot be copied (a plugin's `extras`)."""
+        try:
+            kept = copy.deepcopy(state)
+        except Exception:  # noqa: BLE001 — any object a plugin keeps: this variant's prefill is not shared
+            return None
+        return cls(kept, sink.fork(sink.variant), torch.empty(0), torch.empty(0))
+
+    def fits(self, x_in: torch.Tensor, sink: ComparingSink, n_prompt: int) -> bool:
+        """Whether a variant about to run with input `x_in` and a fresh `sink` would compute this prefill: the same
+        input rows and the same NaN/Inf history."""
+        return sink.has_finding() == self.sink.has_finding() and bool(torch.equal(x_in[:n_prompt], self.prefill_in))
+
+    def continue_as(self, variant: str) -> tuple[EngineState, ComparingSink]:
+        """A state and sink of `variant`'s own to run its decode steps from."""
+        return copy.deepcopy(self.state), self.sink.fork(variant)
+
+
+class SharedPrefills:
+    """The shares of one layer: a pair's prefill is kept only when a later pair of this process has the same key,
+    and dropped once the last of them has run (at Flash width a local share holds ~2 GB: the prompt's input and
+    output rows)."""
+
+    def __init__(self, keys: dict[tuple[str, str], PrefillKey]) -> None:
+        self._waiting = Counter(keys.values())  # pairs of each key not run yet
+        self._shares: dict[PrefillKey, PrefillShare | None] = {}  # None: the first could not be kept
+
+    def get(self, key: PrefillKey | None) -> PrefillShare | None:
+        return self._shares.get(key) if key is not None else None
+
+    def keeper(self, key: PrefillKey | None, sink: ComparingSink) -> Callable[[EngineState], None] | None:
+        """The `at_decode` hook of a pair about to run in full: it keeps the share when a later pair can use it."""
+        if key is None or key in self._shares or self._waiting[key] < 2:
+            return None
+
+        def keep(state: EngineState) -> None:
+            self._shares[key] = PrefillShare.at_decode(state, sink)
+        return keep
+
+    def finish(self, key: PrefillKey | None, prefill_out: torch.Tensor, prefill_in: torch.Tensor) -> None:
+        """A pair that ran in full: its prefill rows complete the share its hook kept."""
+        share = self.get(key)
+        if share is not None and share.prefill_out.numel() == 0:
+            share.prefill_out, share.prefill_in = prefill_out, prefill_in
+
+    def done(self, key: PrefillKey | None) -> None:
+        """A pair of `key` has run: after the last, its share goes."""
+        if key is None:
+            return
+        self._waiting[key] -= 1
+        if self._waiting[key] <= 0:
+            self._shares.pop(key, None)
+
+
+def shareable(spec: Any) -> bool:
+    """Whether a run may share prefills at all: not when it dumps tensors (kept per variant and position)."""
+    return not spec.dump_taps
+
+
+def kept_prefill_keys(spec: Any, pairs: list[tuple[str, str]]) -> list[PrefillKey]:
+    """The keys whose prefill a process running `pairs` keeps during a layer: those two or more of them share."""
+    if not shareable(spec):
+        return []
+    choices = {v.name: v.choices for v in spec.variants}
+    keys = Counter(prefill_key(choices[name], mode) for name, mode in pairs if name in choices)
+    return [key for key, n in keys.items() if key is not None and n >= 2]

@@ -1,0 +1,95 @@
+"""Variants that differ only in decode share one prefill (harness.run.prefill_sharing): the same metrics and findings
+bit for bit as running each in full, with fewer prefill chunks computed."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from harness.attribution.plan import attribution_variants
+from harness.run.prefill_sharing import prefill_key
+from harness.run.runner import LockstepRunner
+from harness.run.setup import Overrides, build_run_spec
+from harness.run.store import RunStore
+from harness.scenario import find_scenario, load_scenario
+from optimized import engine
+from optimized.registry import default_registry
+
+LAYERS = 4  # tiny's layers 0-3: SWA, SWA, CSA, HCA (reference.config.TINY), so every attention kind decodes
+
+
+def _run(tmp_path, name: str, share: bool, monkeypatch, variants=None, nan_patch=None) -> tuple[RunStore, int]:
+    """tiny-smoke's first LAYERS layers with the attribution variants of every built-in patch; the number of prefill
+    chunks the engines computed."""
+    spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))[0]
+    spec.variants = variants or attribution_variants(default_registry().choose("all"))
+    store = RunStore(tmp_path / name)
+    store.create({})
+    chunks = []
+    forward = engine.OptimizedLayer.forward
+
+    def counting(self, streams, token_ids, state, phase, *args, **kwargs):
+        chunks.append(phase)
+        return forward(self, streams, token_ids, state, phase, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(engine.OptimizedLayer, "forward", counting)
+        m.setattr(LockstepRunner, "SHARE_PREFILL", share)
+        LockstepRunner(spec, store).run(end_layer=LAYERS)
+    return store, chunks.count("prefill")
+
+
+def test_decode_only_variants_reuse_the_prefill_of_their_peers_bit_for_bit(tmp_path, monkeypatch):
+    variants = attribution_variants(default_registry().choose("all"))
+    decode_only = {c.id for c in default_registry().choose("all") if "prefill" not in c.patch.active_phases(c.options)}
+    assert decode_only == {"mma-sparse-decode", "triton-indexer"}  # the built-in patches acting in decode only
+    # base, only:<each>, all-but:<each>, all: 14 variants, 10 distinct prefills (base = only:mma = only:triton,
+    # all = all-but:mma = all-but:triton)
+    assert len(variants) == 14
+    assert len({prefill_key(v.choices, "global") for v in variants}) == 10
+
+    shared, n_shared = _run(tmp_path, "shared", True, monkeypatch)
+    full, n_full = _run(tmp_path, "full", False, monkeypatch)
+    assert n_shared == n_full * 10 // 14  # each mode's prefill chunks computed by 10 variants instead of 14
+    a, b = shared.read_metrics(), full.read_metrics()
+    assert a.num_rows == b.num_rows > 0
+    assert a.equals(b)  # every value, every row, in the same order
+    assert shared.read_findings() == full.read_findings()
+
+
+def test_a_variant_is_not_shared_from_a_prefill_that_differs_from_its_own(tmp_path, monkeypatch):
+    """A decode-only patch that puts NaN into its decode steps gives its variant a finding at layer 0; from then on
+    its sink notes no more non-finite values, unlike base's, so from layer 1 on it runs its own prefill (in global
+    mode its input differs too). The findings and metrics are those of the full run."""
+    from optimized.patching import Patch, PatchChoice
+
+    poison = Patch("nan-in-decode", ("decode",), "NaN in every decode step's attention output", source="test")
+
+    @poison.op("sparse_attention")
+    def nan_attention(ctx, **inputs):
+        out, lse = ctx.base(**inputs)
+        return out * float("nan"), lse
+
+    from harness.run.runner import VariantSpec
+    variants = [VariantSpec("base", []), VariantSpec("poisoned", [PatchChoice(poison, {})])]
+    shared, n_shared = _run(tmp_path, "shared", True, monkeypatch, variants)
+    full, n_full = _run(tmp_path, "full", False, monkeypatch, variants)
+    assert shared.read_findings() == full.read_findings()
+    assert any(f["variant"] == "poisoned" and f["layer"] == 0 and f["phase"] == "decode"
+               for f in full.read_findings())
+    pd.testing.assert_frame_equal(shared.read_metrics().to_pandas(), full.read_metrics().to_pandas())  # NaN = NaN
+    assert n_full // 2 < n_shared < n_full  # layer 0 shared (both modes), the later layers not
+
+
+def test_the_memory_estimate_counts_the_prefills_a_process_keeps():
+    """Local-mode shares hold the prompt's input and output rows during the layer: counted where pairs share one."""
+    from harness.run.memory import predict_memory
+
+    spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))[0]
+    assert "shared prefills" not in predict_memory(spec).host_terms  # base and all: nothing shared
+    spec.variants = attribution_variants(default_registry().choose("all"))
+    term = predict_memory(spec).host_terms["shared prefills"]
+    cfg = spec.source.config
+    rows = 2 * spec.n_prompt * cfg.hc_mult * cfg.hidden_size * 2  # bf16 input and output rows of one local share
+    spec.local = False
+    state_copies = predict_memory(spec).host_terms["shared prefills"]  # global: base's and all's, the states only
+    assert term == 2 * rows + 2 * state_copies  # local adds two more states and each one's rows
