@@ -93,3 +93,26 @@ def test_the_memory_estimate_counts_the_prefills_a_process_keeps():
     spec.local = False
     state_copies = predict_memory(spec).host_terms["shared prefills"]  # global: base's and all's, the states only
     assert term == 2 * rows + 2 * state_copies  # local adds two more states and each one's rows
+
+
+def test_a_state_that_cannot_be_copied_is_not_shared(tmp_path, monkeypatch):
+    """A plugin that keeps an object deepcopy refuses (a lock) in ctx.state.extras: its variants run in full."""
+    import threading
+
+    from harness.run.runner import VariantSpec
+    from optimized.patching import Patch, PatchChoice
+
+    keeper = Patch("keeps-a-lock", ("prefill", "decode"), "keeps a lock in the layer's state", source="test")
+
+    @keeper.op("chunk_state_carry")
+    def carry(ctx, state):
+        state.extras.setdefault("lock", threading.Lock())
+        return ctx.base(state=state)
+
+    mma = next(c for c in default_registry().choose("all") if c.id == "mma-sparse-decode")
+    variants = [VariantSpec("locked", [PatchChoice(keeper, {})]), VariantSpec("locked+mma", [PatchChoice(keeper, {}), mma])]
+    assert prefill_key(variants[0].choices, "local") == prefill_key(variants[1].choices, "local")
+    shared, n_shared = _run(tmp_path, "shared", True, monkeypatch, variants)
+    full, n_full = _run(tmp_path, "full", False, monkeypatch, variants)
+    assert n_shared == n_full
+    pd.testing.assert_frame_equal(shared.read_metrics().to_pandas(), full.read_metrics().to_pandas())

@@ -47,6 +47,7 @@ class PrefillShare:
 
     state: EngineState
     sink: ComparingSink
+    had_finding: bool  # the variant had its first non-finite value before this layer: its sink noted none since
     prefill_out: torch.Tensor  # the output rows of the prompt positions
     prefill_in: torch.Tensor  # the input rows of the prompt positions (global mode: the variant's own)
 
@@ -58,12 +59,12 @@ class PrefillShare:
             kept = copy.deepcopy(state)
         except Exception:  # noqa: BLE001 — any object a plugin keeps: this variant's prefill is not shared
             return None
-        return cls(kept, sink.fork(sink.variant), torch.empty(0), torch.empty(0))
+        return cls(kept, sink.fork(sink.variant), sink.has_finding(), torch.empty(0), torch.empty(0))
 
     def fits(self, x_in: torch.Tensor, sink: ComparingSink, n_prompt: int) -> bool:
         """Whether a variant about to run with input `x_in` and a fresh `sink` would compute this prefill: the same
         input rows and the same NaN/Inf history."""
-        return sink.has_finding() == self.sink.has_finding() and bool(torch.equal(x_in[:n_prompt], self.prefill_in))
+        return sink.has_finding() == self.had_finding and bool(torch.equal(x_in[:n_prompt], self.prefill_in))
 
     def continue_as(self, variant: str) -> tuple[EngineState, ComparingSink]:
         """A state and sink of `variant`'s own to run its decode steps from."""
