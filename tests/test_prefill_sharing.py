@@ -4,9 +4,11 @@ bit for bit as running each in full, with fewer prefill chunks computed."""
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from harness.attribution.plan import attribution_variants
 from harness.run.prefill_sharing import prefill_key
+from harness.run.probes import ComparingSink
 from harness.run.runner import LockstepRunner
 from harness.run.setup import Overrides, build_run_spec
 from harness.run.store import RunStore
@@ -38,7 +40,11 @@ def _run(tmp_path, name: str, share: bool, monkeypatch, variants=None, nan_patch
     return store, chunks.count("prefill")
 
 
-def test_decode_only_variants_reuse_the_prefill_of_their_peers_bit_for_bit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("defer_blocks", [False, True], ids=["cpu-path", "gpu-path"])
+def test_decode_only_variants_reuse_the_prefill_of_their_peers_bit_for_bit(tmp_path, monkeypatch, defer_blocks):
+    """Also with the prefill blocks' comparisons deferred, as on a GPU: then the sink a member continues from still
+    holds the leader's last prefill blocks, not yet compared."""
+    monkeypatch.setattr(ComparingSink, "DEFER_BLOCKS_ON_CPU", defer_blocks)
     variants = attribution_variants(default_registry().choose("all"))
     decode_only = {c.id for c in default_registry().choose("all") if "prefill" not in c.patch.active_phases(c.options)}
     assert decode_only == {"mma-sparse-decode", "triton-indexer"}  # the built-in patches acting in decode only
@@ -81,7 +87,8 @@ def test_a_variant_is_not_shared_from_a_prefill_that_differs_from_its_own(tmp_pa
 
 
 def test_the_memory_estimate_counts_the_prefills_a_process_keeps():
-    """Local-mode shares hold the prompt's input and output rows during the layer: counted where pairs share one."""
+    """Local-mode shares hold the leader's output rows during the layer, every share a copy of the state: counted on
+    the busiest rank, where pairs share a prefill, when there are decode steps to share it with."""
     from harness.run.memory import predict_memory
 
     spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))[0]
@@ -89,10 +96,14 @@ def test_the_memory_estimate_counts_the_prefills_a_process_keeps():
     spec.variants = attribution_variants(default_registry().choose("all"))
     term = predict_memory(spec).host_terms["shared prefills"]
     cfg = spec.source.config
-    rows = 2 * spec.n_prompt * cfg.hc_mult * cfg.hidden_size * 2  # bf16 input and output rows of one local share
+    rows = spec.n_total * cfg.hc_mult * cfg.hidden_size * 2  # the bf16 output rows one local share holds
     spec.local = False
     state_copies = predict_memory(spec).host_terms["shared prefills"]  # global: base's and all's, the states only
     assert term == 2 * rows + 2 * state_copies  # local adds two more states and each one's rows
+    spec.local = True  # two ranks: the pairs alternate global/local, so rank 1 keeps both local shares
+    assert predict_memory(spec, world=2).host_terms["shared prefills"] == 2 * rows + state_copies
+    spec.decode_ids, spec.turn_of_position = [], spec.turn_of_position[: spec.n_prompt]
+    assert "shared prefills" not in predict_memory(spec).host_terms  # nothing is shared without decode steps
 
 
 def test_a_state_that_cannot_be_copied_is_not_shared(tmp_path, monkeypatch):
@@ -116,3 +127,27 @@ def test_a_state_that_cannot_be_copied_is_not_shared(tmp_path, monkeypatch):
     full, n_full = _run(tmp_path, "full", False, monkeypatch, variants)
     assert n_shared == n_full
     pd.testing.assert_frame_equal(shared.read_metrics().to_pandas(), full.read_metrics().to_pandas())
+
+
+def test_a_nan_in_a_shared_prefill_is_each_members_own_finding(tmp_path, monkeypatch):
+    """A patch that puts NaN into the MoE output in both phases, alone and with a decode-only patch: the second
+    continues from the first's prefill and records the prefill finding as its own, as its full run does."""
+    from harness.run.runner import VariantSpec
+    from optimized.patching import Patch, PatchChoice
+
+    poison = Patch("nan-moe", ("prefill", "decode"), "NaN in the experts' output", source="test")
+
+    @poison.op("experts")
+    def experts(ctx, **inputs):
+        return ctx.base(**inputs) * float("nan")
+
+    mma = next(c for c in default_registry().choose("all") if c.id == "mma-sparse-decode")
+    variants = [VariantSpec("nan", [PatchChoice(poison, {})]), VariantSpec("nan+mma", [PatchChoice(poison, {}), mma])]
+    shared, n_shared = _run(tmp_path, "shared", True, monkeypatch, variants)
+    full, n_full = _run(tmp_path, "full", False, monkeypatch, variants)
+    findings = full.read_findings()
+    assert shared.read_findings() == findings
+    assert {(f["variant"], f["mode"]) for f in findings if f["layer"] == 0 and f["phase"] == "prefill"} == {
+        (v, m) for v in ("nan", "nan+mma") for m in ("global", "local")}
+    pd.testing.assert_frame_equal(shared.read_metrics().to_pandas(), full.read_metrics().to_pandas())
+    assert n_shared < n_full  # layer 0 was shared in both modes (from layer 1 on each has a finding: shared again)

@@ -17,8 +17,7 @@ what would not fit and which setting changes it:
 - **working set**: the largest temporaries of one pass — the reference's whole-prompt projections and MoE
   buffers ([T, H·d] queries three times, [T·k, D] expert slots twice), or an engine chunk's;
 - **shared prefills**: a prefill that variants differing only in decode share (harness.run.prefill_sharing) is kept
-  during the layer — in local mode its input and output rows of the prompt, in either mode a copy of the engine
-  state (the paged caches);
+  during the layer — in local mode its output rows, in either mode a copy of the engine state (the paged caches);
 - **NVFP4 conversion** (with `nvfp4-experts`): the temporaries of one group of expert matrices converted together
   (optimized.base_ops.prepare_nvfp4_forms).
 
@@ -129,10 +128,13 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
         "recorded taps": T * taps_per_token,
         "working set": working,
     }
-    kept = kept_prefill_keys(spec, spec.stacks_of_rank(0, world))
-    if kept:  # local: the prompt's bf16 input and output rows; both: the state's caches (~3 bytes per latent dim)
-        local = sum(mode == "local" for mode, _ in kept)
-        terms["shared prefills"] = local * 2 * spec.n_prompt * n * D * 2 + len(kept) * T * 3 * (hd + cfg.index_head_dim)
+    # local: the leader's bf16 output rows (global: views of streams counted above); both: a copy of the state's
+    # caches (~3 bytes per latent dimension and token); on the busiest rank (with local mode and two ranks, rank 1
+    # runs every local pair)
+    shared = max(sum(T * n * D * 2 * (mode == "local") + T * 3 * (hd + cfg.index_head_dim)
+                     for mode, _ in kept_prefill_keys(spec, spec.stacks_of_rank(rank, world))) for rank in range(world))
+    if shared:
+        terms["shared prefills"] = shared
     if nvfp4:  # prepare_nvfp4_forms: a group's e2m1 values, scales, products and dense forms (5 copies, fp32)
         terms["NVFP4 conversion (one group)"] = NVFP4_GROUP * 5 * 4 * cfg.moe_intermediate_size * D
     if world > 1:  # the reference's rank packs its taps into one byte buffer to broadcast them (distributed.Group)

@@ -12,7 +12,8 @@ state (paged caches, compressor windows, plugins' `extras`), of its comparing si
 its prefill output; each later one continues from copies of these with its own decode steps. Whatever could make
 the shared prefill differ from the variant's own falls back to running the variant in full: a global input whose
 prefill rows differ (a resumed or nondeterministic run), a different NaN/Inf history (a sink stops noting
-non-finite values once its stack has a finding), a state that cannot be copied. Decision forcing (its patch is
+non-finite values once its stack has a finding), a state that cannot be copied (`copy.deepcopy` raises: a plugin
+whose `ctx.state.extras` must not be copied opts out by raising in `__deepcopy__`). Decision forcing (its patch is
 made per variant) and dumps (kept per variant and position) are never shared.
 """
 
@@ -49,7 +50,7 @@ class PrefillShare:
     sink: ComparingSink
     had_finding: bool  # the variant had its first non-finite value before this layer: its sink noted none since
     prefill_out: torch.Tensor  # the output rows of the prompt positions
-    prefill_in: torch.Tensor  # the input rows of the prompt positions (global mode: the variant's own)
+    prefill_in: torch.Tensor | None  # global mode: the variant's own input rows of the prompt (local: the reference's)
 
     @classmethod
     def at_decode(cls, state: EngineState, sink: ComparingSink) -> "PrefillShare | None":
@@ -59,12 +60,15 @@ class PrefillShare:
             kept = copy.deepcopy(state)
         except Exception:  # noqa: BLE001 — any object a plugin keeps: this variant's prefill is not shared
             return None
-        return cls(kept, sink.fork(sink.variant), sink.has_finding(), torch.empty(0), torch.empty(0))
+        return cls(kept, sink.fork(sink.variant), sink.has_finding(), torch.empty(0), None)
 
     def fits(self, x_in: torch.Tensor, sink: ComparingSink, n_prompt: int) -> bool:
         """Whether a variant about to run with input `x_in` and a fresh `sink` would compute this prefill: the same
-        input rows and the same NaN/Inf history."""
-        return sink.has_finding() == self.had_finding and bool(torch.equal(x_in[:n_prompt], self.prefill_in))
+        NaN/Inf history and, in global mode, the same input rows bit for bit (in local mode every variant's input
+        is the reference's)."""
+        return sink.has_finding() == self.had_finding and (
+            self.prefill_in is None or (x_in.dtype == self.prefill_in.dtype
+                                        and bool(torch.equal(_bits(x_in[:n_prompt]), _bits(self.prefill_in)))))
 
     def continue_as(self, variant: str) -> tuple[EngineState, ComparingSink]:
         """A state and sink of `variant`'s own to run its decode steps from."""
@@ -73,8 +77,8 @@ class PrefillShare:
 
 class SharedPrefills:
     """The shares of one layer: a pair's prefill is kept only when a later pair of this process has the same key,
-    and dropped once the last of them has run (at Flash width a local share holds ~2 GB: the prompt's input and
-    output rows)."""
+    and dropped once the last of them has run (at Flash width a share holds ~1 GB: the output rows, in global
+    mode a view of the next layer's input)."""
 
     def __init__(self, keys: dict[tuple[str, str], PrefillKey]) -> None:
         self._waiting = Counter(keys.values())  # pairs of each key not run yet
@@ -92,8 +96,9 @@ class SharedPrefills:
             self._shares[key] = PrefillShare.at_decode(state, sink)
         return keep
 
-    def finish(self, key: PrefillKey | None, prefill_out: torch.Tensor, prefill_in: torch.Tensor) -> None:
-        """A pair that ran in full: its prefill rows complete the share its hook kept."""
+    def finish(self, key: PrefillKey | None, prefill_out: torch.Tensor, prefill_in: torch.Tensor | None) -> None:
+        """A pair that ran in full: its prefill rows (and in global mode its input's) complete the share its hook
+        kept."""
         share = self.get(key)
         if share is not None and share.prefill_out.numel() == 0:
             share.prefill_out, share.prefill_in = prefill_out, prefill_in
@@ -112,9 +117,16 @@ def shareable(spec: Any) -> bool:
     return not spec.dump_taps
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers of its width: equal bits, not equal values (−0.0 is not +0.0, a NaN equals
+    itself)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def kept_prefill_keys(spec: Any, pairs: list[tuple[str, str]]) -> list[PrefillKey]:
-    """The keys whose prefill a process running `pairs` keeps during a layer: those two or more of them share."""
-    if not shareable(spec):
+    """The keys whose prefill a process running `pairs` keeps during a layer: those two or more of them share (none
+    without decode tokens: a share is kept at the first decode step)."""
+    if not shareable(spec) or not spec.decode_ids:
         return []
     choices = {v.name: v.choices for v in spec.variants}
     keys = Counter(prefill_key(choices[name], mode) for name, mode in pairs if name in choices)

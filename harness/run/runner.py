@@ -354,7 +354,7 @@ class LockstepRunner:
             return torch.cat([share.prefill_out, decode]), sink
         keep = shares.keeper(key, sink)
         out = engine.run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink, at_decode=keep)
-        shares.finish(key, out[: spec.n_prompt], x_in[: spec.n_prompt])
+        shares.finish(key, out[: spec.n_prompt], x_in[: spec.n_prompt] if mode == "global" else None)
         return out, sink
 
     # The steps a sharded run (harness.run.distributed) does differently: which stacks this process runs, where
