@@ -640,6 +640,9 @@ def test_attribute_says_oversubscription_for_the_threads_it_runs_with(tmp_path, 
                  "--out", str(tmp_path / "attr"), "--no-report"]) in (0, 1)
     err = capsys.readouterr().err
     assert "this run adds 1 thread(s)" in err and err.count("oversubscribed") == 1, err
+    # not a terminal: a line per layer instead of the live bar (tiny has 5 layers)
+    assert [line.split(" done in")[0] for line in err.splitlines() if " done in " in line] == [
+        f"layer {k}/5" for k in range(1, 6)], err
 
 
 # --------------------------------------------------------------------------- housekeeping

@@ -16,7 +16,7 @@ from harness.scenario import find_scenario, load_scenario
 from optimized import engine
 from optimized.registry import default_registry
 
-LAYERS = 4  # tiny's layers 0-3: SWA, SWA, CSA, HCA (reference.config.TINY), so every attention kind decodes
+LAYERS = 4  # tiny's first four layers: SWA, SWA, CSA, HCA (reference.config.TINY), so every attention kind decodes
 
 
 def _run(tmp_path, name: str, share: bool, monkeypatch, variants=None, nan_patch=None) -> tuple[RunStore, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import torch
@@ -109,11 +110,16 @@ def run(args: argparse.Namespace) -> int:
     with torch_threads(args.threads), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=out, transient=True) as bar:
         task = bar.add_task("attribution", total=None)
+        t0 = time.perf_counter()
 
         def progress(event: dict) -> None:
             if event["event"] == "stack":
                 bar.update(task, description=f"layer {event['layer'] + 1} · {event['stack']} · {event['mode']}")
                 bar.advance(task)
+            elif event["event"] == "layer_done" and not out.is_terminal:
+                # logs (CI, remote jobs) get one line per layer: at Flash width a pass takes an hour, its bar is lost
+                out.print(f"layer {event['layer'] + 1}/{event['layers']} done in {event['seconds']:.1f} s "
+                          f"({time.perf_counter() - t0:.0f} s elapsed)")
 
         if args.devices is not None and args.devices < 1:
             raise UsageError(f"--devices {args.devices}: give at least 1")
