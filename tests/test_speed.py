@@ -37,6 +37,18 @@ def test_bench_writes_a_row_per_layer_with_every_part_and_the_flop_rate(tmp_path
     assert "peak memory:" in capsys.readouterr().out
 
 
+def test_bench_attribution_times_the_attribution_variants_in_the_lockstep(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "tiny", "--tokens", "200", "--decode", "2", "--chunk-size", "128",
+                 "--layers", "2", "--threads", "1", "--attribution", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["layers"][0]
+    stacks = {key.split("/")[0] for key in row["runner_s"]}
+    assert {"only:mma-sparse-decode", "all-but:nvfp4-experts", "base", "all", "yardstick"} <= stacks
+    assert len(stacks) == 1 + 1 + 14  # reference, yardstick, the 14 variants of six patches
+    others = sum(s for key, s in row["runner_s"].items() if key.split("/")[0] not in row["alone_s"])
+    assert row["other_variants_s"] == pytest.approx(others) and others > 0
+
+
 def test_bench_refuses_a_layer_outside_the_model():
     assert main(["bench", "--model", "tiny", "--layers", "0-9"]) == 2
 

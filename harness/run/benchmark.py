@@ -116,12 +116,15 @@ class LayerBench:
 
     @property
     def probes_s(self) -> float:
-        """Runner time beyond the stacks' own: recording, comparing, binning (each mode runs the stack once)."""
-        alone = {"reference/global": self.alone_s["reference"]}
-        for key in self.runner_s:
-            stack = key.split("/")[0]
-            alone.setdefault(key, self.alone_s.get(stack, 0.0))
-        return sum(self.runner_s.values()) - sum(alone[k] for k in self.runner_s)
+        """Runner time beyond the stacks' own: recording, comparing, binning (each mode runs the stack once), of the
+        stacks timed alone (the attribution's other variants are not)."""
+        timed = {key: s for key, s in self.runner_s.items() if key.split("/")[0] in self.alone_s}
+        return sum(timed.values()) - sum(self.alone_s[key.split("/")[0]] for key in timed)
+
+    @property
+    def other_variants_s(self) -> float:
+        """Runner time of the variants not timed alone (with --attribution: each patch alone, all but one)."""
+        return sum(s for key, s in self.runner_s.items() if key.split("/")[0] not in self.alone_s)
 
     @property
     def run_s(self) -> float:
@@ -158,7 +161,7 @@ class BenchResult:
     def to_dict(self, cfg: ModelConfig) -> dict[str, Any]:
         out = asdict(self)
         for row, lb in zip(out["layers"], self.layers):
-            row.update(probes_s=lb.probes_s, run_s=lb.run_s, tokens_per_s=(self.tokens + self.decode) / lb.run_s,
+            row.update(probes_s=lb.probes_s, other_variants_s=lb.other_variants_s, run_s=lb.run_s, tokens_per_s=(self.tokens + self.decode) / lb.run_s,
                        reference_flops_per_s=lb.reference_flop / lb.alone_s["reference"],
                        reference_share_of_peak=lb.reference_flop / lb.alone_s["reference"] / self.fp32_peak_flops)
         out["projected_run_s"] = self.projected_run_s(cfg)
@@ -207,14 +210,17 @@ def bench_prompt(cfg: ModelConfig, tokens: int, decode: int) -> tuple[list[int],
 
 
 def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], device: str, chunk: int = 8192,
-              progress: Callable[[str], None] = lambda line: None) -> BenchResult:
+              progress: Callable[[str], None] = lambda line: None,
+              variants: list[VariantSpec] | None = None) -> BenchResult:
+    """`variants`: the lockstep's (default base and all; `bench --attribution` gives `dsv4-drift attribute`'s: base,
+    each patch alone, all but one, all). Base and all are also timed alone."""
     dev = torch.device(device)
     source = SyntheticWeights(cfg, 0)
     prompt, decode_ids, turns = bench_prompt(cfg, tokens, decode)
     all_patches = default_registry().choose("all")
-    spec = RunSpec(source, prompt, decode_ids, turns, [(tokens // 8, tokens // 8 + 16)],
-                   [VariantSpec("base", []), VariantSpec("all", all_patches)], chunk_size=chunk, local=True,
-                   device=device)
+    variants = variants or [VariantSpec("base", []), VariantSpec("all", all_patches)]
+    spec = RunSpec(source, prompt, decode_ids, turns, [(tokens // 8, tokens // 8 + 16)], variants, chunk_size=chunk,
+                   local=True, device=device)
     result = BenchResult(cfg.name, tokens, decode, chunk, str(dev),
                          torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch.get_num_threads(),
                          measure_fp32_peak(dev), predicted=predict_memory(spec).to_dict())

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
+from harness.attribution.plan import attribution_variants
 from harness.cli.console import console
 from harness.cli.paths import writable_file
 from harness.cli.threads import add_threads_argument, torch_threads
@@ -16,6 +17,7 @@ from harness.errors import UsageError
 from harness.run.benchmark import STACKS, BenchResult, run_bench
 from harness.run.environment import environment_record
 from harness.run.setup import check_device
+from optimized.registry import default_registry
 from reference.config import PRESETS, get_preset
 
 
@@ -36,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="layers to measure: comma list and ranges, e.g. 0-3 or 2,3 (default 0-3: SWA, CSA and HCA)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cpu)")
     add_threads_argument(p)
+    p.add_argument("--attribution", action="store_true",
+                   help="run the lockstep with `attribute`'s variants of the built-in patches (base, each alone, all "
+                        "but one, all) instead of base and all: what an attribution costs per layer")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers as JSON")
     p.set_defaults(func=run)
 
@@ -69,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
             out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
         out.print(f"[bold]bench[/]: {cfg.name}, {args.tokens} prompt + {args.decode} decode tokens, chunk "
                   f"{args.chunk_size}, layers {layers}, {device}, {torch.get_num_threads()} thread(s)")
-        result = run_bench(cfg, args.tokens, args.decode, layers, device, args.chunk_size, out.print)
+        variants = attribution_variants(default_registry().choose("all")) if args.attribution else None
+        result = run_bench(cfg, args.tokens, args.decode, layers, device, args.chunk_size, out.print, variants)
         environment = environment_record(device)  # inside: the thread count it ran with, not the caller's
     console().print(bench_table(result))
     record = {**result.to_dict(cfg), "environment": environment}
@@ -97,14 +103,16 @@ def bench_table(result: BenchResult) -> Table:
     short = {"reference": "ref", "yardstick": "yard", "base": "base", "all": "all"}
     table = Table(title=f"{result.model}: {result.tokens}+{result.decode} tokens on {result.device_name} "
                         f"({result.threads} thread(s)); seconds per layer; 'g'/'l' = global/local in the lockstep")
+    others = any(lb.other_variants_s for lb in result.layers)  # --attribution: the variants not timed alone
     for col in ["layer", "kind", "weights", *(f"{short[s]} alone" for s in STACKS),
-                *(short[s] + (" g" if m == "global" else " l") for s, m in modes), "probes", "store", "total",
-                "tok/s", "peak GiB", "ref/fp32 peak"]:
+                *(short[s] + (" g" if m == "global" else " l") for s, m in modes), *(["others g+l"] if others else []),
+                "probes", "store", "total", "tok/s", "peak GiB", "ref/fp32 peak"]:
         table.add_column(col, justify="right", overflow="fold")
     for lb in result.layers:
         share = lb.reference_flop / lb.alone_s["reference"] / result.fp32_peak_flops
         table.add_row(str(lb.layer), lb.kind, f"{lb.weights_s:.2f}", *(f"{lb.alone_s[s]:.2f}" for s in STACKS),
-                      *(f"{lb.runner_s.get(f'{s}/{m}', 0.0):.2f}" for s, m in modes), f"{lb.probes_s:.2f}",
+                      *(f"{lb.runner_s.get(f'{s}/{m}', 0.0):.2f}" for s, m in modes),
+                      *([f"{lb.other_variants_s:.2f}"] if others else []), f"{lb.probes_s:.2f}",
                       f"{lb.store_s:.2f}", f"{lb.run_s:.2f}", f"{(result.tokens + result.decode) / lb.run_s:,.0f}",
                       "—" if lb.peak_device_gib is None else f"{lb.peak_device_gib:.1f}", f"{100 * share:.0f}%")
     return table
