@@ -16,6 +16,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -144,6 +145,35 @@ def test_attribute_and_selftest_report_a_plugin_fault_with_exit_3(tmp_path, caps
     monkeypatch.setattr(selftest, "check_fault", raising)
     assert main(["selftest", "--only", "routing scale"]) == 3
     assert "plugin fault: patch 'fault-x'" in one_line_error(capsys, "selftest")
+
+
+def test_an_attribution_that_stopped_resumes_to_the_uninterrupted_result(tmp_path, capsys):
+    """An hour-long attribution must not be lost to a fault at layer 40: `attribute --resume` continues its pass from
+    the saved state, concludes it, and gives what an uninterrupted attribution gives; then deletes the state."""
+    plugin = write(tmp_path / "boom.py", RAISING_PLUGIN)
+    flag = write(tmp_path / "boom.raise", "")
+    args = ["--patches", "boom,mma-sparse-decode", "--patch-module", str(plugin), "--interactions", "never",
+            "--threads", "1", "--no-report"]
+    out = tmp_path / "attr"
+    assert main(["attribute", "tiny-smoke", *args, "--out", str(out)]) == 3
+    store = RunStore(out)
+    assert store.completed_layers() == [0, 1] and store.state_path.is_file()
+    assert main(["attribute", "--resume", str(out), "--no-report"]) == 3, "still faulty: fails again, same place"
+    flag.unlink()  # the fix
+    capsys.readouterr()
+    assert main(["attribute", "--resume", str(out), "--no-report"]) == 0
+    assert f"resuming {out} at layer 2" in capsys.readouterr().err
+    assert not store.state_path.exists(), "a finished pass keeps no resume state"
+    fresh = tmp_path / "fresh"
+    assert main(["attribute", "tiny-smoke", *args, "--out", str(fresh)]) == 0
+    pd.testing.assert_frame_equal(store.read_metrics().to_pandas(), RunStore(fresh).read_metrics().to_pandas())
+    assert json.loads((out / "attribution.json").read_text()) == json.loads((fresh / "attribution.json").read_text())
+    assert main(["attribute", "--resume", str(out)]) == 2
+    assert "the attribution is complete" in one_line_error(capsys, "attribute")
+    assert main(["run", "tiny-smoke", "--no-gate", "--no-report", "--out", str(tmp_path / "run")]) == 0
+    assert main(["attribute", "--resume", str(tmp_path / "run")]) == 2
+    assert "not an attribution's run directory" in one_line_error(capsys, "attribute")
+    assert main(["attribute", "tiny-smoke", "--resume", str(out)]) == 2
 
 
 def test_a_damaged_manifest_does_not_hide_the_error_that_stopped_the_run(tmp_path):

@@ -196,16 +196,20 @@ def analyze(run_dir: Path, patch_ids: list[str], policy: str | Path | None) -> t
     return Attribution(patch_ids, blame_matrix(metrics, patch_ids, n_layers), divergences, full_fails), gate
 
 
-def run_lockstep(spec: RunSpec, store: RunStore, progress=None) -> None:
-    """One layer-major pass in this process."""
-    LockstepRunner(spec, store, progress).run()
+def run_lockstep(spec: RunSpec, store: RunStore, progress=None, start: int = 0) -> None:
+    """One layer-major pass in this process, from layer `start` (the streams the pass saved after layer start − 1)."""
+    streams = store.load_streams()[1] if start > 0 else None
+    LockstepRunner(spec, store, progress).run(start, streams)
+
+
+Execute = Callable[[RunSpec, RunStore, Any, int], None]
+"""Runs a pass from a layer: in this process (run_lockstep) or sharded (harness.run.distributed)."""
 
 
 def run_attribution(spec: RunSpec, store: RunStore, manifest: dict[str, Any], policy: str | Path | None,
-                    progress=None, interactions: str = "auto",
-                    execute: Callable[[RunSpec, RunStore, Any], None] = run_lockstep) -> Attribution:
+                    progress=None, interactions: str = "auto", execute: Execute = run_lockstep) -> Attribution:
     """The whole of `dsv4-drift attribute`: the pass, the analysis, the optional pair pass, attribution.json.
-    `execute` runs a pass (in this process, or sharded: harness.run.distributed)."""
+    `spec.variants` carry the patches to attribute."""
     choices = [c for v in spec.variants for c in v.choices]
     spec.variants = attribution_variants(choices)
     spec.local = True
@@ -214,15 +218,59 @@ def run_attribution(spec: RunSpec, store: RunStore, manifest: dict[str, Any], po
          "description": c.patch.description} for c in v.choices]} for v in spec.variants]
     manifest["attribution"] = {"patches": [c.id for c in choices]}
     store.create(manifest)
-    execute(spec, store, progress)
+    return _complete(spec, choices, store, policy, progress, interactions, execute)
+
+
+def resume_attribution(spec: RunSpec, store: RunStore, policy: str | Path | None, progress=None,
+                       interactions: str = "auto", execute: Execute = run_lockstep) -> Attribution:
+    """`dsv4-drift attribute --resume`: an attribution stopped in a pass (killed, interrupted, failed) or before its
+    analysis, continued — each unfinished pass from the layer after its saved state — and concluded. `spec` is the
+    run's, rebuilt from its manifest, its variants carrying the patches."""
+    choices = [c for v in spec.variants for c in v.choices]
+    spec.variants = attribution_variants(choices)
+    spec.local = True
+    return _complete(spec, choices, store, policy, progress, interactions, execute)
+
+
+def resume_layer(store: RunStore) -> int | None:
+    """The layer a pass continues from: None when it is complete, else the layer after its saved state (0 without
+    one)."""
+    manifest = store.read_manifest()
+    if manifest.get("status") == "complete":
+        return None
+    saved = manifest.get("state_layer")
+    return saved + 1 if saved is not None and store.state_path.is_file() else 0
+
+
+def _run_pass(spec: RunSpec, store: RunStore, progress, execute: Execute) -> None:
+    """The pass from where it stopped (nothing when complete); its resume state deleted once it is complete (an
+    attribution's analysis needs none: Flash at 30K tokens keeps 17 GB of streams)."""
+    start = resume_layer(store)
+    if start is not None:
+        execute(spec, store, progress, start)
+    store.delete_state()
+
+
+_PASS_PROGRESS = frozenset({"status", "finished", "failure", "state_layer", "segments", "wall_seconds", "end_layer",
+                            "peak_host_rss_gib", "peak_device_gib"})
+"""Manifest fields a pass writes as it runs: the pair pass's manifest is the first pass's without them."""
+
+
+def _complete(spec: RunSpec, choices: list, store: RunStore, policy: str | Path | None, progress,
+              interactions: str, execute: Execute) -> Attribution:
+    """The first pass (what is left of it), the analysis, the pair pass when wanted, attribution.json."""
+    _run_pass(spec, store, progress, execute)
+    manifest = store.read_manifest()
     ids = [c.id for c in choices]
     result, gate = analyze(store.dir, ids, policy)
     wants_pairs = interactions == "always" or (interactions == "auto" and result.full_fails and not result.ranking())
     if wants_pairs and len(ids) >= 3:
         pair_store = RunStore(store.dir / "interactions")
         pair_spec = RunSpec(**{**spec.__dict__, "variants": [spec.variants[0]] + pair_variants(choices, ids)})
-        pair_store.create({**manifest, "attribution": {"patches": ids, "pass": "interactions"}})
-        execute(pair_spec, pair_store, progress)
+        if not pair_store.exists():
+            pair_store.create({**{k: v for k, v in manifest.items() if k not in _PASS_PROGRESS}, "status": "running",
+                               "finished": None, "attribution": {"patches": ids, "pass": "interactions"}})
+        _run_pass(pair_spec, pair_store, progress, execute)
         pair_gate = gate_run(pair_store.dir, policy)
         for a, b in combinations(ids, 2):
             for d in first_divergences(pair_gate, pair(a, b), f"{a}+{b}"):

@@ -10,7 +10,8 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from harness.attribution.attribute import run_attribution
+from harness.attribution.attribute import (ATTRIBUTION_FILE, Execute, resume_attribution, resume_layer,
+                                           run_attribution, run_lockstep)
 from harness.attribution.plan import attribution_variants
 from harness.cli.paths import new_output_dir
 from harness.cli.threads import (add_threads_argument, host_processes, narrow_model_processes, narrow_model_threads,
@@ -19,7 +20,7 @@ from harness.errors import UsageError
 from harness.run.distributed import run_sharded
 from harness.run.memory import check_fits
 from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
-                               shadowing_warnings)
+                               prompt_digest, shadowing_warnings, spec_from_manifest)
 from harness.run.runner import RunSpec
 from harness.scenario import find_scenario, load_scenario
 from harness.run.store import RunStore
@@ -33,7 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "all; writes attribution.json (patch × layer blame per metric and phase, first divergence per "
                     "patch, ranked verdict), gate.json and report.html into the run directory. Exit codes: 0 "
                     "done (whatever the verdict), 2 usage or input error, 3 a patch's op raised, 4 internal error.")
-    p.add_argument("scenario", help="scenario file or shipped name")
+    p.add_argument("scenario", nargs="?", help="scenario file or shipped name; omit with --resume")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                   help="continue an attribution that stopped (killed, interrupted, failed) from its saved state, "
+                        "then conclude it; takes the scenario and patches from the run's manifest")
     p.add_argument("--patches", help="the patches to attribute (default: every patch any scenario variant uses; "
                                      "later patches wrap earlier ones in the all and all-but-one variants)")
     p.add_argument("--patch-module", action="append", default=[], metavar="FILE_OR_MODULE",
@@ -96,18 +100,77 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
         spec.variants = [VariantSpec("patches", choices)]
         manifest = manifest_for(scenario, path.read_text(), overrides, spec, plan)
         check_fits(first_pass, devices)
-    if devices > 1:
-        threads = torch.get_num_threads()
-        result = run_attribution(spec, store, manifest, policy, progress, interactions,
-                                 lambda s, st, _: run_sharded(devices, s, st, threads))
-    else:
-        result = run_attribution(spec, store, manifest, policy, progress, interactions)
-    return result, store.dir
+    return run_attribution(spec, store, manifest, policy, progress, interactions, _executor(devices)), store.dir
+
+
+def _executor(devices: int) -> Execute:
+    """How a pass runs: in this process, or sharded over `devices` processes of this thread count."""
+    if devices <= 1:
+        return run_lockstep
+    threads = torch.get_num_threads()
+    return lambda spec, store, _progress, start: run_sharded(devices, spec, store, threads, start)
+
+
+def resume_threads(run_dir: Path, threads: int | None) -> int | None:
+    """The thread count a resumed attribution runs with: the one asked for, else the run's own (parallel sums
+    change with it)."""
+    manifest = _attribution_manifest(run_dir)
+    return threads or manifest["overrides"].get("threads") or manifest["environment"].get("torch_threads")
+
+
+def _attribution_manifest(run_dir: Path) -> dict:
+    store = RunStore(run_dir)
+    try:
+        manifest = store.read_manifest()
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    if "attribution" not in manifest or manifest["attribution"].get("pass") == "interactions":
+        raise UsageError(f"--resume {run_dir}: not an attribution's run directory (a run's continues with "
+                         "`dsv4-drift run --resume`)")
+    if (store.dir / ATTRIBUTION_FILE).is_file():
+        raise UsageError(f"--resume {run_dir}: the attribution is complete ({ATTRIBUTION_FILE}); there is nothing "
+                         "to resume")
+    return manifest
+
+
+def resume(run_dir: Path, policy: str | None, device: str | None, interactions: str = "auto", progress=None,
+           devices: int | None = None, threads: int | None = None):
+    """`attribute --resume`: the stopped attribution in `run_dir`, rebuilt from its manifest, continued and
+    concluded; returns (Attribution, run directory)."""
+    from harness.run.runner import VariantSpec
+
+    manifest = _attribution_manifest(run_dir)
+    store = RunStore(run_dir)
+    spec = spec_from_manifest(manifest, device)
+    if prompt_digest(spec.prompt_ids) != manifest["prompt"]["digest"]:
+        raise UsageError(f"--resume {run_dir}: the scenario now resolves to a different prompt; cannot resume")
+    choices = patches_of(spec)
+    if [c.id for c in choices] != manifest["attribution"]["patches"]:
+        raise UsageError(f"--resume {run_dir}: the run attributed {manifest['attribution']['patches']}, its scenario "
+                         f"now resolves to {[c.id for c in choices]}; cannot resume")
+    spec.variants = [VariantSpec("patches", choices)]
+    cfg = spec.source.config
+    pairs = len(RunSpec(**{**spec.__dict__, "variants": attribution_variants(choices), "local": True}).stacks())
+    devices, sharded = narrow_model_processes(devices, threads, cfg.hidden_size, spec.device,
+                                              cfg.num_hidden_layers * spec.n_total, pairs)
+    first = resume_layer(store)
+    console(stderr=True).print(f"resuming {store.dir} " + (f"at layer {first}" if first is not None else
+                                                             "after its first pass")
+                               + f" with {torch.get_num_threads()} thread(s)")
+    if sharded:
+        console(stderr=True).print(f"[yellow]note[/]: {sharded}", soft_wrap=True)
+    return resume_attribution(spec, store, policy, progress, interactions, _executor(devices)), store.dir
 
 
 def run(args: argparse.Namespace) -> int:
     out = console(stderr=True)
-    with torch_threads(args.threads), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    if args.resume is not None and (args.scenario or args.patches or args.patch_module or args.out):
+        raise UsageError("--resume takes the scenario, patches and run directory from the run's manifest; give "
+                         "no scenario, --patches, --patch-module or --out")
+    if args.resume is None and not args.scenario:
+        raise UsageError("give a scenario (file or shipped name), or --resume RUN_DIR")
+    threads = resume_threads(args.resume, args.threads) if args.resume is not None else args.threads
+    with torch_threads(threads), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=out, transient=True) as bar:
         task = bar.add_task("attribution", total=None)
         t0 = time.perf_counter()
@@ -123,8 +186,12 @@ def run(args: argparse.Namespace) -> int:
 
         if args.devices is not None and args.devices < 1:
             raise UsageError(f"--devices {args.devices}: give at least 1")
-        result, run_dir = attribute(args.scenario, args.patches, tuple(args.patch_module), args.policy, args.device,
-                                    args.out, args.interactions, progress, args.devices, args.threads)
+        if args.resume is not None:
+            result, run_dir = resume(args.resume, args.policy, args.device, args.interactions, progress, args.devices,
+                                     threads)
+        else:
+            result, run_dir = attribute(args.scenario, args.patches, tuple(args.patch_module), args.policy,
+                                        args.device, args.out, args.interactions, progress, args.devices, args.threads)
     table = Table(title="attribution: first divergence beyond the gate")
     for col in ("patch", "phase", "first layer", "metric", "value", "bound"):
         table.add_column(col)
