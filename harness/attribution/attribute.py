@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from itertools import combinations
 from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
+import torch
 
 from harness.attribution.plan import BASE, attribution_variants, full_name, leave_one_out_name, only, pair, \
     pair_variants
@@ -243,11 +246,20 @@ def resume_layer(store: RunStore) -> int | None:
 
 
 def _run_pass(spec: RunSpec, store: RunStore, progress, execute: Execute) -> None:
-    """The pass from where it stopped (nothing when complete); its resume state deleted once it is complete (an
+    """The pass from where it stopped (nothing when complete), as a segment of the manifest (start layer, seconds,
+    device, threads; `wall_seconds` their sum, as a run's); its resume state deleted once it is complete (an
     attribution's analysis needs none: Flash at 30K tokens keeps 17 GB of streams)."""
     start = resume_layer(store)
     if start is not None:
-        execute(spec, store, progress, start)
+        segments = store.read_manifest().get("segments", [])
+        segments.append({"start_layer": start, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                         "seconds": 0.0, "device": spec.device, "threads": torch.get_num_threads()})
+        t0 = time.perf_counter()
+        try:
+            execute(spec, store, progress, start)
+        finally:  # a pass that stopped still says what it cost
+            segments[-1]["seconds"] = round(time.perf_counter() - t0, 2)
+            store.update_manifest(segments=segments, wall_seconds=round(sum(s["seconds"] for s in segments), 2))
     store.delete_state()
 
 
