@@ -179,6 +179,41 @@ def test_an_attribution_that_stopped_resumes_to_the_uninterrupted_result(tmp_pat
     assert main(["attribute", "tiny-smoke", "--resume", str(out)]) == 2
 
 
+def test_an_attribution_interrupted_in_its_pair_pass_resumes_there(tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the interaction pass's layer 2: --resume skips the complete first pass, continues the pair pass from
+    its saved state, and concludes with what an uninterrupted attribution gives."""
+    from harness.run.runner import LockstepRunner
+
+    run_layer = LockstepRunner.run_layer
+    interrupt = {"armed": True}
+
+    def interrupting(self, layer, streams, weights=None):
+        if interrupt["armed"] and self.store.dir.name == "interactions" and layer == 2:
+            raise KeyboardInterrupt
+        return run_layer(self, layer, streams, weights)
+
+    monkeypatch.setattr(LockstepRunner, "run_layer", interrupting)
+    args = ["--patches", "hash-topk,mma-sparse-decode,bf16-mhc-prelinear", "--interactions", "always",
+            "--threads", "1", "--no-report"]
+    out = tmp_path / "attr"
+    assert main(["attribute", "tiny-smoke", *args, "--out", str(out)]) == 130
+    pairs = RunStore(out / "interactions")
+    assert pairs.read_manifest()["status"] == "interrupted" and pairs.completed_layers() == [0, 1]
+    assert RunStore(out).read_manifest()["status"] == "complete" and not RunStore(out).state_path.exists()
+    first_pass = RunStore(out).read_metrics().to_pandas()
+    interrupt["armed"] = False
+    capsys.readouterr()
+    assert main(["attribute", "--resume", str(out), "--no-report"]) == 0
+    assert f"resuming {out} after its first pass" in capsys.readouterr().err
+    pd.testing.assert_frame_equal(RunStore(out).read_metrics().to_pandas(), first_pass)  # not run again
+    assert [seg["start_layer"] for seg in pairs.read_manifest()["segments"]] == [0, 2]
+    fresh = tmp_path / "fresh"
+    assert main(["attribute", "tiny-smoke", *args, "--out", str(fresh)]) == 0
+    pd.testing.assert_frame_equal(pairs.read_metrics().to_pandas(),
+                                  RunStore(fresh / "interactions").read_metrics().to_pandas())
+    assert json.loads((out / "attribution.json").read_text()) == json.loads((fresh / "attribution.json").read_text())
+
+
 def test_a_damaged_manifest_does_not_hide_the_error_that_stopped_the_run(tmp_path):
     """_record_stop runs inside the runner's `except BaseException`: a UsageError from reading a damaged manifest
     would replace the failure being reported, so it is swallowed like an unwritable run directory."""

@@ -219,7 +219,7 @@ def run_attribution(spec: RunSpec, store: RunStore, manifest: dict[str, Any], po
     manifest["stacks"]["variants"] = [{"name": v.name, "patches": [
         {"id": c.id, "options": c.options, "phases": list(c.patch.active_phases(c.options)), "source": c.patch.source,
          "description": c.patch.description} for c in v.choices]} for v in spec.variants]
-    manifest["attribution"] = {"patches": [c.id for c in choices]}
+    manifest["attribution"] = {"patches": [c.id for c in choices], "interactions": interactions}
     store.create(manifest)
     return _complete(spec, choices, store, policy, progress, interactions, execute)
 

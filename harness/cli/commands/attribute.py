@@ -43,8 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--patch-module", action="append", default=[], metavar="FILE_OR_MODULE",
                    help="plugin module with Patch objects (repeatable)")
     p.add_argument("--policy", metavar="FILE", help="gate policy file (default: the scenario's gate.policy)")
-    p.add_argument("--interactions", choices=["auto", "always", "never"], default="auto",
-                   help="run every pair of patches in a second pass: when needed (auto), always, or never")
+    p.add_argument("--interactions", choices=["auto", "always", "never"], default=None,
+                   help="run every pair of patches in a second pass: when needed (auto, the default), always, or "
+                        "never; with --resume, the attribution's own unless given")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cpu)")
     add_threads_argument(p)
     p.add_argument("--devices", type=int, metavar="N",
@@ -133,10 +134,10 @@ def _attribution_manifest(run_dir: Path) -> dict:
     return manifest
 
 
-def resume(run_dir: Path, policy: str | None, device: str | None, interactions: str = "auto", progress=None,
+def resume(run_dir: Path, policy: str | None, device: str | None, interactions: str | None = None, progress=None,
            devices: int | None = None, threads: int | None = None):
     """`attribute --resume`: the stopped attribution in `run_dir`, rebuilt from its manifest, continued and
-    concluded; returns (Attribution, run directory)."""
+    concluded; returns (Attribution, run directory). `interactions` None: the attribution's own setting."""
     from harness.run.runner import VariantSpec
 
     manifest = _attribution_manifest(run_dir)
@@ -159,6 +160,7 @@ def resume(run_dir: Path, policy: str | None, device: str | None, interactions: 
                                + f" with {torch.get_num_threads()} thread(s)")
     if sharded:
         console(stderr=True).print(f"[yellow]note[/]: {sharded}", soft_wrap=True)
+    interactions = interactions or manifest["attribution"].get("interactions", "auto")
     return resume_attribution(spec, store, policy, progress, interactions, _executor(devices)), store.dir
 
 
@@ -191,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
                                      threads)
         else:
             result, run_dir = attribute(args.scenario, args.patches, tuple(args.patch_module), args.policy,
-                                        args.device, args.out, args.interactions, progress, args.devices, args.threads)
+                                        args.device, args.out, args.interactions or "auto", progress, args.devices,
+                                        args.threads)
     table = Table(title="attribution: first divergence beyond the gate")
     for col in ("patch", "phase", "first layer", "metric", "value", "bound"):
         table.add_column(col)
