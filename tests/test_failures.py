@@ -166,6 +166,7 @@ def test_an_attribution_that_stopped_resumes_to_the_uninterrupted_result(tmp_pat
     assert not store.state_path.exists(), "a finished pass keeps no resume state"
     manifest = store.read_manifest()  # three segments: the first pass, the failed resume, the one that finished
     assert [seg["start_layer"] for seg in manifest["segments"]] == [0, 2, 2]
+    assert [seg.get("last_layer") for seg in manifest["segments"]] == [1, None, 4]  # tiny: 5 layers
     assert manifest["wall_seconds"] == pytest.approx(sum(seg["seconds"] for seg in manifest["segments"]), abs=0.02)
     fresh = tmp_path / "fresh"
     assert main(["attribute", "tiny-smoke", *args, "--out", str(fresh)]) == 0

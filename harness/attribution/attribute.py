@@ -247,7 +247,8 @@ def resume_layer(store: RunStore) -> int | None:
 
 def _run_pass(spec: RunSpec, store: RunStore, progress, execute: Execute) -> None:
     """The pass from where it stopped (nothing when complete), as a segment of the manifest (start layer, seconds,
-    device, threads; `wall_seconds` their sum, as a run's); its resume state deleted once it is complete (an
+    device, threads, the last layer finished, kept current after every layer in this process; `wall_seconds` their
+    sum, as a run's); its resume state deleted once it is complete (an
     attribution's analysis needs none: Flash at 30K tokens keeps 17 GB of streams)."""
     start = resume_layer(store)
     if start is not None:
@@ -255,11 +256,21 @@ def _run_pass(spec: RunSpec, store: RunStore, progress, execute: Execute) -> Non
         segments.append({"start_layer": start, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                          "seconds": 0.0, "device": spec.device, "threads": torch.get_num_threads()})
         t0 = time.perf_counter()
-        try:
-            execute(spec, store, progress, start)
-        finally:  # a pass that stopped still says what it cost
-            segments[-1]["seconds"] = round(time.perf_counter() - t0, 2)
+
+        def record(**fields: Any) -> None:
+            segments[-1].update(seconds=round(time.perf_counter() - t0, 2), **fields)
             store.update_manifest(segments=segments, wall_seconds=round(sum(s["seconds"] for s in segments), 2))
+
+        def noting(event: dict[str, Any]) -> None:  # after every layer, so a killed pass still says what it cost
+            if event.get("event") == "layer_done":
+                record(last_layer=event["layer"])
+            if progress is not None:
+                progress(event)
+
+        try:
+            execute(spec, store, noting, start)
+        finally:
+            record()
     store.delete_state()
 
 
