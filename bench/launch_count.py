@@ -93,8 +93,7 @@ def count_replays_as_graphs(counter: LaunchCounter) -> None:
     """Count each call `reference.graphs.replay` would replay on a GPU as a GPU runs it: a copy per input, the graph's
     launch and a copy per output (graphs._Graph.__call__), not the operations inside. Patched where it is imported."""
     def replay(fn: Callable[..., Any], *tensors: torch.Tensor, **static: Any) -> Any:
-        size = sum(t.numel() for t in tensors)
-        if not (0 < size <= graphs.MAX_ELEMENTS and tensors[0].numel()) or counter.paused:
+        if not graphs.small_enough(tensors) or counter.paused:
             return fn(*tensors, **static)
         counter.paused = True
         try:

@@ -363,7 +363,7 @@ class OptimizedModel:
         from a copy of a variant's state after the same prefill: harness.run.prefill_sharing); those segments are
         skipped and the output holds the positions from state.position on. `at_decode(state)` is called before the
         first decode step."""
-        state = state or block.new_state(int(streams.shape[0]))
+        state = state if state is not None else block.new_state(int(streams.shape[0]))
         outs, start, counts = [], 0, {"prefill": 0, "decode": 0}
         for n in segments:
             phase = "prefill" if start < n_prompt else "decode"

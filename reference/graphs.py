@@ -63,15 +63,20 @@ class _Graph:
         return type(self.outputs)(o.clone() for o in self.outputs)
 
 
+def small_enough(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Inputs a graph replays: at most MAX_ELEMENTS in total, the first not empty (an empty input launches nothing:
+    no graph to make). bench/launch_count.py counts replays by the same rule."""
+    return 0 < sum(t.numel() for t in tensors) <= MAX_ELEMENTS and tensors[0].numel() > 0
+
+
 def replay(fn: Callable[..., Any], *tensors: torch.Tensor, **static: Any) -> Any:
     """fn(*tensors, **static), from a CUDA graph when the tensors are small and on a GPU. `fn` must be pure: its
     result a tensor or a tuple of tensors depending only on `tensors` and on `static` (hashable, fixed per graph),
     with no host synchronisation inside."""
     first = tensors[0]
-    size = sum(t.numel() for t in tensors)
-    if (not ENABLED or first.device.type != "cuda" or not 0 < size <= MAX_ELEMENTS or first.numel() == 0
+    if (not ENABLED or first.device.type != "cuda" or not small_enough(tensors)
             or first.device.index != torch.cuda.current_device()  # the capture stream lives on the current device
-            or torch.cuda.is_current_stream_capturing()):  # an empty input launches nothing: no graph to make
+            or torch.cuda.is_current_stream_capturing()):
         return fn(*tensors, **static)
     key = (fn, tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors), tuple(sorted(static.items())))
     graph = _graphs.get(key, False)

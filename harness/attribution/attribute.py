@@ -213,9 +213,7 @@ def run_attribution(spec: RunSpec, store: RunStore, manifest: dict[str, Any], po
                     progress=None, interactions: str = "auto", execute: Execute = run_lockstep) -> Attribution:
     """The whole of `dsv4-drift attribute`: the pass, the analysis, the optional pair pass, attribution.json.
     `spec.variants` carry the patches to attribute."""
-    choices = [c for v in spec.variants for c in v.choices]
-    spec.variants = attribution_variants(choices)
-    spec.local = True
+    choices = _as_attribution(spec)
     manifest["stacks"]["variants"] = [{"name": v.name, "patches": [
         {"id": c.id, "options": c.options, "phases": list(c.patch.active_phases(c.options)), "source": c.patch.source,
          "description": c.patch.description} for c in v.choices]} for v in spec.variants]
@@ -229,10 +227,16 @@ def resume_attribution(spec: RunSpec, store: RunStore, policy: str | Path | None
     """`dsv4-drift attribute --resume`: an attribution stopped in a pass (killed, interrupted, failed) or before its
     analysis, continued — each unfinished pass from the layer after its saved state — and concluded. `spec` is the
     run's, rebuilt from its manifest, its variants carrying the patches."""
+    return _complete(spec, _as_attribution(spec), store, policy, progress, interactions, execute)
+
+
+def _as_attribution(spec: RunSpec) -> list:
+    """Turn `spec`, whose variants carry the patches, into the first pass (base, each alone, all but one, all;
+    local mode on); returns the patches."""
     choices = [c for v in spec.variants for c in v.choices]
     spec.variants = attribution_variants(choices)
     spec.local = True
-    return _complete(spec, choices, store, policy, progress, interactions, execute)
+    return choices
 
 
 def resume_layer(store: RunStore) -> int | None:

@@ -161,7 +161,8 @@ class BenchResult:
     def to_dict(self, cfg: ModelConfig) -> dict[str, Any]:
         out = asdict(self)
         for row, lb in zip(out["layers"], self.layers):
-            row.update(probes_s=lb.probes_s, other_variants_s=lb.other_variants_s, run_s=lb.run_s, tokens_per_s=(self.tokens + self.decode) / lb.run_s,
+            row.update(probes_s=lb.probes_s, other_variants_s=lb.other_variants_s, run_s=lb.run_s,
+                       tokens_per_s=(self.tokens + self.decode) / lb.run_s,
                        reference_flops_per_s=lb.reference_flop / lb.alone_s["reference"],
                        reference_share_of_peak=lb.reference_flop / lb.alone_s["reference"] / self.fp32_peak_flops)
         out["projected_run_s"] = self.projected_run_s(cfg)

@@ -35,7 +35,7 @@ PrefillKey = tuple[str, tuple[tuple[int, str], ...]]
 
 def prefill_key(choices: list[PatchChoice], mode: str) -> PrefillKey | None:
     """What decides a variant's prefill in `mode`: its choices active in prefill, in order (a later patch wraps an
-    earlier one), each as (the patch object, its options). None for a mode that is never shared."""
+    earlier one), each as (the patch object's identity, its options). None for a mode that is never shared."""
     if mode == "forced":
         return None
     return mode, tuple((id(c.patch), repr(sorted(c.options.items()))) for c in choices
@@ -77,8 +77,8 @@ class PrefillShare:
 
 class SharedPrefills:
     """The shares of one layer: a pair's prefill is kept only when a later pair of this process has the same key,
-    and dropped once the last of them has run (at Flash width a share holds ~1 GB: the output rows, in global
-    mode a view of the next layer's input)."""
+    and dropped once the last of them has run (at Flash width a local share holds ~1 GB, its bf16 output rows:
+    30,784 tokens × 4 streams × 4096 × 2 B; a global share views the next layer's input)."""
 
     def __init__(self, keys: dict[tuple[str, str], PrefillKey]) -> None:
         self._waiting = Counter(keys.values())  # pairs of each key not run yet
@@ -123,11 +123,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
+def pair_keys(spec: Any, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], PrefillKey]:
+    """The prefill key of each variant pair of `pairs` that may share its prefill (the yardstick and forced mode
+    never do; no pair when the run dumps tensors)."""
+    if not shareable(spec):
+        return {}
+    choices = {v.name: v.choices for v in spec.variants}
+    keys = {(name, mode): prefill_key(choices[name], mode) for name, mode in pairs if name in choices}
+    return {pair: key for pair, key in keys.items() if key is not None}
+
+
 def kept_prefill_keys(spec: Any, pairs: list[tuple[str, str]]) -> list[PrefillKey]:
     """The keys whose prefill a process running `pairs` keeps during a layer: those two or more of them share (none
     without decode tokens: a share is kept at the first decode step)."""
-    if not shareable(spec) or not spec.decode_ids:
+    if not spec.decode_ids:
         return []
-    choices = {v.name: v.choices for v in spec.variants}
-    keys = Counter(prefill_key(choices[name], mode) for name, mode in pairs if name in choices)
-    return [key for key, n in keys.items() if key is not None and n >= 2]
+    return [key for key, n in Counter(pair_keys(spec, pairs).values()).items() if n >= 2]

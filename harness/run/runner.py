@@ -22,7 +22,7 @@ from harness.run.aggregate import LayerAccumulator
 from harness.run.bins import BinPlan
 from harness.run.metrics import CompareContext, compare_logits
 from harness.run.needles import AnswerLens, needle_queries
-from harness.run.prefill_sharing import PrefillKey, SharedPrefills, prefill_key, shareable
+from harness.run.prefill_sharing import PrefillKey, SharedPrefills, pair_keys
 from harness.run.probes import ComparingSink, DumpSink, Finding, RecordingSink
 from harness.run.store import RunStore
 from optimized.engine import EngineOptions, OptimizedLayer, OptimizedModel
@@ -298,7 +298,8 @@ class LockstepRunner:
         yard_layer = ReferenceLayer(cfg, layer, weights, torch.bfloat16, ParityOptions(), self.device, dense) \
             if any(name == YARDSTICK for name, _ in own) else None  # built (weights dequantized) where it runs
         engine_layers: dict[str, OptimizedLayer] = {}
-        shares = SharedPrefills(self._prefill_keys(own))
+        keys = self._prefill_keys(own)
+        shares = SharedPrefills(keys)
         for name, mode in own:
             self._enter(layer, name, mode)
             if dump:
@@ -316,8 +317,8 @@ class LockstepRunner:
                 else:
                     block = engine_layers.get(name) or self.engines[name].layer(layer, weights, dense)
                     engine_layers[name] = block
-                out, sink = self._run_engine(name, mode, block, x_in, sink, shares)
-                shares.done(self._prefill_keys([(name, mode)]).get((name, mode)))
+                out, sink = self._run_engine(name, mode, block, x_in, sink, keys.get((name, mode)), shares)
+                shares.done(keys.get((name, mode)))
             sink.finish()
             if ref_answers is not None:  # the needle answer through this stack's own head, after this layer
                 model = self.yardstick if name == YARDSTICK else self.engines[name]
@@ -333,20 +334,15 @@ class LockstepRunner:
     False runs every variant in full (tests compare the two)."""
 
     def _prefill_keys(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], PrefillKey]:
-        """The prefill key of each engine pair that may share its prefill (none when sharing is off or the run dumps
-        tensors)."""
-        if not (self.SHARE_PREFILL and shareable(self.spec)):
-            return {}
-        keys = {(name, mode): prefill_key(self._choices(name), mode) for name, mode in pairs if name != YARDSTICK}
-        return {pair: key for pair, key in keys.items() if key is not None}
+        """The prefill key of each engine pair that may share its prefill (none when sharing is off)."""
+        return pair_keys(self.spec, pairs) if self.SHARE_PREFILL else {}
 
     def _run_engine(self, name: str, mode: str, block: OptimizedLayer, x_in: torch.Tensor, sink: ComparingSink,
-                    shares: SharedPrefills) -> tuple[torch.Tensor, ComparingSink]:
+                    key: PrefillKey | None, shares: SharedPrefills) -> tuple[torch.Tensor, ComparingSink]:
         """Variant `name` in `mode` over the layer: its output and the sink that compared it — from the prefill of
         an earlier variant with the same patches in prefill when one ran in this layer and fits, else in full (the
-        first of a prefill that later pairs share keeps its state at its first decode step)."""
+        first of a prefill that later pairs share keeps its state at its first decode step). `key`: its prefill's."""
         spec, engine = self.spec, self.engines[name]
-        key = self._prefill_keys([(name, mode)]).get((name, mode))
         share = shares.get(key)
         if share is not None and share.fits(x_in, sink, spec.n_prompt):
             state, sink = share.continue_as(name)

@@ -21,7 +21,7 @@ from harness.run.distributed import run_sharded
 from harness.run.memory import check_fits
 from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
                                prompt_digest, shadowing_warnings, spec_from_manifest)
-from harness.run.runner import RunSpec
+from harness.run.runner import RunSpec, VariantSpec
 from harness.scenario import find_scenario, load_scenario
 from harness.run.store import RunStore
 from harness.cli.console import console
@@ -72,8 +72,6 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
     `threads` is the --threads asked for (None: a narrow model runs on one).
     `announce_threads`: print the oversubscription note for the thread count the passes will run with (known only
     once the scenario's model is, since a narrow model drops to one thread)."""
-    from harness.run.runner import VariantSpec
-
     path = find_scenario(scenario_ref)
     scenario = load_scenario(path, load_registry(list(patch_modules)) if patch_modules else None)
     with new_output_dir(out or default_out_dir(scenario), "--out") as run_dir:
@@ -86,11 +84,9 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
         if not choices:
             raise UsageError("nothing to attribute: no patches selected (give --patches or a scenario with patched "
                              "variants)")
-        first_pass = RunSpec(**{**spec.__dict__, "variants": attribution_variants(choices), "local": True})
-        cfg = spec.source.config
-        narrow = narrow_model_threads(threads, cfg.hidden_size, spec.device)
-        devices, sharded = narrow_model_processes(devices, threads, cfg.hidden_size, spec.device,
-                                                  cfg.num_hidden_layers * spec.n_total, len(first_pass.stacks()))
+        first_pass = _first_pass(spec, choices)
+        narrow = narrow_model_threads(threads, spec.source.config.hidden_size, spec.device)
+        devices, sharded = _processes(first_pass, devices, threads)
         note = oversubscription_note(torch.get_num_threads(), host_processes(spec.device, devices)) \
             if announce_threads else None
         for line in (narrow, sharded, note):
@@ -102,6 +98,18 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
         manifest = manifest_for(scenario, path.read_text(), overrides, spec, plan)
         check_fits(first_pass, devices)
     return run_attribution(spec, store, manifest, policy, progress, interactions, _executor(devices)), store.dir
+
+
+def _first_pass(spec: RunSpec, choices: list) -> RunSpec:
+    """The attribution's first pass (as run_attribution runs it): base, each patch alone, all but one, all; local."""
+    return RunSpec(**{**spec.__dict__, "variants": attribution_variants(choices), "local": True})
+
+
+def _processes(first_pass: RunSpec, devices: int | None, threads: int | None) -> tuple[int, str | None]:
+    """The processes a pass shards over and the note saying so (narrow_model_processes, as `run`)."""
+    cfg = first_pass.source.config
+    return narrow_model_processes(devices, threads, cfg.hidden_size, first_pass.device,
+                                  cfg.num_hidden_layers * first_pass.n_total, len(first_pass.stacks()))
 
 
 def _executor(devices: int) -> Execute:
@@ -138,8 +146,6 @@ def resume(run_dir: Path, policy: str | None, device: str | None, interactions: 
            devices: int | None = None, threads: int | None = None):
     """`attribute --resume`: the stopped attribution in `run_dir`, rebuilt from its manifest, continued and
     concluded; returns (Attribution, run directory). `interactions` None: the attribution's own setting."""
-    from harness.run.runner import VariantSpec
-
     manifest = _attribution_manifest(run_dir)
     store = RunStore(run_dir)
     spec = spec_from_manifest(manifest, device)
@@ -149,11 +155,8 @@ def resume(run_dir: Path, policy: str | None, device: str | None, interactions: 
     if [c.id for c in choices] != manifest["attribution"]["patches"]:
         raise UsageError(f"--resume {run_dir}: the run attributed {manifest['attribution']['patches']}, its scenario "
                          f"now resolves to {[c.id for c in choices]}; cannot resume")
+    devices, sharded = _processes(_first_pass(spec, choices), devices, threads)
     spec.variants = [VariantSpec("patches", choices)]
-    cfg = spec.source.config
-    pairs = len(RunSpec(**{**spec.__dict__, "variants": attribution_variants(choices), "local": True}).stacks())
-    devices, sharded = narrow_model_processes(devices, threads, cfg.hidden_size, spec.device,
-                                              cfg.num_hidden_layers * spec.n_total, pairs)
     first = resume_layer(store)
     console(stderr=True).print(f"resuming {store.dir} " + (f"at layer {first}" if first is not None else
                                                              "after its first pass")
