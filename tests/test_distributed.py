@@ -183,3 +183,22 @@ def test_a_reference_run_ahead_that_fails_is_reported_at_its_layer_after_the_lay
     segments = json.loads((out / "manifest.json").read_text())["segments"]
     assert len(segments) == 1 and segments[0]["ranks"] == 2 and segments[0]["seconds"] > 0, segments
     assert segments[0]["last_layer"] == 1, "the last layer rank 0 finished is kept with the failed segment"
+
+
+def test_ranks_sharing_a_gpu_are_told_whether_mps_lets_them_overlap(tmp_path, monkeypatch):
+    """Two ranks on one GPU time-slice it unless an MPS daemon runs (README, Several GPUs or processes): the note
+    says which, from the control pipe a CUDA process would connect through; one rank per GPU or the CPU: no note."""
+    import torch
+    from harness.run.distributed import shared_gpu_note
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    missing = shared_gpu_note("cuda", 2, env)
+    assert missing is not None and "no NVIDIA MPS daemon" in missing and str(tmp_path / "control") in missing
+    (tmp_path / "control").touch()
+    running = shared_gpu_note("cuda", 2, env)
+    assert running is not None and "through NVIDIA MPS" in running and "2 ranks" in running
+    assert shared_gpu_note("cuda", 1, env) is None
+    assert shared_gpu_note("cpu", 2, env) is None
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert shared_gpu_note("cuda:0", 2, env) is None

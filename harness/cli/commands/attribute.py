@@ -17,7 +17,7 @@ from harness.cli.paths import new_output_dir
 from harness.cli.threads import (add_threads_argument, host_processes, narrow_model_processes, narrow_model_threads,
                                  oversubscription_note, torch_threads)
 from harness.errors import UsageError
-from harness.run.distributed import run_sharded
+from harness.run.distributed import run_sharded, shared_gpu_note
 from harness.run.memory import check_fits
 from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
                                prompt_digest, shadowing_warnings, spec_from_manifest)
@@ -106,10 +106,12 @@ def _first_pass(spec: RunSpec, choices: list) -> RunSpec:
 
 
 def _processes(first_pass: RunSpec, devices: int | None, threads: int | None) -> tuple[int, str | None]:
-    """The processes a pass shards over and the note saying so (narrow_model_processes, as `run`)."""
+    """The processes a pass shards over and the note saying so (narrow_model_processes and shared_gpu_note, as
+    `run`)."""
     cfg = first_pass.source.config
-    return narrow_model_processes(devices, threads, cfg.hidden_size, first_pass.device,
-                                  cfg.num_hidden_layers * first_pass.n_total, len(first_pass.stacks()))
+    world, note = narrow_model_processes(devices, threads, cfg.hidden_size, first_pass.device,
+                                         cfg.num_hidden_layers * first_pass.n_total, len(first_pass.stacks()))
+    return world, note or shared_gpu_note(first_pass.device, world)
 
 
 def _executor(devices: int) -> Execute:

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from harness.errors import UsageError
 from harness.run.distributed import (Group, RankFailed, RunRecipe, first_reported_failure, from_environment,
-                                      record_rank_failure, run_share, run_sharded)
+                                     record_rank_failure, run_share, run_sharded, shared_gpu_note)
 from harness.run.memory import check_fits
 from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
                                prompt_digest, shadowing_warnings, spec_from_manifest)
@@ -195,12 +195,14 @@ def _start(args: argparse.Namespace, group_world: int | None) -> tuple[RunSpec, 
 
 def _ranks(args: argparse.Namespace, spec: RunSpec, group_world: int | None) -> tuple[int, str | None]:
     """The processes a new or resumed run shards over: torchrun's (group_world), else --devices, else one, or several
-    for a long CPU run of a narrow model (narrow_model_processes); and the note saying so."""
+    for a long CPU run of a narrow model (narrow_model_processes); and the note saying so (or, when ranks share a
+    GPU, whether MPS lets them overlap: shared_gpu_note)."""
     if group_world is not None:
-        return group_world, None
+        return group_world, shared_gpu_note(spec.device, group_world)
     cfg = spec.source.config
-    return narrow_model_processes(args.devices, args.threads, cfg.hidden_size, spec.device,
-                                  cfg.num_hidden_layers * spec.n_total, len(spec.stacks()))
+    world, note = narrow_model_processes(args.devices, args.threads, cfg.hidden_size, spec.device,
+                                         cfg.num_hidden_layers * spec.n_total, len(spec.stacks()))
+    return world, note or shared_gpu_note(spec.device, world)
 
 
 def _resume(store: RunStore, manifest: dict, args: argparse.Namespace
