@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from optimized.numerics import bf16, bf16_linear, fp8_activation, fp8_linear, fp32_linear, rms_norm_bf16
+from optimized.numerics import bf16, bf16_linear, constant, fp8_activation, fp8_linear, fp32_linear, rms_norm_bf16
 from optimized.ops import OpContext, Routing
 from optimized.paged_cache import quantize_fp8_per_row
 from reference.graphs import replay
@@ -107,6 +107,8 @@ def compressor(ctx: OpContext, which: str, x: torch.Tensor, positions: torch.Ten
     gate = ctx.call("linear", x=x, site=f"{prefix}.wgate").float() + ctx.weight(f"{prefix}.ape")[positions % state.ratio]
     first = state.n_rows
     pooled = bf16(pool_new_windows(state, kv, gate, positions))
+    if pooled.shape[0] == 0:  # no window completed (3 decode steps in 4 of CSA): no row to normalise and rotate
+        return pooled
     rows = rms_norm_bf16(pooled, ctx.weight(f"{prefix}.norm.weight"), ctx.cfg.rms_norm_eps)
     ids = torch.arange(first, first + rows.shape[0], device=rows.device)
     cos, sin = cos_sin(ctx.state.inv_freq, ids * state.ratio, torch.float32)
@@ -246,9 +248,10 @@ def _slots_as_shared(ctx: OpContext, cache: str, slots: torch.Tensor, span: tupl
         return KeySet(empty, torch.zeros(slots.shape[0], 0, dtype=torch.bool, device=slots.device)), slots[:, :0]
     lo, hi = span
     row_slots = torch.arange(lo, hi + 1, device=slots.device)
+    # column 0 collects the invalid slots (< 0 <= lo: slot − lo + 1 <= 0, clamped to 0) and is dropped
     mask = torch.zeros(slots.shape[0], hi - lo + 2, dtype=torch.bool, device=slots.device)
-    mask.scatter_(1, torch.where(slots >= 0, slots - lo, hi - lo + 1), True)
-    return KeySet(ctx.call("kv_load", cache=cache, slots=row_slots), mask[:, :-1]), row_slots
+    mask.scatter_(1, (slots - (lo - 1)).clamp_(min=0), True)
+    return KeySet(ctx.call("kv_load", cache=cache, slots=row_slots), mask[:, 1:]), row_slots
 
 
 def candidate_key_sets(ctx: OpContext, window_slots: torch.Tensor, comp_slots: torch.Tensor) -> list[KeySet]:
@@ -281,7 +284,8 @@ def sparse_attention(ctx: OpContext, q: torch.Tensor, window_slots: torch.Tensor
                 + qb[..., half:] @ keys[..., half:].transpose(-1, -2))
 
     def scores(ks: KeySet) -> torch.Tensor:
-        return torch.where(ks.valid[:, None, :], dots(ks.keys), float("-inf"))
+        d = dots(ks.keys)
+        return torch.where(ks.valid[:, None, :], d, constant(float("-inf"), d.dtype, d.device))
 
     logits = torch.cat([scores(ks) for ks in key_sets], -1).mul_(ctx.cfg.head_dim**-0.5)
     m = torch.maximum(logits.amax(-1), sink[None, :])
@@ -355,17 +359,31 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
     on the same values, so the same bits, with a few hundred fewer kernel launches per prefill chunk."""
     layout = PairLayout.of(routing.expert_ids)
     x = fp8_activation(y)[layout.tokens]  # pair rows, expert by expert
-    inter = ctx.cfg.moe_intermediate_size
-    g, u = (torch.empty(layout.order.numel(), inter, dtype=torch.float32, device=y.device) for _ in range(2))
-    for e, rows in layout.spans:
-        g[rows] = x[rows] @ ctx.weight(f"ffn.experts.{e}.w1.weight").T
-        u[rows] = x[rows] @ ctx.weight(f"ffn.experts.{e}.w3.weight").T
+    g = _per_expert(ctx, x, layout, "w1")
+    u = _per_expert(ctx, x, layout, "w3")
     weights = routing.weights.flatten()[layout.order, None]
     h = fp8_activation(bf16(swiglu_fp32(bf16(g), bf16(u), ctx.cfg.swiglu_limit) * weights))
-    out = torch.empty(layout.order.numel(), y.shape[-1], dtype=torch.float32, device=y.device)
-    for e, rows in layout.spans:
-        out[rows] = h[rows] @ ctx.weight(f"ffn.experts.{e}.w2.weight").T
-    return layout.sum_slots(out, routing.expert_ids.shape[0])
+    return layout.sum_slots(_per_expert(ctx, h, layout, "w2"), routing.expert_ids.shape[0])
+
+
+FEW_PAIRS = 64
+"""Pair rows up to which _per_expert joins the experts' products with one cat (a decode step has top-k of them)."""
+
+
+def _per_expert(ctx: OpContext, x: torch.Tensor, layout: "PairLayout", matrix: str) -> torch.Tensor:
+    """x's rows (laid out expert by expert) times their expert's `matrix`ᵀ, in the same row order. The products
+    are the same GEMMs either way; few rows (a decode step) are joined with one cat instead of a copy per expert
+    into a buffer; many (a prefill chunk) are written into one buffer, so that no two copies of all of them exist."""
+    products = ((rows, x[rows] @ ctx.weight(f"ffn.experts.{e}.{matrix}.weight").T) for e, rows in layout.spans)
+    if layout.order.numel() <= FEW_PAIRS:
+        parts = [p for _, p in products]
+        if parts:
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+    width = ctx.cfg.moe_intermediate_size if matrix != "w2" else ctx.cfg.hidden_size
+    out = torch.empty(layout.order.numel(), width, dtype=torch.float32, device=x.device)
+    for rows, p in products:
+        out[rows] = p
+    return out
 
 
 def chunk_state_carry(ctx: OpContext, state: Any) -> Any:

@@ -10,13 +10,14 @@ each phase.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
 
 from optimized.base_ops import BASE_OPS, swiglu_fp32
-from optimized.numerics import bf16, rms_norm_bf16
+from optimized.numerics import bf16, constant, rms_norm_bf16
 from optimized.ops import OpContext, OpTable, kernel_lanes
 from optimized.paged_cache import IndexKeyCache, LatentCache
 from optimized.patching import PHASES, PatchChoice
@@ -55,11 +56,17 @@ def _routing_fields(r: Any, shared_expert: bool) -> dict[str, torch.Tensor]:
     """The expert ids and the weights each routed expert and the shared expert (if the model has one) get in the MoE
     output (the routing weight or the shared weight times output_scale: a fused kernel may move the scaling factor
     between them)."""
-    weights = [r.weights * r.output_scale]
+    weights = [_scaled(r.weights, r.output_scale)]
     if shared_expert:
         weights.append(r.expert_ids.new_full((r.expert_ids.shape[0], 1), r.shared_weight * r.output_scale,
                                              dtype=torch.float32))
     return {"expert_ids": r.expert_ids, "weights": torch.cat(weights, 1)}
+
+
+def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x · scale, or x itself when the scale is 1.0 (x · 1 = x in IEEE arithmetic, signed zeros, infinities and
+    subnormals included: base routing's output_scale, two launches per decode step saved)."""
+    return x if scale == 1.0 else x * scale
 
 
 def _mix_fields(result: tuple[torch.Tensor, Any]) -> dict[str, torch.Tensor]:
@@ -79,9 +86,16 @@ def _in_blocks(parts: list[tuple[torch.Tensor, ...]], block: int) -> list[tuple[
             width = max(f.shape[1] for f in field)
             fill = False if field[0].dtype == torch.bool else -1
             field = [torch.cat([f, f.new_full((f.shape[0], width - f.shape[1]), fill)], 1) for f in field]
-        joined.append(torch.cat(field))
+        joined.append(field[0] if len(field) == 1 else torch.cat(field))  # one block (a decode step): no copy
     n = joined[0].shape[0]
     return [tuple(t[i:i + block] for t in joined) for i in range(0, n, block)]
+
+
+@functools.lru_cache(maxsize=8)
+def _window_offsets(window: int, device: torch.device) -> torch.Tensor:
+    """−W+1 … 0 (int64), made once per window and device: a query's window slots are its position plus these.
+    Read only: it is shared."""
+    return torch.arange(-window + 1, 1, device=device)
 
 
 class OptimizedLayer:
@@ -200,7 +214,8 @@ class OptimizedLayer:
             self._emit_rows(sink, "compressor.rows", rows, state.compressor)
         if self.kind == "csa":
             rows = ctx.call("compressor", which="indexer", x=x, positions=positions)
-            ctx.call("kv_store", cache="index", rows=bf16(rows @ self.hadamard))  # fused RoPE+Hadamard+quant
+            # fused RoPE+Hadamard+quant (no row completed: nothing to rotate)
+            ctx.call("kv_store", cache="index", rows=bf16(rows @ self.hadamard) if rows.shape[0] else rows)
             self._emit_rows(sink, "indexer.rows", rows, state.indexer_compressor)
             q_idx = ctx.call("linear", x=q_lat, site="attn.indexer.wq_b").unflatten(
                 -1, (cfg.index_n_heads, cfg.index_head_dim))
@@ -219,11 +234,16 @@ class OptimizedLayer:
             sampled = sampled_offsets(sink, state.position + start, pos.numel(), self.device) if any(
                 sink.wants(tap) for tap in ("attn.probs", "attn.site", "indexer.scores", "indexer.site")) \
                 else None  # no device read
-            window_slots = pos[:, None] + torch.arange(-cfg.sliding_window + 1, 1, device=self.device)[None, :]
-            window_slots = torch.where(window_slots >= 0, window_slots, -1)
-            comp_slots = torch.full((pos.numel(), 0), -1, dtype=torch.int64, device=self.device)
-            lanes, length = comp_slots, torch.zeros(pos.numel(), dtype=torch.int64, device=self.device)
-            if self.kind == "hca":
+            # slot t−W+1 … t of each query, the ones before the prompt (< 0) as −1
+            window_slots = (pos[:, None] + _window_offsets(cfg.sliding_window, self.device)[None, :]).clamp_(min=-1)
+            # every sampled query of a single-block chunk (a decode step whose position is sampled): offsets
+            # 0 … n−1, so t[sampled] is t itself, and no later block of the chunk can reuse what an op returned
+            whole = sampled is not None and sampled.numel() == pos.numel() and positions.numel() <= block
+            pick = (lambda t: t) if whole else (lambda t: t[sampled])  # noqa: E731
+            if self.kind == "swa":
+                comp_slots = torch.full((pos.numel(), 0), -1, dtype=torch.int64, device=self.device)
+                lanes, length = comp_slots, torch.zeros(pos.numel(), dtype=torch.int64, device=self.device)
+            elif self.kind == "hca":
                 ids = torch.arange(state.compressor.n_rows, device=self.device)
                 length = visible_rows(pos, self.ratio).clamp_max(ids.numel())
                 comp_slots = torch.where(ids[None, :] < length[:, None], ids[None, :], -1)
@@ -232,13 +252,13 @@ class OptimizedLayer:
                 logits = ctx.call("indexer_logits", q=q_idx[blk], weights=idx_weights[blk], positions=pos)
                 row_ids, valid = ctx.call("indexer_topk", logits=logits, positions=pos, k=cfg.index_topk)
                 if sink.wants("indexer.scores"):
-                    sink.emit("indexer.scores", pos[sampled], scores=logits[sampled])
+                    sink.emit("indexer.scores", pick(pos), scores=pick(logits))
                 if sink.wants("indexer.site") and sampled.numel():
-                    site_rows.append((pos[sampled], q_idx[blk][sampled], idx_weights[blk][sampled], row_ids[sampled],
-                                      valid[sampled]))
+                    site_rows.append((pick(pos), pick(q_idx[blk]), pick(idx_weights[blk]), pick(row_ids),
+                                      pick(valid)))
                 if sink.wants("indexer.selected"):
                     sink.emit("indexer.selected", pos, row_ids=row_ids, valid=valid)
-                comp_slots = torch.where(valid, row_ids, -1)
+                comp_slots = torch.where(valid, row_ids, constant(-1, row_ids.dtype, row_ids.device))
                 lanes, length = kernel_lanes(row_ids, valid)
             (o, lse), stock_only = ctx.call_noting_patches(
                 "sparse_attention", q=q[blk], window_slots=window_slots, comp_slots=comp_slots, sink=sink_logit,
@@ -246,12 +266,12 @@ class OptimizedLayer:
             if sink.wants("attn.lse"):
                 sink.emit("attn.lse", pos, lse=lse)
             if sink.wants("attn.site") and sampled.numel():
-                self._emit_site(sink, "attn.site", ctx, "sparse_attention", lambda r: {"lse": r[1]}, pos[sampled],
-                                (o[sampled], lse[sampled]), stock_only, q=q[blk][sampled],
-                                window_slots=window_slots[sampled], comp_slots=comp_slots[sampled], sink=sink_logit,
-                                comp_lanes=lanes[sampled], comp_length=length[sampled])
+                self._emit_site(sink, "attn.site", ctx, "sparse_attention", lambda r: {"lse": r[1]}, pick(pos),
+                                (pick(o), pick(lse)), stock_only, q=pick(q[blk]), window_slots=pick(window_slots),
+                                comp_slots=pick(comp_slots), sink=sink_logit, comp_lanes=pick(lanes),
+                                comp_length=pick(length))
             if sink.wants("attn.probs") and sampled.numel():
-                probs_rows.append((pos[sampled], q[blk][sampled], window_slots[sampled], comp_slots[sampled]))
+                probs_rows.append((pick(pos), pick(q[blk]), pick(window_slots), pick(comp_slots)))
             out[blk] = o
         # The indexer site and the attention rows are recomputed per query from the caches, which hold the whole
         # chunk before its first block: once per chunk over every block's sampled queries, not once per block
@@ -285,14 +305,15 @@ class OptimizedLayer:
             values["twin_noise"] = torch.zeros(ok.shape[0], device=ok.device)
         else:
             picked = stock.gather(1, values["stock_row_ids"].long())
-            kth = torch.where(ok, picked, float("inf")).amin(1, keepdim=True)
+            inf, zero = constant(float("inf"), picked.dtype, ok.device), constant(0.0, picked.dtype, ok.device)
+            kth = torch.where(ok, picked, inf).amin(1, keepdim=True)
             visible = torch.isfinite(stock) & torch.isfinite(logits["twin_"])
-            values["stock_margin"] = torch.where(ok, picked - kth, 0.0)
+            values["stock_margin"] = torch.where(ok, picked - kth, zero)
             # at least one fp32 ulp (2^-23 relative) of the query's largest score: a twin whose split happens to
             # sum every score the same way (4 heads as 2 + 2) shows no noise, and a tie is still a tie
-            ulp = torch.where(visible, stock.abs(), 0.0).amax(1) * 2.0**-23
+            ulp = torch.where(visible, stock.abs(), zero).amax(1) * 2.0**-23
             values["twin_noise"] = torch.maximum(
-                torch.where(visible, (logits["twin_"] - stock).abs(), 0.0).amax(1), ulp)
+                torch.where(visible, (logits["twin_"] - stock).abs(), zero).amax(1), ulp)
         sink.emit("indexer.site", pos, **values)
 
     def _emit_probs(self, ctx: OpContext, sink: ProbeSink, pos: torch.Tensor, q: torch.Tensor,
@@ -307,7 +328,7 @@ class OptimizedLayer:
 
     @staticmethod
     def _emit_rows(sink: ProbeSink, tap: str, rows: torch.Tensor, state: CompressorState) -> None:
-        if sink.wants(tap):
+        if sink.wants(tap) and rows.shape[0]:  # no row completed: nothing to emit
             ids = torch.arange(state.n_rows - rows.shape[0], state.n_rows, device=rows.device)
             sink.emit(tap, ids * state.ratio, rows=rows, row_ids=ids)
 
@@ -316,7 +337,7 @@ class OptimizedLayer:
         routing, stock_only = ctx.call_noting_patches("router", y=y, token_ids=token_ids)
         if sink.wants("moe.router"):
             sink.emit("moe.router", ctx.positions, scores=routing.scores, expert_ids=routing.expert_ids,
-                      weights=routing.weights * routing.output_scale)
+                      weights=_scaled(routing.weights, routing.output_scale))
         self._emit_site(sink, "moe.router.site", ctx, "router",
                         lambda r: _routing_fields(r, self.cfg.n_shared_experts > 0), ctx.positions, routing,
                         stock_only, y=y, token_ids=token_ids)
@@ -324,9 +345,9 @@ class OptimizedLayer:
         if self.cfg.n_shared_experts:
             g = ctx.call("linear", x=y, site="ffn.shared_experts.w1")
             u = ctx.call("linear", x=y, site="ffn.shared_experts.w3")
-            h = bf16(swiglu_fp32(g, u, self.cfg.swiglu_limit) * routing.shared_weight)
+            h = bf16(_scaled(swiglu_fp32(g, u, self.cfg.swiglu_limit), routing.shared_weight))
             total = total + ctx.call("linear", x=h, site="ffn.shared_experts.w2")
-        return bf16(total * routing.output_scale)
+        return bf16(_scaled(total, routing.output_scale))
 
 
 class OptimizedModel:

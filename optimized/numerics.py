@@ -8,6 +8,8 @@ an fp32 matmul of the rounded operands is the kernel's result but for summation 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from reference.graphs import replay
@@ -15,6 +17,14 @@ from reference.quant import fp8_fake_quant
 
 ACT_BLOCK = 128  # FP8 activation quantization: one UE8M0 scale per token per 128 K-elements
 ACT_AMAX_FLOOR = 1e-4  # official act_quant floor on amax
+
+
+@functools.lru_cache(maxsize=None)
+def constant(value: float | int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-dim tensor of `value`, made once per (value, dtype, device). `torch.where(c, x, <python number>)` turns
+    the number into a tensor at every call — on a GPU one more launch, at every decode step; a 0-dim tensor of x's
+    own dtype gives the same result dtype and the same bits. Read only: it is shared."""
+    return torch.tensor(value, dtype=dtype, device=device)
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:

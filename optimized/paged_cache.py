@@ -43,53 +43,70 @@ class LatentCache:
         self.codes = torch.zeros(n_pages, PAGE_SIZE, nope, dtype=torch.float8_e4m3fn, device=device)
         self.scales = torch.full((n_pages, PAGE_SIZE, n_blocks), 127, dtype=torch.uint8, device=device)
         self.rope_part = torch.zeros(n_pages, PAGE_SIZE, rope, dtype=torch.bfloat16, device=device)
-        self.decoded = torch.zeros(n_pages, PAGE_SIZE, nope + rope, dtype=torch.bfloat16, device=device)
+        # the decoded rows of every page, then one zero row that every slot < 0 reads (load: one gather, no mask)
+        self._decoded_rows = torch.zeros(n_pages * PAGE_SIZE + 1, nope + rope, dtype=torch.bfloat16, device=device)
         self.page_table = scrambled_page_order(n_pages).to(device)
         self.length = 0
+        self._slot_rows_of: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def capacity(self) -> int:
         return self.codes.shape[0] * PAGE_SIZE
 
-    def physical(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(physical page, offset) of logical row slots."""
-        return self.page_table[torch.div(slots, PAGE_SIZE, rounding_mode="floor").long()].long(), slots % PAGE_SIZE
-
     def append(self, rows: torch.Tensor) -> None:
-        """Quantize and store rows [n, nope + rope] at the next slots."""
+        """Quantize and store rows [n, nope + rope] at the next slots (no row: nothing to store)."""
         n = rows.shape[0]
         if self.length + n > self.capacity:
             raise RuntimeError(f"latent cache full: {self.length} + {n} rows > capacity {self.capacity}")
-        codes, scales = quantize_latent_nope(rows[:, : self.nope])
-        page, off = self.physical(torch.arange(self.length, self.length + n, device=self.device))
-        self.codes.view(torch.uint8)[page, off] = codes.view(torch.uint8)  # byte copy: no fp8 index_put needed
-        self.scales[page, off] = scales
+        if n == 0:
+            return
+        codes, scales, scale = quantize_latent_nope(rows[:, : self.nope], with_scale=True)
+        at = slot_rows(self)[self.length : self.length + n]  # flat rows (page·64 + offset) of the next slots
+        self.codes.view(torch.uint8).flatten(0, 1)[at] = codes.view(torch.uint8)  # byte copy: no fp8 index_put
+        self.scales.flatten(0, 1)[at] = scales
         rope = rows[:, self.nope :].to(torch.bfloat16)
-        self.rope_part[page, off] = rope
-        self.decoded[page, off] = torch.cat([dequantize_latent_nope(codes, scales), rope], -1)
+        self.rope_part.flatten(0, 1)[at] = rope
+        # codes·2^e with the quantizer's own 2^e: what dequantize_latent_nope(codes, scales) decodes from the bytes
+        self._decoded_rows[at] = torch.cat([(codes.float() * scale).to(torch.bfloat16), rope], -1)
         self.length += n
 
     def to(self, device: torch.device | str) -> "LatentCache":
         """Move every stored tensor (bits, decoded copy, page table) to `device`; returns self."""
-        for name in ("codes", "scales", "rope_part", "decoded", "page_table"):
+        for name in ("codes", "scales", "rope_part", "_decoded_rows", "page_table"):
             setattr(self, name, getattr(self, name).to(device))
         self.device = torch.device(device)
+        self._slot_rows_of = None
         return self
 
     def load(self, slots: torch.Tensor) -> torch.Tensor:
-        """Dequantized rows (bf16, exact) for slots of any shape; slots < 0 give zero rows."""
-        valid = slots >= 0
-        page, off = self.physical(slots.clamp(min=0))
-        rows = self.decoded[page, off]
-        return torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        """Dequantized rows (bf16, exact) for slots of any shape; slots < 0 give zero rows (the row after the
+        pages, which slot_rows names for slot −1)."""
+        return self._decoded_rows[slot_rows(self)[slots.clamp(min=-1)]]
 
 
-def quantize_latent_nope(nope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """nope [..., nope] -> (e4m3 codes, UE8M0 bytes per 64): the KV writer's rule (optimized-stack §0.1)."""
+def slot_rows(cache: "LatentCache | IndexKeyCache") -> torch.Tensor:
+    """The flat physical row (page·64 + offset) of every logical slot of `cache`, then one more entry — what slot
+    −1 indexes — naming the row after the last page. Built once per page table (fixed for a cache's life; the
+    kernel tests replace it, so it is rebuilt when the table object changes): an append or a load then indexes
+    rows directly instead of dividing, looking up and taking remainders at every step."""
+    memo = cache._slot_rows_of
+    if memo is None or memo[0] is not cache.page_table:
+        pages = cache.page_table.long()
+        rows = (pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE, device=pages.device)).flatten()
+        memo = cache._slot_rows_of = (cache.page_table,
+                                      torch.cat([rows, rows.new_full((1,), pages.numel() * PAGE_SIZE)]))
+    return memo[1]
+
+
+def quantize_latent_nope(nope: torch.Tensor, with_scale: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """nope [..., nope] -> (e4m3 codes, UE8M0 bytes per 64): the KV writer's rule (optimized-stack §0.1).
+    `with_scale`: also the per-element scale 2^e the codes were divided by — exactly what the bytes decode to
+    (e8m0_decode(e8m0_encode(e)) = 2^e for every e that encode accepts)."""
     exp = ue8m0_scale_for(blockwise_amax_last(nope.float(), KV_SCALE_BLOCK), FP8_MAX, KV_AMAX_FLOOR)
     scale = expand_blocks_last(pow2(exp), KV_SCALE_BLOCK, nope.shape[-1])
     codes = torch.clamp(nope.float() / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return codes, e8m0_encode(exp)
+    return (codes, e8m0_encode(exp), scale) if with_scale else (codes, e8m0_encode(exp))
 
 
 def dequantize_latent_nope(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -109,6 +126,8 @@ class IndexKeyCache:
         self.values_fp4 = torch.zeros(n_pages, PAGE_SIZE, dim, dtype=torch.float32, device=device) if fp4 else None
         self.page_table = scrambled_page_order(n_pages).to(device)
         self.length = 0
+        self._slot_rows_of: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._dense_codes: tuple[int, tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def capacity(self) -> int:
@@ -118,32 +137,35 @@ class IndexKeyCache:
         n = rows.shape[0]
         if self.length + n > self.capacity:
             raise RuntimeError(f"index key cache full: {self.length} + {n} rows > capacity {self.capacity}")
-        slots = torch.arange(self.length, self.length + n, device=self.device)
-        page = self.page_table[torch.div(slots, PAGE_SIZE, rounding_mode="floor")].long()
-        off = slots % PAGE_SIZE
+        if n == 0:
+            return
+        at = slot_rows(self)[self.length : self.length + n]
         if self.fp4:
-            self.values_fp4[page, off] = fp4_fake_quant(rows.float(), block=32)
+            self.values_fp4.flatten(0, 1)[at] = fp4_fake_quant(rows.float(), block=32)
         else:
             codes, scale = quantize_fp8_per_row(rows)
-            self.codes.view(torch.uint8)[page, off] = codes.view(torch.uint8)
-            self.scale[page, off] = scale
+            self.codes.view(torch.uint8).flatten(0, 1)[at] = codes.view(torch.uint8)
+            self.scale.flatten(0, 1)[at] = scale
         self.length += n
-
-    def _logical(self) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = torch.arange(self.length, device=self.device)
-        return self.page_table[torch.div(slots, PAGE_SIZE, rounding_mode="floor")].long(), slots % PAGE_SIZE
 
     def dense(self) -> torch.Tensor:
         """All stored keys dequantized to fp32 in logical order: [length, dim]."""
-        page, off = self._logical()
+        at = slot_rows(self)[: self.length]
         if self.fp4:
-            return self.values_fp4[page, off]
-        return self.codes[page, off].float() * self.scale[page, off][:, None]
+            return self.values_fp4.flatten(0, 1)[at]
+        return self.codes.flatten(0, 1)[at].float() * self.scale.flatten(0, 1)[at][:, None]
 
     def dense_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """FP8 layout only: the e4m3 values as fp32 [length, dim] and the per-row scales [length]."""
-        page, off = self._logical()
-        return self.codes[page, off].float(), self.scale[page, off]
+        """FP8 layout only: the e4m3 values as fp32 [length, dim] and the per-row scales [length]. Kept until the
+        keys change (an append, or a test replacing a tensor): a decode step's indexer op and its site's stock and
+        twin ops read the same keys. Read only."""
+        key = (self.codes, self.scale, self.page_table)
+        memo = self._dense_codes
+        if memo is None or memo[0] != self.length or any(a is not b for a, b in zip(memo[1], key)):
+            at = slot_rows(self)[: self.length]
+            memo = self._dense_codes = (self.length, key,
+                                        (self.codes.flatten(0, 1)[at].float(), self.scale.flatten(0, 1)[at]))
+        return memo[2]
 
 
 def quantize_fp8_per_row(x: torch.Tensor, amax_floor: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:

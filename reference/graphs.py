@@ -22,7 +22,7 @@ passes of up to 4,096 tokens replay too — one graph per distinct length, a few
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -37,8 +37,50 @@ _graphs: dict[tuple, "_Graph | None"] = {}  # None: capture failed for this key,
 _lock = threading.Lock()
 
 
+Layout = list[tuple[int, int, torch.dtype, torch.Size]]
+"""Where each tensor lies in a byte buffer: (index among the tensors, byte offset, dtype, shape)."""
+
+
+def _packable(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Indices of the tensors that can travel as bytes in one buffer: contiguous, of the first one's device."""
+    return [i for i, t in enumerate(tensors) if t.is_contiguous() and t.device == tensors[0].device]
+
+
+def _pack(tensors: Sequence[torch.Tensor], which: list[int]) -> tuple[torch.Tensor, Layout]:
+    """One uint8 buffer holding the bytes of tensors[i] for i in `which` (one cat: one launch), widest element
+    first so that every tensor starts at a multiple of its element size and can be viewed back in its dtype."""
+    order = sorted(which, key=lambda i: -tensors[i].element_size())
+    layout, parts, offset = [], [], 0
+    for i in order:
+        t = tensors[i]
+        parts.append(t.detach().reshape(-1).view(torch.uint8))
+        layout.append((i, offset, t.dtype, t.shape))
+        offset += parts[-1].numel()
+    return torch.cat(parts), layout
+
+
+def _unpack(buffer: torch.Tensor, layout: Layout, out: list[Any]) -> None:
+    for i, offset, dtype, shape in layout:
+        nbytes = shape.numel() * torch.empty(0, dtype=dtype).element_size()
+        out[i] = buffer[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def clone_together(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """clone() of each tensor (detached), made by one copy where it can be: the contiguous ones of the first one's
+    device are copied as bytes into one buffer and handed back as views of it (a byte copy: clone()'s bits); any
+    other is cloned by itself. A probe keeps a decode step's tap fields this way (harness.run.probes)."""
+    out: list[Any] = [None] * len(tensors)
+    which = _packable(tensors) if tensors else []
+    if len(which) > 1:
+        buffer, layout = _pack(tensors, which)
+        _unpack(buffer, layout, out)
+    return [o if o is not None else t.detach().clone() for o, t in zip(out, tensors)]
+
+
 class _Graph:
-    """One captured call: its static inputs (written before each replay) and outputs (copied after it)."""
+    """One captured call: its static inputs (written before each replay) and outputs (copied after it). Several
+    contiguous outputs are also packed as bytes into one buffer inside the graph, so a replay copies them out with
+    one launch instead of one per output (hc_mix: four)."""
 
     def __init__(self, fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], static: dict[str, Any]) -> None:
         self.inputs = [torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device) for t in tensors]
@@ -51,8 +93,11 @@ class _Graph:
         torch.cuda.current_stream(tensors[0].device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: the weight prefetcher's thread keeps working on its own stream during the capture
+        self.packed: tuple[torch.Tensor, Layout] | None = None
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs, **static)
+            if not isinstance(self.outputs, torch.Tensor) and len(_packable(self.outputs)) == len(self.outputs) > 1:
+                self.packed = _pack(self.outputs, list(range(len(self.outputs))))
 
     def __call__(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         for dst, src in zip(self.inputs, tensors):
@@ -60,6 +105,10 @@ class _Graph:
         self.graph.replay()
         if isinstance(self.outputs, torch.Tensor):
             return self.outputs.clone()
+        if self.packed is not None:
+            out: list[Any] = [None] * len(self.outputs)
+            _unpack(self.packed[0].clone(), self.packed[1], out)
+            return type(self.outputs)(out)
         return type(self.outputs)(o.clone() for o in self.outputs)
 
 

@@ -269,3 +269,53 @@ def test_launch_count_names_the_regions_of_a_layer():
         assert counts.get(region, 0) > 0, (region, out)
     total = int(re.search(r"([\d,]+) launching operations", out)[1].replace(",", ""))
     assert total >= sum(counts.values())
+
+
+def test_tensors_cloned_together_have_clones_bits_dtypes_and_shapes():
+    """clone_together (a decode step's tap fields, a graph replay's outputs) copies bytes through one buffer: each
+    copy must equal clone() bit for bit in every dtype, NaN payloads and signed zeros included, and not alias the
+    originals; a non-contiguous tensor is cloned by itself."""
+    from reference.graphs import clone_together
+
+    g = torch.Generator().manual_seed(0)
+    floats = torch.randn(3, 5, generator=g)
+    floats[0, 0], floats[0, 1] = -0.0, float("nan")
+    tensors = [torch.arange(7), floats, floats.to(torch.bfloat16), torch.rand(4, generator=g) > 0.5,
+               torch.randn(6, 4, generator=g).t(), torch.zeros(0, 3), torch.tensor([1, 2], dtype=torch.int32)]
+    copies = clone_together(tensors)
+    for t, c in zip(tensors, copies):
+        assert c.dtype == t.dtype and c.shape == t.shape
+        assert torch.equal(c.contiguous().view(torch.uint8), t.contiguous().view(torch.uint8))  # bits, NaN too
+        assert c.numel() == 0 or c.data_ptr() != t.data_ptr()
+    floats.fill_(1.0)  # the copies do not follow the originals
+    assert torch.isnan(copies[1][0, 1]) and copies[2][1, 1] == tensors[2][1, 1]
+
+
+def test_paged_caches_address_rows_through_the_page_table_they_hold_now():
+    """The slot → row table is built once per page table; a cache whose table is replaced (as the kernel tests
+    scramble it) must store and load through the new one, and the indexer's key codes must follow every append."""
+    from optimized.paged_cache import PAGE_SIZE, IndexKeyCache, LatentCache
+
+    g = torch.Generator().manual_seed(1)
+    cache = LatentCache(3 * PAGE_SIZE, 64, 16, "cpu")
+    first = torch.randn(70, 80, generator=g)
+    cache.append(first)
+    before = cache.load(torch.arange(70))
+    cache.page_table = torch.tensor([1, 2, 0], dtype=torch.int32)  # a new table: the next rows land elsewhere
+    cache.append(torch.randn(10, 80, generator=g))
+    cache.append(torch.zeros(0, 80))  # no row: nothing stored
+    assert cache.length == 80
+    rows = cache.load(torch.tensor([[-1, 75, -5]]))
+    assert torch.equal(rows[0, 0], torch.zeros(80, dtype=torch.bfloat16)) and torch.equal(rows[0, 0], rows[0, 2])
+    flat = cache.page_table.long()[75 // PAGE_SIZE] * PAGE_SIZE + 75 % PAGE_SIZE
+    assert torch.equal(rows[0, 1], cache._decoded_rows[flat])
+    assert not torch.equal(before, cache.load(torch.arange(70)))  # the old rows are read through the new table
+
+    keys = IndexKeyCache(2 * PAGE_SIZE, 32, "cpu")
+    keys.append(torch.randn(5, 32, generator=g))
+    codes, scale = keys.dense_codes()
+    assert keys.dense_codes()[0] is codes  # the same keys: read once
+    keys.append(torch.randn(3, 32, generator=g))
+    codes8, scale8 = keys.dense_codes()
+    assert codes8.shape[0] == 8 and torch.equal(codes8[:5], codes) and torch.equal(scale8[:5], scale)
+    assert torch.equal(codes8 * scale8[:, None], keys.dense())

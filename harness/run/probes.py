@@ -18,6 +18,7 @@ import torch
 
 from harness.run.aggregate import LayerAccumulator
 from harness.run.metrics import COMPARATORS, SITE_COMPARATORS, CompareContext, MetricValues, compare_indexer_scores
+from reference.graphs import clone_together
 from reference.layer import MAX_QUERY_BLOCK
 
 DENSE_TAPS = ("attn.out", "moe.out", "attn.hc", "ffn.hc", "attn.lse", "moe.router", "indexer.selected", "layer.out")
@@ -249,7 +250,8 @@ class ComparingSink:
         if (tap in COMPARATORS and positions.dim() == 1 and (n == 1 or block)
                 and all(v.dim() and v.shape[0] == n for v in values.values())):
             held = self._deferred.setdefault(tap, [])
-            held.append((number, positions.clone(), {k: v.detach().clone() for k, v in values.items()}))
+            kept = clone_together([positions, *values.values()])  # one copy, not one per field
+            held.append((number, kept[0], dict(zip(values, kept[1:]))))
             if len(held) >= self.DEFER_EMISSIONS:
                 self._compare_deferred(tap)
             return
