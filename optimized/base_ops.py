@@ -203,7 +203,7 @@ def indexer_logits(ctx: OpContext, q: torch.Tensor, weights: torch.Tensor, posit
     if keys.fp4:
         k, k_scale = keys.dense(), torch.ones(keys.length, device=q.device)
     else:
-        k, k_scale = keys.dense_codes()
+        k, k_scale = keys.shared_dense_codes()  # read only
     dots = q8.float() @ k.T
     weighted = w.unsqueeze(-1) * torch.relu(dots)  # [B, heads, R]: the fp32 weighted head-sum (optimized-stack §3.1)
     if reassociated(ctx):

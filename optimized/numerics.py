@@ -9,6 +9,7 @@ an fp32 matmul of the rounded operands is the kernel's result but for summation 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -19,11 +20,18 @@ ACT_BLOCK = 128  # FP8 activation quantization: one UE8M0 scale per token per 12
 ACT_AMAX_FLOOR = 1e-4  # official act_quant floor on amax
 
 
-@functools.lru_cache(maxsize=None)
 def constant(value: float | int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A 0-dim tensor of `value`, made once per (value, dtype, device). `torch.where(c, x, <python number>)` turns
     the number into a tensor at every call — on a GPU one more launch, at every decode step; a 0-dim tensor of x's
-    own dtype gives the same result dtype and the same bits. Read only: it is shared."""
+    own dtype gives the same result dtype and the same bits. Read only: it is shared. Keyed by the value's sign
+    too (−0.0 == 0.0 in Python, not in bits); NaN is refused (it equals nothing, so it would never be found)."""
+    if value != value:
+        raise ValueError("constant(): NaN has no cache key")
+    return _constant(value, math.copysign(1.0, value) < 0, dtype, torch.device(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _constant(value: float | int, negative: bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(value, dtype=dtype, device=device)
 
 

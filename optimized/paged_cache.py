@@ -86,15 +86,16 @@ class LatentCache:
 
 def slot_rows(cache: "LatentCache | IndexKeyCache") -> torch.Tensor:
     """The flat physical row (page·64 + offset) of every logical slot of `cache`, then one more entry — what slot
-    −1 indexes — naming the row after the last page. Built once per page table (fixed for a cache's life; the
-    kernel tests replace it, so it is rebuilt when the table object changes): an append or a load then indexes
-    rows directly instead of dividing, looking up and taking remainders at every step."""
+    −1 indexes — naming the row after the last physical page. Built once per page table (fixed for a cache's life;
+    the kernel tests replace it, so it is rebuilt when the table object changes — a table edited in place is not
+    seen): an append or a load then indexes rows directly instead of dividing, looking up and taking remainders
+    at every step."""
     memo = cache._slot_rows_of
     if memo is None or memo[0] is not cache.page_table:
         pages = cache.page_table.long()
         rows = (pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE, device=pages.device)).flatten()
-        memo = cache._slot_rows_of = (cache.page_table,
-                                      torch.cat([rows, rows.new_full((1,), pages.numel() * PAGE_SIZE)]))
+        after_pages = cache.codes.shape[0] * PAGE_SIZE  # the physical pool's end, whatever the table's length
+        memo = cache._slot_rows_of = (cache.page_table, torch.cat([rows, rows.new_full((1,), after_pages)]))
     return memo[1]
 
 
@@ -156,9 +157,15 @@ class IndexKeyCache:
         return self.codes.flatten(0, 1)[at].float() * self.scale.flatten(0, 1)[at][:, None]
 
     def dense_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """FP8 layout only: the e4m3 values as fp32 [length, dim] and the per-row scales [length]. Kept until the
-        keys change (an append, or a test replacing a tensor): a decode step's indexer op and its site's stock and
-        twin ops read the same keys. Read only."""
+        """FP8 layout only: the e4m3 values as fp32 [length, dim] and the per-row scales [length] — the caller's
+        own tensors (a patch may change them in place)."""
+        codes, scale = self.shared_dense_codes()
+        return codes.clone(), scale.clone()
+
+    def shared_dense_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """dense_codes(), kept until the keys change (an append, or a tensor or page table replaced — not edited in
+        place) and handed to every caller: a decode step's stock indexer op and its site's stock and twin ops read
+        the same keys, once. Read only: the stock op (base_ops.indexer_logits) never writes to them."""
         key = (self.codes, self.scale, self.page_table)
         memo = self._dense_codes
         if memo is None or memo[0] != self.length or any(a is not b for a, b in zip(memo[1], key)):

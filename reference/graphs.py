@@ -37,6 +37,10 @@ _graphs: dict[tuple, "_Graph | None"] = {}  # None: capture failed for this key,
 _lock = threading.Lock()
 
 
+OUTPUT_ALIGN = 512
+"""Byte alignment of each output in a replay's packed copy: the caching allocator's block size, so an output's
+address is aligned as its own clone's was."""
+
 Layout = list[tuple[int, int, torch.dtype, torch.Size]]
 """Where each tensor lies in a byte buffer: (index among the tensors, byte offset, dtype, shape)."""
 
@@ -46,13 +50,18 @@ def _packable(tensors: Sequence[torch.Tensor]) -> list[int]:
     return [i for i, t in enumerate(tensors) if t.is_contiguous() and t.device == tensors[0].device]
 
 
-def _pack(tensors: Sequence[torch.Tensor], which: list[int]) -> tuple[torch.Tensor, Layout]:
+def _pack(tensors: Sequence[torch.Tensor], which: list[int], align: int = 1) -> tuple[torch.Tensor, Layout]:
     """One uint8 buffer holding the bytes of tensors[i] for i in `which` (one cat: one launch), widest element
-    first so that every tensor starts at a multiple of its element size and can be viewed back in its dtype."""
+    first so that every tensor starts at a multiple of its element size and can be viewed back in its dtype;
+    `align` > 1 also starts each at a multiple of `align` bytes (unused bytes between them)."""
     order = sorted(which, key=lambda i: -tensors[i].element_size())
     layout, parts, offset = [], [], 0
     for i in order:
         t = tensors[i]
+        pad = -offset % align
+        if pad:
+            parts.append(torch.empty(pad, dtype=torch.uint8, device=t.device))
+            offset += pad
         parts.append(t.detach().reshape(-1).view(torch.uint8))
         layout.append((i, offset, t.dtype, t.shape))
         offset += parts[-1].numel()
@@ -61,8 +70,7 @@ def _pack(tensors: Sequence[torch.Tensor], which: list[int]) -> tuple[torch.Tens
 
 def _unpack(buffer: torch.Tensor, layout: Layout, out: list[Any]) -> None:
     for i, offset, dtype, shape in layout:
-        nbytes = shape.numel() * torch.empty(0, dtype=dtype).element_size()
-        out[i] = buffer[offset:offset + nbytes].view(dtype).view(shape)
+        out[i] = buffer[offset:offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
 
 
 def clone_together(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -97,7 +105,9 @@ class _Graph:
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs, **static)
             if not isinstance(self.outputs, torch.Tensor) and len(_packable(self.outputs)) == len(self.outputs) > 1:
-                self.packed = _pack(self.outputs, list(range(len(self.outputs))))
+                # each output where the caching allocator would have put its clone (512-byte blocks): a kernel that
+                # picks its algorithm by its operands' alignment (cuBLAS, vectorised loads) picks the same one
+                self.packed = _pack(self.outputs, list(range(len(self.outputs))), align=OUTPUT_ALIGN)
 
     def __call__(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         for dst, src in zip(self.inputs, tensors):

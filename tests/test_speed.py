@@ -290,6 +290,16 @@ def test_tensors_cloned_together_have_clones_bits_dtypes_and_shapes():
     floats.fill_(1.0)  # the copies do not follow the originals
     assert torch.isnan(copies[1][0, 1]) and copies[2][1, 1] == tensors[2][1, 1]
 
+    # a graph replay's outputs are packed with each one where its own clone would start (graphs.OUTPUT_ALIGN)
+    from reference.graphs import OUTPUT_ALIGN, _pack, _unpack
+    outputs = [torch.randn(1, 4, generator=g), torch.randn(1, 4, 4, generator=g),
+               torch.randn(3, generator=g).bfloat16()]
+    buffer, layout = _pack(outputs, [0, 1, 2], align=OUTPUT_ALIGN)
+    unpacked: list = [None] * 3
+    _unpack(buffer, layout, unpacked)
+    assert all(offset % OUTPUT_ALIGN == 0 for _, offset, _, _ in layout)
+    assert all(u.dtype == o.dtype and torch.equal(u, o) for u, o in zip(unpacked, outputs))
+
 
 def test_paged_caches_address_rows_through_the_page_table_they_hold_now():
     """The slot → row table is built once per page table; a cache whose table is replaced (as the kernel tests
@@ -310,12 +320,28 @@ def test_paged_caches_address_rows_through_the_page_table_they_hold_now():
     flat = cache.page_table.long()[75 // PAGE_SIZE] * PAGE_SIZE + 75 % PAGE_SIZE
     assert torch.equal(rows[0, 1], cache._decoded_rows[flat])
     assert not torch.equal(before, cache.load(torch.arange(70)))  # the old rows are read through the new table
+    cache.page_table = torch.tensor([2, 0], dtype=torch.int32)  # a table shorter than the pool: −1 is still zero
+    assert torch.equal(cache.load(torch.tensor([-1])), torch.zeros(1, 80, dtype=torch.bfloat16))
 
     keys = IndexKeyCache(2 * PAGE_SIZE, 32, "cpu")
     keys.append(torch.randn(5, 32, generator=g))
-    codes, scale = keys.dense_codes()
-    assert keys.dense_codes()[0] is codes  # the same keys: read once
+    codes, scale = keys.shared_dense_codes()
+    assert keys.shared_dense_codes()[0] is codes  # the same keys: read once
+    mine, _ = keys.dense_codes()
+    mine.mul_(2.0)  # a patch's own copy: changing it changes nothing shared
+    assert keys.shared_dense_codes()[0] is codes and not torch.equal(mine, codes)
     keys.append(torch.randn(3, 32, generator=g))
-    codes8, scale8 = keys.dense_codes()
+    codes8, scale8 = keys.shared_dense_codes()
     assert codes8.shape[0] == 8 and torch.equal(codes8[:5], codes) and torch.equal(scale8[:5], scale)
     assert torch.equal(codes8 * scale8[:, None], keys.dense())
+
+
+def test_cached_constants_keep_the_sign_of_zero_and_refuse_nan():
+    """optimized.numerics.constant caches 0-dim tensors by value: −0.0 equals 0.0 in Python but not in bits."""
+    from optimized.numerics import constant
+
+    pos, neg = constant(0.0, torch.float32, "cpu"), constant(-0.0, torch.float32, "cpu")
+    assert torch.signbit(neg) and not torch.signbit(pos)
+    assert constant(-1, torch.int64, "cpu") is constant(-1, torch.int64, "cpu")
+    with pytest.raises(ValueError):
+        constant(float("nan"), torch.float32, "cpu")

@@ -419,4 +419,7 @@ class DumpSink:
             if p in self.positions:
                 for name, v in values.items():
                     if v.dim() and v.shape[0] == positions.shape[0]:
-                        self.tensors[f"{self.prefix}{tap}.{name}@{p}"] = v[i].detach().float().cpu().contiguous()
+                        # a copy in every case (.float().cpu() of an fp32 CPU tensor is the tensor itself): a later
+                        # in-place change to what the stack emitted must not reach the dump
+                        self.tensors[f"{self.prefix}{tap}.{name}@{p}"] = v[i].detach().to(
+                            "cpu", torch.float32, copy=True).contiguous()
