@@ -367,22 +367,24 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
 
 
 FEW_PAIRS = 64
-"""Pair rows up to which _per_expert joins the experts' products with one cat (a decode step has top-k of them)."""
+"""Pair rows up to which _per_expert joins the experts' products with one cat: a decode step has top-k (6) of them,
+and the cat holds the products twice for a moment — at most 64 rows × 4096 fp32 (Flash's hidden size) = 1 MB."""
 
 
 def _per_expert(ctx: OpContext, x: torch.Tensor, layout: "PairLayout", matrix: str) -> torch.Tensor:
     """x's rows (laid out expert by expert) times their expert's `matrix`ᵀ, in the same row order. The products
     are the same GEMMs either way; few rows (a decode step) are joined with one cat instead of a copy per expert
     into a buffer; many (a prefill chunk) are written into one buffer, so that no two copies of all of them exist."""
-    products = ((rows, x[rows] @ ctx.weight(f"ffn.experts.{e}.{matrix}.weight").T) for e, rows in layout.spans)
-    if layout.order.numel() <= FEW_PAIRS:
-        parts = [p for _, p in products]
-        if parts:
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def product(e: int, rows: slice) -> torch.Tensor:
+        return x[rows] @ ctx.weight(f"ffn.experts.{e}.{matrix}.weight").T
+
+    if layout.spans and layout.order.numel() <= FEW_PAIRS:
+        parts = [product(e, rows) for e, rows in layout.spans]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
     width = ctx.cfg.moe_intermediate_size if matrix != "w2" else ctx.cfg.hidden_size
     out = torch.empty(layout.order.numel(), width, dtype=torch.float32, device=x.device)
-    for rows, p in products:
-        out[rows] = p
+    for e, rows in layout.spans:
+        out[rows] = product(e, rows)
     return out
 
 

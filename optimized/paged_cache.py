@@ -60,7 +60,7 @@ class LatentCache:
             raise RuntimeError(f"latent cache full: {self.length} + {n} rows > capacity {self.capacity}")
         if n == 0:
             return
-        codes, scales, scale = quantize_latent_nope(rows[:, : self.nope], with_scale=True)
+        codes, scales, scale = quantize_latent_nope(rows[:, : self.nope])
         at = slot_rows(self)[self.length : self.length + n]  # flat rows (page·64 + offset) of the next slots
         self.codes.view(torch.uint8).flatten(0, 1)[at] = codes.view(torch.uint8)  # byte copy: no fp8 index_put
         self.scales.flatten(0, 1)[at] = scales
@@ -99,15 +99,14 @@ def slot_rows(cache: "LatentCache | IndexKeyCache") -> torch.Tensor:
     return memo[1]
 
 
-def quantize_latent_nope(nope: torch.Tensor, with_scale: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """nope [..., nope] -> (e4m3 codes, UE8M0 bytes per 64): the KV writer's rule (optimized-stack §0.1).
-    `with_scale`: also the per-element scale 2^e the codes were divided by — exactly what the bytes decode to
+def quantize_latent_nope(nope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """nope [..., nope] -> (e4m3 codes, UE8M0 bytes per 64, the per-element scale 2^e the codes were divided by):
+    the KV writer's rule (optimized-stack §0.1). The scale is exactly what the bytes decode to
     (e8m0_decode(e8m0_encode(e)) = 2^e for every e that encode accepts)."""
     exp = ue8m0_scale_for(blockwise_amax_last(nope.float(), KV_SCALE_BLOCK), FP8_MAX, KV_AMAX_FLOOR)
     scale = expand_blocks_last(pow2(exp), KV_SCALE_BLOCK, nope.shape[-1])
     codes = torch.clamp(nope.float() / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return (codes, e8m0_encode(exp), scale) if with_scale else (codes, e8m0_encode(exp))
+    return codes, e8m0_encode(exp), scale
 
 
 def dequantize_latent_nope(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -21,13 +21,11 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from itertools import combinations
 from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
-import torch
 
 from harness.attribution.plan import BASE, attribution_variants, full_name, leave_one_out_name, only, pair, \
     pair_variants
@@ -256,9 +254,7 @@ def _run_pass(spec: RunSpec, store: RunStore, progress, execute: Execute) -> Non
     attribution's analysis needs none: Flash at 30K tokens keeps 17 GB of streams)."""
     start = resume_layer(store)
     if start is not None:
-        segments = store.read_manifest().get("segments", [])
-        segments.append({"start_layer": start, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                         "seconds": 0.0, "device": spec.device, "threads": torch.get_num_threads()})
+        segments = store.new_segment(start, spec.device)
         t0 = time.perf_counter()
 
         def record(**fields: Any) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,15 @@ class RunStore:
             manifest.update(fields)
             self.write_manifest(manifest)
             return manifest
+
+    def new_segment(self, start_layer: int, device: str, **fields: Any) -> list[dict[str, Any]]:
+        """The manifest's segments with one more, opened now (not written yet): a run or pass from `start_layer`,
+        its seconds 0 until the caller records them; `fields` add what the caller knows (ranks)."""
+        segments = self.read_manifest().get("segments", [])
+        started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        segments.append({"start_layer": start_layer, "started": started, "seconds": 0.0, "device": device,
+                         "threads": torch.get_num_threads(), **fields})
+        return segments
 
     # --- metrics ----------------------------------------------------------------------------
     def part_path(self, layer: int) -> Path:

@@ -122,10 +122,9 @@ def _executor(devices: int) -> Execute:
     return lambda spec, store, _progress, start: run_sharded(devices, spec, store, threads, start)
 
 
-def resume_threads(run_dir: Path, threads: int | None) -> int | None:
+def resume_threads(manifest: dict, threads: int | None) -> int | None:
     """The thread count a resumed attribution runs with: the one asked for, else the run's own (parallel sums
     change with it)."""
-    manifest = _attribution_manifest(run_dir)
     return threads or manifest["overrides"].get("threads") or manifest["environment"].get("torch_threads")
 
 
@@ -144,11 +143,11 @@ def _attribution_manifest(run_dir: Path) -> dict:
     return manifest
 
 
-def resume(run_dir: Path, policy: str | None, device: str | None, interactions: str | None = None, progress=None,
-           devices: int | None = None, threads: int | None = None):
-    """`attribute --resume`: the stopped attribution in `run_dir`, rebuilt from its manifest, continued and
-    concluded; returns (Attribution, run directory). `interactions` None: the attribution's own setting."""
-    manifest = _attribution_manifest(run_dir)
+def resume(run_dir: Path, manifest: dict, policy: str | None, device: str | None, interactions: str | None = None,
+           progress=None, devices: int | None = None, threads: int | None = None):
+    """`attribute --resume`: the stopped attribution in `run_dir` (its manifest read by _attribution_manifest),
+    rebuilt from its manifest, continued and concluded; returns (Attribution, run directory). `interactions` None:
+    the attribution's own setting."""
     store = RunStore(run_dir)
     spec = spec_from_manifest(manifest, device)
     if prompt_digest(spec.prompt_ids) != manifest["prompt"]["digest"]:
@@ -176,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
                          "no scenario, --patches, --patch-module or --out")
     if args.resume is None and not args.scenario:
         raise UsageError("give a scenario (file or shipped name), or --resume RUN_DIR")
-    threads = resume_threads(args.resume, args.threads) if args.resume is not None else args.threads
+    manifest = _attribution_manifest(args.resume) if args.resume is not None else None
+    threads = resume_threads(manifest, args.threads) if manifest is not None else args.threads
     with torch_threads(threads), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=out, transient=True) as bar:
         task = bar.add_task("attribution", total=None)
@@ -194,8 +194,8 @@ def run(args: argparse.Namespace) -> int:
         if args.devices is not None and args.devices < 1:
             raise UsageError(f"--devices {args.devices}: give at least 1")
         if args.resume is not None:
-            result, run_dir = resume(args.resume, args.policy, args.device, args.interactions, progress, args.devices,
-                                     threads)
+            result, run_dir = resume(args.resume, manifest, args.policy, args.device, args.interactions, progress,
+                                     args.devices, threads)
         else:
             result, run_dir = attribute(args.scenario, args.patches, tuple(args.patch_module), args.policy,
                                         args.device, args.out, args.interactions or "auto", progress, args.devices,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import resource
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
@@ -237,9 +236,7 @@ def _run_layers(spec: RunSpec, store: RunStore, start: int, streams: dict[str, t
     if spec.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    segments = store.read_manifest().get("segments", [])
-    segments.append({"start_layer": start, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                     "seconds": 0.0, "device": spec.device, "threads": torch.get_num_threads(), "ranks": ranks})
+    segments = store.new_segment(start, spec.device, ranks=ranks)
     if sharded is not None:
         store.update_manifest(segments=segments)  # open: rank 0 records its time and last layer after every layer
         try:
