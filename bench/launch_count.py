@@ -91,7 +91,8 @@ class LaunchCounter(TorchDispatchMode):
 
 def count_replays_as_graphs(counter: LaunchCounter) -> None:
     """Count each call `reference.graphs.replay` would replay on a GPU as a GPU runs it: a copy per input, the graph's
-    launch and a copy per output (graphs._Graph.__call__), not the operations inside. Patched where it is imported."""
+    launch and the copies of its outputs (graphs._Graph.__call__: one when it packs them, else one per output), not
+    the operations inside. Patched where it is imported."""
     def replay(fn: Callable[..., Any], *tensors: torch.Tensor, **static: Any) -> Any:
         if not graphs.small_enough(tensors) or counter.paused:
             return fn(*tensors, **static)
@@ -100,7 +101,7 @@ def count_replays_as_graphs(counter: LaunchCounter) -> None:
             out = fn(*tensors, **static)
         finally:
             counter.paused = False
-        copies = len(tensors) + (1 if isinstance(out, torch.Tensor) else len(out))
+        copies = len(tensors) + (1 if isinstance(out, torch.Tensor) or graphs.packs_outputs(out) else len(out))
         counter.launches[counter.labels[-1]] += copies + 1
         counter.ops[counter.labels[-1]]["graph replay"] += 1
         counter.ops[counter.labels[-1]]["copy_ (graph in/out)"] += copies

@@ -50,6 +50,12 @@ def _packable(tensors: Sequence[torch.Tensor]) -> list[int]:
     return [i for i, t in enumerate(tensors) if t.is_contiguous() and t.device == tensors[0].device]
 
 
+def packs_outputs(outputs: Any) -> bool:
+    """Whether a replay copies these outputs out as one packed buffer (several, all contiguous on one device) rather
+    than one by one. bench/launch_count.py counts a replay's copies by the same rule."""
+    return not isinstance(outputs, torch.Tensor) and len(outputs) > 1 and len(_packable(outputs)) == len(outputs)
+
+
 def _pack(tensors: Sequence[torch.Tensor], which: list[int], align: int = 1) -> tuple[torch.Tensor, Layout]:
     """One uint8 buffer holding the bytes of tensors[i] for i in `which` (one cat: one launch), widest element
     first so that every tensor starts at a multiple of its element size and can be viewed back in its dtype;
@@ -104,7 +110,7 @@ class _Graph:
         self.packed: tuple[torch.Tensor, Layout] | None = None
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs, **static)
-            if not isinstance(self.outputs, torch.Tensor) and len(_packable(self.outputs)) == len(self.outputs) > 1:
+            if packs_outputs(self.outputs):
                 # each output where the caching allocator would have put its clone (512-byte blocks): a kernel that
                 # picks its algorithm by its operands' alignment (cuBLAS, vectorised loads) picks the same one
                 self.packed = _pack(self.outputs, list(range(len(self.outputs))), align=OUTPUT_ALIGN)
