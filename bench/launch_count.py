@@ -22,6 +22,7 @@ deferred and sampled comparisons, of both phases), `record` (the reference's tap
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import tempfile
 from typing import Any, Callable
@@ -61,6 +62,7 @@ class LaunchCounter(TorchDispatchMode):
         self.ops: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self._unwrapped: dict[str, Callable[..., Any]] = {}
         self.paused = False  # inside a function counted as a graph replay
+        self.callers: dict[str, collections.Counter[str]] | None = None  # per region, when asked (--callers)
 
     def __enter__(self) -> "LaunchCounter":
         for method in ("tolist", "cpu"):
@@ -84,9 +86,27 @@ class LaunchCounter(TorchDispatchMode):
         if name not in NO_LAUNCH:
             self.launches[self.labels[-1]] += 1
             self.ops[self.labels[-1]][name] += 1
+            if self.callers is not None:
+                self.callers.setdefault(self.labels[-1], collections.Counter())[caller()] += 1
         if name in HOST_READS:
             self.reads[self.labels[-1]] += 1
         return func(*args, **(kwargs or {}))
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = tuple(os.path.join(REPO, p) + os.sep for p in ("reference", "optimized", "harness"))
+
+
+def caller() -> str:
+    """The innermost line of this repository's packages on the stack ('path:line function'): where an operation was
+    asked for, below torch's own frames and this counter's."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(PACKAGES):
+            return f"{os.path.relpath(path, REPO)}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "(elsewhere)"
 
 
 def count_replays_as_graphs(counter: LaunchCounter) -> None:
@@ -153,6 +173,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30, help="regions listed (default 30)")
     ap.add_argument("--defer-blocks", action="store_true", help="batch prefill blocks' comparisons, as on a GPU")
     ap.add_argument("--ops", type=int, default=0, help="also list each region's N most frequent operations")
+    ap.add_argument("--callers", type=int, default=0, help="also list each region's N busiest lines of code")
     ap.add_argument("--eager", action="store_true", help="count what a GPU replays from CUDA graphs op by op")
     args = ap.parse_args()
     probes.ComparingSink.DEFER_BLOCKS_ON_CPU = args.defer_blocks
@@ -165,6 +186,8 @@ def main() -> None:
     spec = RunSpec(SyntheticWeights(cfg, 0), ids[: args.tokens], ids[args.tokens:], turns,
                    [(args.tokens // 8, args.tokens // 8 + 16)], variants, local=True, device=args.device)
     counter, where = LaunchCounter(), {"stack": "reference", "phase": "prefill"}
+    if args.callers:
+        counter.callers = {}
     instrument(counter, where)
     if not args.eager:
         count_replays_as_graphs(counter)
@@ -190,6 +213,8 @@ def main() -> None:
         print(f"  {n:9,d}  {counter.reads[region]:6,d} reads  {region}{per_step}")
         if args.ops:
             print("             " + ", ".join(f"{op} {k:,}" for op, k in counter.ops[region].most_common(args.ops)))
+        for line, k in (counter.callers or {}).get(region, collections.Counter()).most_common(args.callers):
+            print(f"             {k:8,d}  {line}")
 
 
 if __name__ == "__main__":
