@@ -54,6 +54,19 @@ def _decode(plan: TensorPlan, raw: dict[str, torch.Tensor]) -> Stored:
     return QuantizedTensor("nvfp4", codes, scale, global_scale, input_scale)
 
 
+ALIGN_BYTES = 64
+"""What PyTorch's CPU allocator aligns every tensor to (c10's gAlignment: one AVX-512 register)."""
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, copied when it does not start on an ALIGN_BYTES boundary. safetensors hands back tensors at their offsets in
+    the file, and MKL sums an unaligned operand's products in another order on some CPUs (AMD EPYC, 2026-12-02): the
+    same weights read from the hf layout (stored as fp32/bf16, used in place) and from the official one (dequantized
+    into fresh tensors) gave logits differing in their last bits. Aligned, a weight gives the same bits however it
+    was stored."""
+    return t if t.data_ptr() % ALIGN_BYTES == 0 else t.clone()
+
+
 class CheckpointWeights:
     """A `WeightSource` over a checkpoint directory in the `hf`, `official` or `nvfp4` layout."""
 
@@ -147,7 +160,7 @@ class CheckpointWeights:
             try:
                 with safe_open(file, framework="pt") as f:
                     for name, role, entry in items:
-                        raw[name][role] = f.get_tensor(entry.name)
+                        raw[name][role] = _aligned(f.get_tensor(entry.name))
             except Exception as e:  # safetensors raises its own error types; name the tensor and file instead
                 raise WeightError(f"tensor {entry.where()}: cannot read ({e})") from e
         return TensorBundle(where, {name: _decode(plan, raw[name]) for name, plan in plans.items()})
