@@ -739,9 +739,13 @@ def test_a_router_swapping_the_kth_expert_for_30_percent_of_tokens_fails_the_def
 
 @pytest.mark.parametrize("metric, tap, twin_value, site_value, passed", [
     # mHC mixes: fp32 re-association moves them ~u_fp32 = 6e-8; another re-association is the same size (passes),
-    # a bf16 pre-linear moves them ~u_bf16·(a few) = 3e-4 (fails): limit 2·twin + 2^-24
+    # a bf16 pre-linear moves them ~u_bf16·(a few) = 3e-4 (fails): limit 2·twin + 2^-22
     ("mhc.site_rel_err", "attn.hc.site", 6e-8, 1.2e-7, True),
     ("mhc.site_rel_err", "attn.hc.site", 6e-8, 3e-4, False),
+    # a twin whose split coincides with the BLAS's blocking shows 0; a re-association still moves the mixes by
+    # ~1.07·2^-24 (the selftest's decoy on an AMD EPYC machine): the floor passes it, and still fails bf16
+    ("mhc.site_rel_err", "attn.hc.site", 0.0, 1.07 * 2**-24, True),
+    ("mhc.site_rel_err", "attn.hc.site", 0.0, 2**-8, False),
     # router: the twin flips nothing of 640 × 4; 2× its count's noise and the floor allow 19.4 experts, not 20
     ("moe.site_flip_rate", "moe.router.site", 0, 19 / 2560, True),
     ("moe.site_flip_rate", "moe.router.site", 0, 20 / 2560, False),
@@ -759,7 +763,7 @@ def test_twin_bounds_pass_a_reassociation_and_fail_a_precision_loss(tmp_path, me
     assert by_variant["base"].status == "pass"
     assert (by_variant["patched"].status == "pass") is passed
     if metric == "mhc.site_rel_err":
-        assert by_variant["patched"].units[0].limit == pytest.approx(2 * twin_value + 2.0**-24)
+        assert by_variant["patched"].units[0].limit == pytest.approx(2 * twin_value + 2.0**-22)
     assert "×twin" in check.check.bound_text()
 
 
