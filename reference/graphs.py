@@ -97,7 +97,9 @@ class _Graph:
     one launch instead of one per output (hc_mix: four)."""
 
     def __init__(self, fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], static: dict[str, Any]) -> None:
-        self.inputs = [torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device) for t in tensors]
+        with torch.inference_mode(False):  # written in place at every replay, inside inference mode or not
+            self.inputs = [torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+                           for t in tensors]
         for dst, src in zip(self.inputs, tensors):
             dst.copy_(src)
         side = torch.cuda.Stream(tensors[0].device)  # warm-up off the capture (library handles, lazy init)

@@ -94,7 +94,8 @@ class DriftHarness:
         torch.set_float32_matmul_precision("highest")
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-        args.func(args)
+        with torch.inference_mode():  # as harness.cli.main.main runs every command
+            args.func(args)
         return out_dir
 
     def gate(self, run_dir: str | Path, policy: str | Path | None = None, baseline: str | Path | None = None):

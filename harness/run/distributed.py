@@ -385,7 +385,8 @@ def launch(world: int, worker: Callable[..., None], *args: Any) -> None:
 
 def _entry(rank: int, world: int, worker: Callable[..., None], args: tuple) -> None:
     try:
-        worker(rank, world, *args)
+        with torch.inference_mode():  # as harness.cli.main.main runs every command: a rank is a part of one
+            worker(rank, world, *args)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
