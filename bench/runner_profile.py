@@ -43,7 +43,7 @@ def main() -> None:
             spent[mark[1]] = spent.get(mark[1], 0.0) + now - mark[0]
         mark[0], mark[1] = now, event.get("stack")
 
-    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():  # as the CLI runs (harness.cli.main)
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():  # as the CLI runs (harness.cli.main.run_command)
         store = RunStore(tmp + "/run")
         store.create({})
         runner = LockstepRunner(spec, store, progress)

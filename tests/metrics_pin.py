@@ -62,8 +62,8 @@ def platform_fingerprint() -> dict[str, str]:
 
 
 def _processor() -> str:
-    """'vendor family F model M' from /proc/cpuinfo (a virtual machine's model name is often generic, its family and
-    model are not); the machine type elsewhere."""
+    """'vendor family F model M' (x86) or 'Arm implementer I part P' from /proc/cpuinfo (a virtual machine's model
+    name is often generic, its family and model are not); the machine type elsewhere."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -74,7 +74,11 @@ def _processor() -> str:
                 fields.setdefault(key.strip(), value.strip())
     except OSError:
         return platform.machine()
-    return f"{fields.get('vendor_id', '?')} family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+    if "vendor_id" in fields:  # x86
+        return f"{fields['vendor_id']} family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+    if "CPU implementer" in fields:  # Arm
+        return f"Arm implementer {fields['CPU implementer']} part {fields.get('CPU part', '?')}"
+    return platform.machine()
 
 
 def read_pins() -> list[dict]:

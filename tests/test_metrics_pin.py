@@ -30,4 +30,4 @@ def test_the_platform_fingerprint_names_the_processor():
     fingerprint must tell them apart."""
     fingerprint = platform_fingerprint()
     assert set(fingerprint) == {"torch", "cpu_capability", "cpu"}
-    assert fingerprint["cpu"] and fingerprint["cpu"] != "? family ? model ?", fingerprint
+    assert fingerprint["cpu"] and "?" not in fingerprint["cpu"], fingerprint

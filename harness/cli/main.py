@@ -47,22 +47,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    # The reference is pure fp32: no TF32 anywhere (DESIGN §3); the reference also asserts this itself.
+def run_command(args: argparse.Namespace) -> int:
+    """A parsed command's function, run as every entry point runs it (`main`, the pytest plugin's `run`). The
+    reference is pure fp32: no TF32 anywhere (DESIGN §3; the reference also asserts this itself). Nothing here
+    differentiates: inference mode skips autograd's and view tracking's dispatch on every tensor operation (~0.5 µs
+    each of a few µs; a run is bound by their number: README, What keeps a layer fast). The same kernels run: the
+    numbers do not change."""
     torch.set_float32_matmul_precision("highest")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    with torch.inference_mode():
+        return int(args.func(args) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
-        # Nothing here differentiates: inference mode skips autograd's and view tracking's dispatch on every tensor
-        # operation (~0.5 µs each of a few µs; a run is bound by their number: README, What keeps a layer fast).
-        # The same kernels run: the numbers do not change.
-        with torch.inference_mode():
-            return int(args.func(args) or 0)
+        return run_command(args)
     except UsageError as e:
         print(f"dsv4-drift {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -70,9 +70,7 @@ class DriftHarness:
         if unknown:
             raise TypeError(f"dsv4_drift.run: unknown override(s) {sorted(unknown)}; known: device, patches, "
                             "patch_modules (other settings belong in the scenario)")
-        import torch
-
-        from harness.cli.main import build_parser
+        from harness.cli.main import build_parser, run_command
 
         if isinstance(scenario, dict) or (isinstance(scenario, str) and "\n" in scenario):
             import yaml
@@ -90,12 +88,7 @@ class DriftHarness:
         for module in patch_modules:
             argv += ["--patch-module", str(module)]
         args = build_parser().parse_args(argv)
-        # as harness.cli.main.main does: the reference is pure fp32, never TF32 (DESIGN §3)
-        torch.set_float32_matmul_precision("highest")
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        with torch.inference_mode():  # as harness.cli.main.main runs every command
-            args.func(args)
+        run_command(args)  # as `dsv4-drift run` runs: no TF32, inference mode
         return out_dir
 
     def gate(self, run_dir: str | Path, policy: str | Path | None = None, baseline: str | Path | None = None):

@@ -385,7 +385,7 @@ def launch(world: int, worker: Callable[..., None], *args: Any) -> None:
 
 def _entry(rank: int, world: int, worker: Callable[..., None], args: tuple) -> None:
     try:
-        with torch.inference_mode():  # as harness.cli.main.main runs every command: a rank is a part of one
+        with torch.inference_mode():  # as harness.cli.main.run_command runs every command: a rank is part of one
             worker(rank, world, *args)
     finally:
         if dist.is_initialized():

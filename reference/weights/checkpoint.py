@@ -63,8 +63,12 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     the file, and MKL sums an unaligned operand's products in another order on some CPUs (AMD EPYC, 2026-12-02): the
     same weights read from the hf layout (stored as fp32/bf16, used in place) and from the official one (dequantized
     into fresh tensors) gave logits differing in their last bits. Aligned, a weight gives the same bits however it
-    was stored."""
+    was stored. Only for a layer kept on the CPU: moving it to a GPU copies it into an aligned block anyway."""
     return t if t.data_ptr() % ALIGN_BYTES == 0 else t.clone()
+
+
+def _on_cpu(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cpu"
 
 
 class CheckpointWeights:
@@ -106,12 +110,12 @@ class CheckpointWeights:
     # --- WeightSource -------------------------------------------------------------------------------
     def top_level(self, device: torch.device | str = "cpu") -> TensorBundle:
         plans = {n: p for n, p in self._plans(TOP_LEVEL).items() if n != "embed.weight"}
-        return self._read(f"top level ({self.path.name})", plans).to(device)
+        return self._read(f"top level ({self.path.name})", plans, _on_cpu(device)).to(device)
 
     def layer(self, layer: int, device: torch.device | str = "cpu") -> TensorBundle:
         if not 0 <= layer < self.config.num_hidden_layers:
             raise IndexError(f"layer {layer} outside 0..{self.config.num_hidden_layers - 1}")
-        return self._read(f"layer {layer} ({self.path.name})", self._plans(layer)).to(device)
+        return self._read(f"layer {layer} ({self.path.name})", self._plans(layer), _on_cpu(device)).to(device)
 
     def embed_rows(self, token_ids: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
         """Rows of embed.weight in the stored dtype, read by contiguous runs of ids (never the whole table)."""
@@ -148,8 +152,9 @@ class CheckpointWeights:
                               "be read:\n  " + "\n  ".join(problems))
         return plans
 
-    def _read(self, where: str, plans: dict[str, TensorPlan]) -> TensorBundle:
-        """Read every part of `plans`, one shard file open at a time, and decode to stored values."""
+    def _read(self, where: str, plans: dict[str, TensorPlan], align: bool) -> TensorBundle:
+        """Read every part of `plans`, one shard file open at a time, and decode to stored values (`align`: each
+        part copied to an aligned block where it is not, for a layer the CPU computes with: _aligned)."""
         wanted: dict[Path, list[tuple[str, str, TensorEntry]]] = defaultdict(list)
         for name, plan in plans.items():
             for role, entry in plan.parts.items():
@@ -160,7 +165,8 @@ class CheckpointWeights:
             try:
                 with safe_open(file, framework="pt") as f:
                     for name, role, entry in items:
-                        raw[name][role] = _aligned(f.get_tensor(entry.name))
+                        t = f.get_tensor(entry.name)
+                        raw[name][role] = _aligned(t) if align else t
             except Exception as e:  # safetensors raises its own error types; name the tensor and file instead
                 raise WeightError(f"tensor {entry.where()}: cannot read ({e})") from e
         return TensorBundle(where, {name: _decode(plan, raw[name]) for name, plan in plans.items()})
