@@ -185,6 +185,46 @@ def test_a_reference_run_ahead_that_fails_is_reported_at_its_layer_after_the_lay
     assert segments[0]["last_layer"] == 1, "the last layer rank 0 finished is kept with the failed segment"
 
 
+def test_a_rank_that_stopped_first_is_blamed_whichever_failure_the_launcher_names(tmp_path, monkeypatch):
+    """When rank 1 stops, rank 0's collective breaks and rank 0 fails too; torch.multiprocessing names whichever
+    failed process it notices first (a race: the test above once saw rank 0's gloo error named). The rank whose
+    report was written before rank 0 recorded its own stop is the cause; a report written after it is not."""
+    from harness.run import distributed
+    from harness.run.store import RunStore
+
+    store = RunStore(tmp_path / "run")
+    store.create({})
+    where = {"layer": 2, "stack": "reference", "mode": "global", "error": "RuntimeError: reference failed"}
+
+    def rank_one_then_rank_zero(*_args):
+        distributed.failure_path(store.dir, 1).write_text(json.dumps(where))
+        os.utime(distributed.failure_path(store.dir, 1), ns=(1, 1))  # written well before rank 0 stopped
+        store.update_manifest(status="failed", failure={"layer": 2, "stack": "base", "error": "gloo: peer closed"})
+        raise distributed.RankFailed(0, "rank 0 of 2 failed: RuntimeError: Connection closed by peer")
+
+    monkeypatch.setattr(distributed.RunRecipe, "of", lambda *_args: None)
+    monkeypatch.setattr(distributed, "launch", rank_one_then_rank_zero)
+    with pytest.raises(distributed.RankFailed) as raised:
+        distributed.run_sharded(2, None, store, 1)
+    assert raised.value.rank == 1 and "reference failed" in str(raised.value)
+    failure = store.read_manifest()["failure"]
+    assert (failure["rank"], failure["layer"], failure["stack"]) == (1, 2, "reference"), failure
+
+    # rank 0 stopped first (its own error); rank 1 reported its broken collective afterwards: rank 0 stays blamed
+    def rank_zero_then_rank_one(*_args):
+        store.update_manifest(status="failed", failure={"layer": 3, "stack": "base", "error": "ValueError: own"})
+        os.utime(store.manifest_path, ns=(1, 1))
+        distributed.failure_path(store.dir, 1).write_text(json.dumps({**where, "error": "RuntimeError: gloo"}))
+        raise distributed.RankFailed(0, "rank 0 of 2 failed: ValueError: own")
+
+    monkeypatch.setattr(distributed, "launch", rank_zero_then_rank_one)
+    with pytest.raises(distributed.RankFailed) as raised:
+        distributed.run_sharded(2, None, store, 1)
+    assert raised.value.rank == 0
+    failure = store.read_manifest()["failure"]
+    assert (failure["layer"], failure["error"]) == (3, "ValueError: own"), failure  # rank 0's own record stands
+
+
 def test_ranks_sharing_a_gpu_are_told_whether_mps_lets_them_overlap(tmp_path, monkeypatch):
     """Two ranks on one GPU time-slice it unless an MPS daemon runs (README, Several GPUs or processes): the note
     says which, from the control pipe a CUDA process would connect through; one rank per GPU or the CPU: no note."""

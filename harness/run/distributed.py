@@ -499,6 +499,13 @@ def run_sharded(world: int, spec: RunSpec, store: RunStore, threads: int, start_
     try:
         launch(world, run_rank, RunRecipe.of(spec, store.dir, threads, start_layer, segment_started))
     except RankFailed as e:
+        first = first_reported_failure(store.dir, world, before_ns=store.manifest_path.stat().st_mtime_ns) \
+            if e.rank == 0 and not (e.plugin_fault or e.input_fault) else None
+        if first is not None:  # rank 0's collective broke because another rank had stopped first and said where
+            rank, where = first
+            message = f"rank {rank} of {world} failed: {where.get('error', 'no error recorded')}"
+            record_rank_failure(store, world, rank, where, message)
+            raise RankFailed(rank, message) from None
         reported = failure_path(store.dir, e.rank)
         where = json.loads(reported.read_text()) if reported.is_file() else None
         # rank 0 was ended before it could say so itself, or said only that the failed rank's connection broke
@@ -512,11 +519,17 @@ def failure_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / f"failure-rank-{rank}.json"
 
 
-def first_reported_failure(run_dir: str | Path, world: int) -> tuple[int, dict[str, Any]] | None:
+def first_reported_failure(run_dir: str | Path, world: int, before_ns: int | None = None
+                           ) -> tuple[int, dict[str, Any]] | None:
     """The rank > 0 whose failure report was written first, and the report: when one rank stops, the others'
-    collectives break and they report too, later, that it went away."""
-    reports = [(path.stat().st_mtime_ns, rank, path) for rank in range(1, world)
-               if (path := failure_path(run_dir, rank)).is_file()]
+    collectives break and they report too, later, that it went away. `before_ns`: only reports written before then
+    (rank 0 records its own stop in the manifest as it stops: a report written after it is the consequence of rank
+    0's failure, not its cause; which failing process torch.multiprocessing names first is a race)."""
+    reports = []
+    for rank in range(1, world):
+        path = failure_path(run_dir, rank)
+        if path.is_file() and (before_ns is None or path.stat().st_mtime_ns <= before_ns):
+            reports.append((path.stat().st_mtime_ns, rank, path))
     if not reports:
         return None
     _, rank, path = min(reports)

@@ -298,7 +298,7 @@ def _share_as_rank_zero(group: Group, recipe: RunRecipe, store: RunStore) -> Non
     except (PluginOpError, UsageError, OSError, KeyboardInterrupt):
         raise
     except Exception as e:
-        first = first_reported_failure(store.dir, group.world)
+        first = first_reported_failure(store.dir, group.world, before_ns=store.manifest_path.stat().st_mtime_ns)
         if first is None:
             raise
         rank, where = first
