@@ -25,6 +25,7 @@ import collections
 import os
 import sys
 import tempfile
+import time
 from typing import Any, Callable
 
 import torch
@@ -133,25 +134,51 @@ def count_replays_as_graphs(counter: LaunchCounter) -> None:
             module.replay = replay
 
 
-def labelled(counter: LaunchCounter, fn: Callable[..., Any], label: Callable[..., str]) -> Callable[..., Any]:
-    """fn, counting what it launches under label(*args) while it runs."""
+class RegionTimer:
+    """Wall seconds per region, each charged to the innermost label running (`--time`): no dispatch mode, so the
+    stacks run at their own speed (on a GPU, host-bound, the host's time in a region is the region's cost; a host
+    read charges its wait for the queue to the region that reads). `labels` as LaunchCounter's."""
+
+    def __init__(self) -> None:
+        self.labels = ["(outside)"]
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self._since = time.perf_counter()
+
+    def _charge(self) -> None:
+        now = time.perf_counter()
+        self.seconds[self.labels[-1]] += now - self._since
+        self._since = now
+
+    def enter_region(self, label: str) -> None:
+        self._charge()
+        self.labels.append(label)
+
+    def leave_region(self) -> None:
+        self._charge()
+        self.labels.pop()
+
+
+def labelled(counter: LaunchCounter | RegionTimer, fn: Callable[..., Any], label: Callable[..., str]
+             ) -> Callable[..., Any]:
+    """fn, counting what it launches (or timing it) under label(*args) while it runs."""
+    push = counter.enter_region if isinstance(counter, RegionTimer) else counter.labels.append
+    pop = counter.leave_region if isinstance(counter, RegionTimer) else counter.labels.pop
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        counter.labels.append(label(*args))
+        push(label(*args))
         try:
             return fn(*args, **kwargs)
         finally:
-            counter.labels.pop()
+            pop()
     return wrapper
 
 
-def instrument(counter: LaunchCounter, where: dict[str, str]) -> None:
+def instrument(counter: LaunchCounter | RegionTimer, where: dict[str, str], n_prompt: int) -> None:
     """Wrap the stacks' forwards, the engine's site computations and the sinks; `where['stack']` follows the
-    runner's progress events."""
-    def phase(streams: torch.Tensor) -> str:
-        return "prefill" if streams.shape[0] > 1 else "decode"
-
-    def stack_label(_self: Any, streams: torch.Tensor, *_: Any) -> str:
-        where["phase"] = phase(streams)
+    runner's progress events. A forward's phase is that of its first position (the layer state's position: the
+    reference and the yardstick may run the decode tokens as one segment)."""
+    def stack_label(_self: Any, streams: torch.Tensor, token_ids: torch.Tensor, state: Any, *_: Any) -> str:
+        where["phase"] = "prefill" if state.position < n_prompt else "decode"
         return f"{where['stack']} {where['phase']} stack"
 
     engine.OptimizedLayer.forward = labelled(counter, engine.OptimizedLayer.forward, stack_label)
@@ -175,6 +202,10 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=0, help="also list each region's N most frequent operations")
     ap.add_argument("--callers", type=int, default=0, help="also list each region's N busiest lines of code")
     ap.add_argument("--eager", action="store_true", help="count what a GPU replays from CUDA graphs op by op")
+    ap.add_argument("--time", action="store_true",
+                    help="time each region (host wall seconds, exclusive) instead of counting its operations")
+    ap.add_argument("--decode-steps", action="store_true",
+                    help="the reference and yardstick decode one pass per step, as on the CPU (default: as on a GPU)")
     args = ap.parse_args()
     probes.ComparingSink.DEFER_BLOCKS_ON_CPU = args.defer_blocks
     torch.set_num_threads(1)
@@ -184,11 +215,15 @@ def main() -> None:
     variants = [VariantSpec(v, [] if v in ("base", "none") else default_registry().choose(v))
                 for v in args.variants.split(",")]
     spec = RunSpec(SyntheticWeights(cfg, 0), ids[: args.tokens], ids[args.tokens:], turns,
-                   [(args.tokens // 8, args.tokens // 8 + 16)], variants, local=True, device=args.device)
-    counter, where = LaunchCounter(), {"stack": "reference", "phase": "prefill"}
+                   [(args.tokens // 8, args.tokens // 8 + 16)], variants, local=True, device=args.device,
+                   reference_decode_together=not args.decode_steps)
+    where = {"stack": "reference", "phase": "prefill"}
+    if args.time:
+        return time_regions(spec, args, where)
+    counter = LaunchCounter()
     if args.callers:
         counter.callers = {}
-    instrument(counter, where)
+    instrument(counter, where, args.tokens)
     if not args.eager:
         count_replays_as_graphs(counter)
 
@@ -215,6 +250,44 @@ def main() -> None:
             print("             " + ", ".join(f"{op} {k:,}" for op, k in counter.ops[region].most_common(args.ops)))
         for line, k in (counter.callers or {}).get(region, collections.Counter()).most_common(args.callers):
             print(f"             {k:8,d}  {line}")
+
+
+def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
+    """`--time`: the layer once untimed (Triton compiles, graph captures, allocator growth), then timed per region."""
+    device = torch.device(args.device)
+    timer = RegionTimer()
+    instrument(timer, where, args.tokens)
+
+    def progress(event: dict) -> None:
+        if event.get("event") == "stack":
+            timer.enter_region("(runner)")  # the stack's label is known from here on: charge what ran before it
+            where["stack"] = "reference" if event["stack"] == "reference" else f"{event['stack']}/{event['mode']}"
+            timer.leave_region()
+
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        weights = spec.source.layer(args.layer, device)
+        for run in ("warm-up", "timed"):
+            store = RunStore(f"{tmp}/{run}")
+            store.create({})
+            runner = LockstepRunner(spec, store, progress)
+            streams = runner.initial_streams()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            timer.seconds.clear()
+            start = timer._since = time.perf_counter()
+            runner.run_layer(args.layer, streams, weights=weights)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            timer.enter_region("(end)")
+            timer.leave_region()
+            wall = time.perf_counter() - start
+    print(f"{args.model} layer {args.layer} ({spec.source.config.layer_kind(args.layer)}), {args.tokens} + "
+          f"{args.decode} tokens, variants {args.variants}, {args.device}, {torch.get_num_threads()} threads: "
+          f"{wall:.2f} s wall (second run of the layer), host seconds per region:")
+    for region, seconds in timer.seconds.most_common(args.top):
+        steps = " decode " in region and args.decode
+        per_step = f"  ({1e3 * seconds / args.decode:,.2f} ms per decode step)" if steps else ""
+        print(f"  {seconds:8.3f} s  {region}{per_step}")
 
 
 if __name__ == "__main__":

@@ -42,14 +42,21 @@ def ensure_no_tf32() -> None:
                            + ". Call torch.set_float32_matmul_precision('highest').")
 
 
-def segment_lengths(n_prompt: int, n_decode: int, chunk_size: int | None) -> list[int]:
-    """Prefill chunks of `chunk_size` tokens (None: the whole prompt at once), then one token per decode step."""
+def segment_lengths(n_prompt: int, n_decode: int, chunk_size: int | None, decode_together: bool = False
+                    ) -> list[int]:
+    """Prefill chunks of `chunk_size` tokens (None: the whole prompt at once), then one token per decode step — or,
+    with `decode_together`, the decode tokens as one more segment. The reference graph gives the same result either
+    way (its state makes any split equal to one pass, up to the rounding of differently shaped products:
+    tests/test_reference_invariants.py); one segment costs one pass instead of one per step. Only a serving-style
+    engine must decode token by token: its decode kernels are what is tested."""
     if n_prompt <= 0:
         raise ValueError("the prompt must hold at least one token")
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk size must be positive, got {chunk_size}")
     step = chunk_size or n_prompt
     chunks = [min(step, n_prompt - s) for s in range(0, n_prompt, step)]
+    if decode_together:
+        return chunks + ([n_decode] if n_decode else [])
     return chunks + [1] * n_decode
 
 

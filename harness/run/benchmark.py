@@ -171,8 +171,8 @@ class BenchResult:
 
 
 def _stacks_alone(cfg: ModelConfig, layer: int, weights: TensorBundle, dev: torch.device,
-                  x: dict[str, torch.Tensor], ids: torch.Tensor, ref_segments: list[int], segments: list[int],
-                  tokens: int, reference: ReferenceModel, yardstick: ReferenceModel,
+                  x: dict[str, torch.Tensor], ids: torch.Tensor, ref_segments: list[int], yard_segments: list[int],
+                  segments: list[int], tokens: int, reference: ReferenceModel, yardstick: ReferenceModel,
                   engines: dict[str, OptimizedModel]) -> dict[str, float]:
     """Seconds of each stack over the layer without probes. They share one dequantized-weight cache, as in a run
     (the first to read a weight pays for it), freed on return, before the lockstep pass makes its own."""
@@ -182,7 +182,7 @@ def _stacks_alone(cfg: ModelConfig, layer: int, weights: TensorBundle, dev: torc
             ReferenceLayer(cfg, layer, weights, device=dev, dense=dense), x["reference"], ids, ref_segments))[1],
         "yardstick": timed(dev, lambda: yardstick.run_layer(
             ReferenceLayer(cfg, layer, weights, torch.bfloat16, device=dev, dense=dense), x["base"], ids,
-            segments))[1],
+            yard_segments))[1],
     }
     for name, engine in engines.items():
         alone[name] = timed(dev, lambda: engine.run_layer(engine.layer(layer, weights, dense), x["base"], ids,
@@ -229,8 +229,10 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
     ids = torch.tensor(prompt + decode_ids, device=dev)
     reference, yardstick = ReferenceModel(source, device=dev), ReferenceModel(source, torch.bfloat16, dev)
     engines = {"base": OptimizedModel(source, [], dev), "all": OptimizedModel(source, all_patches, dev)}
-    ref_segments = segment_lengths(tokens, decode, None)
+    together = LockstepRunner.decodes_together(spec)  # the reference and yardstick as the lockstep runs them
+    ref_segments = segment_lengths(tokens, decode, None, together)
     segments = segment_lengths(tokens, decode, chunk)
+    yard_segments = segment_lengths(tokens, decode, chunk, together)
     warm = min(tokens, 256)  # compile the patches' kernels (Triton) before anything is timed: a short prefill, 2 steps
     for engine in engines.values():
         engine.run_layer(engine.layer(layers[0]), engine.embed(ids[: warm + 2]), ids[: warm + 2],
@@ -254,8 +256,8 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             weights, weights_s = timed(dev, lambda: source.layer(layer, dev))
-            alone = _stacks_alone(cfg, layer, weights, dev, x, ids, ref_segments, segments, tokens, reference,
-                                  yardstick, engines)
+            alone = _stacks_alone(cfg, layer, weights, dev, x, ids, ref_segments, yard_segments, segments, tokens,
+                                  reference, yardstick, engines)
             runner_s.clear()
             store.seconds = 0.0
             mark[:] = [time.perf_counter(), None]

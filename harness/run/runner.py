@@ -72,6 +72,9 @@ class RunSpec:
     needle_names: list[str] = field(default_factory=list)  # one per needle span (default: needle-0, needle-1, …)
     chunk_size: int = 8192
     reference_chunk_size: int | None = None  # None: the whole prompt in one query-blocked pass
+    reference_decode_together: bool | None = None
+    """The reference and the yardstick run the decode tokens as one segment (None: on a GPU only); see
+    LockstepRunner.decodes_together."""
     reference_dtype: torch.dtype = torch.float32
     parity: ParityOptions = ParityOptions()
     yardstick: bool = True
@@ -168,8 +171,11 @@ class LockstepRunner:
         self.device = torch.device(spec.device)
         self.weights = PrefetchingSource(spec.source)  # layer L+1's weights are made while layer L computes
         self.ids = torch.tensor(spec.prompt_ids + spec.decode_ids, dtype=torch.int64, device=self.device)
+        together = self.decodes_together(spec)
         self.variant_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size)
-        self.reference_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.reference_chunk_size)
+        self.reference_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.reference_chunk_size,
+                                                  together)
+        self.yardstick_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size, together)
         self.plan = BinPlan(spec.n_prompt, len(spec.decode_ids), spec.chunk_size, spec.turn_of_position, spec.bin_size)
         self.sampled = sampled_positions(spec, spec.attn_sample_every)
         self.phase_of = torch.zeros(spec.n_total, dtype=torch.bool)
@@ -185,6 +191,19 @@ class LockstepRunner:
         """The layer, stack and mode running now: recorded in the manifest when the run stops on an error."""
         names = spec.needle_names or [f"needle-{i}" for i in range(len(spec.needle_spans))]
         self.lens = AnswerLens(needle_queries(spec.prompt_ids, spec.decode_ids, dict(zip(names, spec.needle_spans))))
+
+    @staticmethod
+    def decodes_together(spec: RunSpec) -> bool:
+        """Whether the reference and the yardstick run the decode tokens as one segment rather than one pass per
+        step (spec.reference_decode_together; None: on a GPU only). Their graph gives the same values either way
+        up to the rounding of differently shaped products (reference.model.segment_lengths), and their taps are
+        compared by position, so the variants' metrics move by that rounding only. On a GPU a Flash decode step is
+        ~330–370 launches of host time (~7–10 ms): 64 steps of the reference and two of the yardstick cost ~1.7 s
+        of a layer, one segment a few launches. The CPU keeps one pass per step so that its metrics stay
+        bit-identical to the pinned ones (tests/test_metrics_pin.py); there a step costs its arithmetic."""
+        if spec.reference_decode_together is not None:
+            return spec.reference_decode_together
+        return torch.device(spec.device).type != "cpu"
 
     # ------------------------------------------------------------------------------------------
     def run(self, start_layer: int = 0, streams: dict[str, torch.Tensor] | None = None,
@@ -308,7 +327,7 @@ class LockstepRunner:
                                  self.findings, dump)
             x_in = streams[name] if mode == "global" else ref_in.to(torch.bfloat16)
             if name == YARDSTICK:
-                out = self.yardstick.run_layer(yard_layer, x_in, self.ids, self.variant_segments, sink)
+                out = self.yardstick.run_layer(yard_layer, x_in, self.ids, self.yardstick_segments, sink)
             else:
                 if mode == "forced":
                     engine = OptimizedModel(self.weights, self._choices(name) + [PatchChoice(forcing_patch(record), {})],
