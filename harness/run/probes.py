@@ -10,6 +10,7 @@ positions.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -63,24 +64,42 @@ def _pad_last(v: torch.Tensor, width: int, fill: float | int | bool | None = Non
 def stack_samples(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Stack per-position sampled entries whose key lists differ in length, padding each list to the longest:
     ids −1, masks False, values 0, indexer scores −inf. An attn.probs row is [window keys | compressed keys],
-    so its two parts are padded separately and each probability stays next to the key it belongs to."""
-    if "probs" in entries[0]:
-        w_max = max(e["window_pos"].shape[-1] for e in entries)
-        aligned = []
-        for e in entries:
-            w = e["window_pos"].shape[-1]
-            aligned.append(dict(e, probs=torch.cat([_pad_last(e["probs"][..., :w], w_max), e["probs"][..., w:]], -1)))
-        entries = aligned
+    so its two parts are padded separately and each probability stays next to the key it belongs to.
+
+    Consecutive entries of the same shapes (most of a batch: key lists grow with the position only now and then) are
+    stacked in one operation and padded together, so a batch costs a few operations per field rather than two or
+    three per entry (on a GPU each is a launch; issue #14). Padding and stacking only copy values: the same bits
+    as padding entry by entry."""
+    runs: list[dict[str, torch.Tensor]] = []  # each run of equal shapes, stacked
+    start = 0
+    while start < len(entries):
+        stop = start + 1
+        while stop < len(entries) and all(entries[stop][k].shape == v.shape for k, v in entries[start].items()):
+            stop += 1
+        runs.append({k: torch.stack([e[k] for e in entries[start:stop]]) for k in entries[start]})
+        start = stop
+    if len(runs) == 1:
+        return runs[0]
+    if "probs" in runs[0]:
+        w_max = max(r["window_pos"].shape[-1] for r in runs)
+        runs = [dict(r, probs=_aligned_probs(r["probs"], r["window_pos"].shape[-1], w_max)) for r in runs]
     out = {}
-    for name in entries[0]:
-        parts = [e[name] for e in entries]
-        if parts[0].dim() == 0:
-            out[name] = torch.stack(parts)
+    for name in runs[0]:
+        parts = [r[name] for r in runs]
+        if parts[0].dim() == 1:  # one scalar per entry
+            out[name] = torch.cat(parts)
             continue
         width = max(p.shape[-1] for p in parts)
         fill = float("-inf") if name == "scores" else None
-        out[name] = torch.stack([_pad_last(p, width, fill) for p in parts])
+        out[name] = torch.cat([_pad_last(p, width, fill) for p in parts])
     return out
+
+
+def _aligned_probs(probs: torch.Tensor, w: int, w_max: int) -> torch.Tensor:
+    """attn.probs rows [..., w window keys | compressed keys] with the window part padded to w_max."""
+    if w == w_max:
+        return probs
+    return torch.cat([_pad_last(probs[..., :w], w_max), probs[..., w:]], -1)
 
 
 class RecordingSink:
@@ -322,9 +341,14 @@ class ComparingSink:
         for i, p in enumerate(positions.tolist()):
             if p not in recorded:
                 continue
-            if held and (len(held) >= self.BATCH_POSITIONS or bool(self.phase_of[held[0][0]] != self.phase_of[p])):
+            if held and (len(held) >= self.BATCH_POSITIONS or self._phases[held[0][0]] != self._phases[p]):
                 self._compare_held(tap)
             held.append((p, {k: v[i].detach() for k, v in values.items()}))
+
+    @functools.cached_property
+    def _phases(self) -> list[bool]:
+        """phase_of as a list: read per held position, a host list costs no tensor operation."""
+        return self.phase_of.tolist()
 
     def finish(self) -> None:
         """Compare the deferred and held entries still waiting and record this stack's first non-finite value, if
