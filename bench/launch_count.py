@@ -139,12 +139,14 @@ class RegionTimer:
     stacks run at their own speed (on a GPU, host-bound, the host's time in a region is the region's cost; a host
     read charges its wait for the queue to the region that reads). `labels` as LaunchCounter's."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync: Callable[[], None] = lambda: None) -> None:
         self.labels = ["(outside)"]
         self.seconds: collections.Counter[str] = collections.Counter()
         self._since = time.perf_counter()
+        self._sync = sync
 
     def _charge(self) -> None:
+        self._sync()
         now = time.perf_counter()
         self.seconds[self.labels[-1]] += now - self._since
         self._since = now
@@ -204,6 +206,9 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="count what a GPU replays from CUDA graphs op by op")
     ap.add_argument("--time", action="store_true",
                     help="time each region (host wall seconds, exclusive) instead of counting its operations")
+    ap.add_argument("--sync", action="store_true",
+                    help="with --time, wait for the GPU at every region's edge: each region's seconds include the "
+                         "kernels it queued (and the syncs' own cost)")
     ap.add_argument("--decode-steps", action="store_true",
                     help="the reference and yardstick decode one pass per step, as on the CPU (default: as on a GPU)")
     args = ap.parse_args()
@@ -255,7 +260,8 @@ def main() -> None:
 def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
     """`--time`: the layer once untimed (Triton compiles, graph captures, allocator growth), then timed per region."""
     device = torch.device(args.device)
-    timer = RegionTimer()
+    timer = RegionTimer(lambda: torch.cuda.synchronize(device)) if args.sync and device.type == "cuda" \
+        else RegionTimer()
     instrument(timer, where, args.tokens)
 
     def progress(event: dict) -> None:
