@@ -180,6 +180,28 @@ def test_an_attribution_that_stopped_resumes_to_the_uninterrupted_result(tmp_pat
     assert main(["attribute", "tiny-smoke", "--resume", str(out)]) == 2
 
 
+def test_a_resumed_run_or_attribution_that_would_not_fit_is_refused_with_the_numbers(tmp_path, capsys, monkeypatch):
+    """A stopped run may be resumed on another machine: `run --resume` and `attribute --resume` check the memory
+    estimate as a new run does, and refuse (exit 2) before computing anything; the run stays resumable."""
+    import harness.run.memory as memory
+
+    plugin = write(tmp_path / "boom.py", RAISING_PLUGIN)
+    write(tmp_path / "boom.raise", "")
+    run, attr = tmp_path / "run", tmp_path / "attr"
+    common = ["--patches", "boom", "--patch-module", str(plugin), "--no-report", "--threads", "1"]
+    assert main(["run", "tiny-smoke", *common, "--no-local", "--no-gate", "--out", str(run)]) == 3
+    assert main(["attribute", "tiny-smoke", *common, "--interactions", "never", "--out", str(attr)]) == 3
+    capsys.readouterr()
+    layers = {d: RunStore(d).completed_layers() for d in (run, attr)}
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 0.1 * 2**30)
+    assert main(["run", "--resume", str(run), "--no-report", "--no-gate"]) == 2
+    assert "predicted peak host memory" in one_line_error(capsys, "run")
+    assert main(["attribute", "--resume", str(attr), "--no-report"]) == 2
+    assert "predicted peak host memory" in one_line_error(capsys, "attribute")
+    for d in (run, attr):  # nothing was computed: the layers and the resume state are as the failure left them
+        assert RunStore(d).completed_layers() == layers[d] and RunStore(d).state_path.is_file()
+
+
 def test_an_attribution_interrupted_in_its_pair_pass_resumes_there(tmp_path, capsys, monkeypatch):
     """Ctrl-C in the interaction pass's layer 2: --resume skips the complete first pass, continues the pair pass from
     its saved state, and concludes with what an uninterrupted attribution gives."""

@@ -156,7 +156,9 @@ def resume(run_dir: Path, manifest: dict, policy: str | None, device: str | None
     if [c.id for c in choices] != manifest["attribution"]["patches"]:
         raise UsageError(f"--resume {run_dir}: the run attributed {manifest['attribution']['patches']}, its scenario "
                          f"now resolves to {[c.id for c in choices]}; cannot resume")
-    devices, sharded = _processes(_first_pass(spec, choices), devices, threads)
+    first_pass = _first_pass(spec, choices)
+    devices, sharded = _processes(first_pass, devices, threads)
+    check_fits(first_pass, devices)  # resumed on another machine or device, it is refused as a new one would be
     spec.variants = [VariantSpec("patches", choices)]
     first = resume_layer(store)
     console(stderr=True).print(f"resuming {store.dir} " + (f"at layer {first}" if first is not None else

@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
                 world, sharded = _ranks(args, spec, group.world if group is not None else None)
                 if sharded:
                     out.print(f"[yellow]note[/]: {sharded}", soft_wrap=True)
+                check_fits(spec, world)  # a run may be resumed on another machine or device: refused as a new one
             else:
                 # may narrow the thread count (narrow_model_threads) and shard a narrow model's long run
                 spec, store, world = _start(args, group.world if group is not None else None)
