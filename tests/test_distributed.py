@@ -185,6 +185,23 @@ def test_a_reference_run_ahead_that_fails_is_reported_at_its_layer_after_the_lay
     assert segments[0]["last_layer"] == 1, "the last layer rank 0 finished is kept with the failed segment"
 
 
+def test_a_sharded_attribution_keeps_its_segment_current_after_every_layer(tmp_path):
+    """A sharded attribution pass's segment says what it cost and how far it got, layer by layer, as a sharded run's
+    does (rank 0 records it): when the pass stops at layer 2, the segment holds its seconds and layer 1."""
+    plugin = tmp_path / "ref_fails.py"
+    plugin.write_text(FAILING_REFERENCE_PLUGIN)
+    out = tmp_path / "attr"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "harness.cli", "attribute", "tiny-smoke", "--patches",
+                           "reference-fails-at-layer-2", "--patch-module", str(plugin), "--threads", "1",
+                           "--interactions", "never", "--no-report", "--devices", "2", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 4, done.stderr[-3000:]
+    segments = json.loads((out / "manifest.json").read_text())["segments"]
+    assert len(segments) == 1 and segments[0]["seconds"] > 0, segments
+    assert segments[0].get("last_layer") == 1, segments
+
+
 def test_a_rank_that_stopped_first_is_blamed_whichever_failure_the_launcher_names(tmp_path, monkeypatch):
     """When rank 1 stops, rank 0's collective breaks and rank 0 fails too; torch.multiprocessing names whichever
     failed process it notices first (a race: the test above once saw rank 0's gloo error named). The rank whose

@@ -254,10 +254,11 @@ def _run_pass(spec: RunSpec, store: RunStore, progress, execute: Execute) -> Non
     attribution's analysis needs none: Flash at 30K tokens keeps 17 GB of streams)."""
     start = resume_layer(store)
     if start is not None:
-        segments = store.new_segment(start, spec.device)
-        t0 = time.perf_counter()
+        store.update_manifest(segments=store.new_segment(start, spec.device))  # open: a sharded pass's rank 0
+        t0 = time.perf_counter()  # records the segment's seconds and last layer after every layer itself
 
         def record(**fields: Any) -> None:
+            segments = store.read_manifest()["segments"]  # with what rank 0 of a sharded pass recorded
             segments[-1].update(seconds=round(time.perf_counter() - t0, 2), **fields)
             store.update_manifest(segments=segments, wall_seconds=round(sum(s["seconds"] for s in segments), 2))
 

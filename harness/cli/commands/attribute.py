@@ -115,11 +115,14 @@ def _processes(first_pass: RunSpec, devices: int | None, threads: int | None) ->
 
 
 def _executor(devices: int) -> Execute:
-    """How a pass runs: in this process, or sharded over `devices` processes of this thread count."""
+    """How a pass runs: in this process, or sharded over `devices` processes of this thread count. A sharded pass is
+    called as its segment opens (attribute._run_pass), so its rank 0 keeps the segment's seconds and last layer
+    current after every layer, as a sharded run's does: a pass killed with its launcher still says what it cost."""
     if devices <= 1:
         return run_lockstep
     threads = torch.get_num_threads()
-    return lambda spec, store, _progress, start: run_sharded(devices, spec, store, threads, start)
+    return lambda spec, store, _progress, start: run_sharded(devices, spec, store, threads, start,
+                                                             segment_started=time.time())
 
 
 def resume_threads(manifest: dict, threads: int | None) -> int | None:
