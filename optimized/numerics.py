@@ -45,14 +45,40 @@ def fp8_activation(x: torch.Tensor) -> torch.Tensor:
     return replay(fp8_fake_quant, x.float(), block=ACT_BLOCK, amax_floor=ACT_AMAX_FLOOR)  # a graph in decode
 
 
-def fp8_linear(x: torch.Tensor, weight_fp32: torch.Tensor) -> torch.Tensor:
-    """FP8 GEMM: FP8 activations (1×128, UE8M0) × FP8 block-scaled weights, fp32 accumulation, bf16 output."""
-    return bf16(fp8_activation(x) @ weight_fp32.T)
+TENSOR_CORE_MIN_ROWS = 16
+"""Rows from which exact_product runs on bf16 tensor cores. Measured on an H200 (fp32 SIMT against bf16 with fp32
+output): 8192×4096 by 4096→1024 1.39 ms against 0.09 ms; 190 rows by 4096→2048 0.088 against 0.022 ms; one row
+by 4096→1024 0.019 against 0.024 ms plus the casts' launches — a decode step's products stay fp32 GEMMs."""
+
+
+def exact_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ wᵀ accumulated in fp32, for operands whose every value is a bf16 — the caller knows it: FP8 and FP4
+    activations, bf16-rounded tensors, a weight the layer's dense cache found exact (DenseCache.bf16_exact).
+
+    Each product of two such values is exact in fp32 (≤ 8 + 8 significant bits), so the fp32 GEMM a CPU runs and
+    bf16 tensor cores with fp32 accumulation (what the deployed kernels use) compute the same sum of the same exact
+    terms, differing only in the order and rounding of the fp32 accumulation: the noise of re-associating an fp32
+    sum (max error ~3·10⁻⁷ of the largest output on an H200, against ~2·10⁻⁷ for the fp32 GEMM; measured). On a GPU
+    with at least TENSOR_CORE_MIN_ROWS rows it runs there — ~15× faster at a prefill chunk's shapes; elsewhere it is
+    `x @ w.T`, the same bits as before."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not x.is_cuda or rows < TENSOR_CORE_MIN_ROWS:
+        return x @ w.T
+    y = torch.mm(x.reshape(rows, x.shape[-1]).bfloat16(), w.bfloat16().T, out_dtype=torch.float32)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def fp8_linear(x: torch.Tensor, weight_fp32: torch.Tensor, weight_bf16_exact: bool = False) -> torch.Tensor:
+    """FP8 GEMM: FP8 activations (1×128, UE8M0) × FP8 block-scaled weights, fp32 accumulation, bf16 output.
+    `weight_bf16_exact`: every weight value is a bf16 (DenseCache.bf16_exact), so the product may run on tensor cores
+    (exact_product; the activations are FP8 values times powers of two, bf16 by construction)."""
+    a = fp8_activation(x)
+    return bf16(exact_product(a, weight_fp32) if weight_bf16_exact else a @ weight_fp32.T)
 
 
 def bf16_linear(x: torch.Tensor, weight_fp32: torch.Tensor, out_bf16: bool = True) -> torch.Tensor:
     """bf16 tensor-core GEMM: bf16 operands, fp32 accumulation; output bf16 (or fp32 when asked)."""
-    y = bf16(x) @ bf16(weight_fp32).T
+    y = exact_product(bf16(x), bf16(weight_fp32))
     return bf16(y) if out_bf16 else y
 
 

@@ -142,3 +142,40 @@ def test_engine_decode_with_graph_replays_is_bit_identical():
     finally:
         graphs.ENABLED = True
     assert torch.equal(replayed, eager)
+
+
+def test_tensor_core_products_of_exact_operands_are_fp32_gemms_but_for_accumulation_order():
+    """numerics.exact_product on bf16 tensor cores against fp64: FP8/FP4 operands' products are exact, so the only
+    error is the fp32 accumulation's, as the fp32 GEMM's is. Bound: a K-term fp32 sum's worst-case error is K·u·Σ|xw|
+    (u = 2^-24); both paths stay far inside it, and within 4× of each other's max error."""
+    from optimized.numerics import exact_product
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1024, 4096, device="cuda", generator=g).to(torch.float8_e4m3fn).float() * 2.0 ** -3
+    w = (torch.randn(2048, 4096, device="cuda", generator=g) * 3).to(torch.float8_e4m3fn).float() * 2.0 ** -8
+    exact = x.double() @ w.double().T
+    bound = 4096 * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
+    tensor_core, simt = exact_product(x, w), x @ w.T
+    err_tc, err_simt = (tensor_core.double() - exact).abs(), (simt.double() - exact).abs()
+    assert bool((err_tc <= bound).all()) and bool((err_simt <= bound).all())
+    assert float(err_tc.max()) <= 4 * float(err_simt.max()) + 1e-30
+    assert torch.equal(exact_product(x[:1], w), x[:1] @ w.T), "one row (a decode step) stays the fp32 GEMM"
+
+
+def test_tensor_core_gemms_move_an_engine_run_by_fp32_accumulation_noise_only(monkeypatch):
+    """The engine on the GPU with its FP8/FP4/bf16 GEMMs on tensor cores against the same engine with them as fp32
+    GEMMs (TENSOR_CORE_MIN_ROWS past any row count): the same exact products summed in another order, so the two
+    agree orders of magnitude better than either agrees with the reference (bf16 outputs: a rounding flip moves an
+    output by one bf16 ulp now and then)."""
+    from optimized import base_ops, numerics
+
+    src = SyntheticWeights(TINY, 0)
+    ids = torch.randint(0, TINY.vocab_size, (600,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = ReferenceModel(src, device="cuda").forward(ids[:590], ids[590:], chunk_size=256).logits
+    fast = OptimizedModel(src, [], "cuda").forward(ids[:590], ids[590:], 256).logits
+    monkeypatch.setattr(numerics, "TENSOR_CORE_MIN_ROWS", 1 << 40)
+    monkeypatch.setattr(base_ops, "TENSOR_CORE_MIN_ROWS", 1 << 40)
+    fp32 = OptimizedModel(src, [], "cuda").forward(ids[:590], ids[590:], 256).logits
+    moved = float((fast - fp32).norm() / fp32.norm())
+    engine_vs_reference = float((fp32 - ref).norm() / ref.norm())
+    assert torch.isfinite(fast).all() and moved < 0.1 * engine_vs_reference, (moved, engine_vs_reference)

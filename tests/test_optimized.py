@@ -368,3 +368,42 @@ def test_per_chunk_probe_rows_are_padded_to_one_width_and_cut_into_blocks():
     pos, weights, ids, valid = calls[0]
     assert weights.shape == (4, 4) and ids.tolist()[0] == [5, 6, -1] and valid.tolist()[0] == [True, True, False]
     assert _in_blocks([], block=4) == []
+
+
+def test_a_weight_is_bf16_exact_only_when_every_value_is_and_it_is_the_cached_tensor(monkeypatch):
+    """DenseCache.bf16_exact decides whether an engine GEMM may run on bf16 tensor cores (numerics.exact_product): it
+    must say yes only for the very tensor it checked, and only when no value changes when rounded to bf16. The check
+    runs on GPU tensors only; here it is run on the CPU by calling it directly, and through the cache with CUDA
+    pretended."""
+    from reference.weights import dense_cache
+    from reference.weights.dense_cache import DenseCache, all_bf16_exact
+
+    fp8_like = torch.randn(300, 70, generator=torch.Generator().manual_seed(0)).to(torch.float8_e4m3fn).float()
+    exact = fp8_like * 2.0 ** -9  # FP8 element times a power-of-two (UE8M0) block scale
+    assert all_bf16_exact(exact)
+    off = exact.clone()
+    off.view(-1)[-1] += off.view(-1)[-1].abs().clamp(min=1e-30) * 2.0 ** -12  # one value with a 12th mantissa bit
+    assert not all_bf16_exact(off)
+    monkeypatch.setattr(dense_cache, "CHECK_ELEMENTS", 1000)  # the last value lies in the last of several steps
+    assert all_bf16_exact(exact) and not all_bf16_exact(off)
+
+    cache = DenseCache()
+    cache.put("w", exact)
+    assert not cache.bf16_exact("w", exact), "a CPU tensor is never flagged: its products stay fp32 GEMMs"
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    cache = DenseCache()
+    cache.put("w", exact)
+    cache.put("v", off)
+    assert cache.bf16_exact("w", exact)
+    assert not cache.bf16_exact("w", exact.clone()), "another tensor of the same values is not the one checked"
+    assert not cache.bf16_exact("v", off) and not cache.bf16_exact("u", exact)
+
+
+def test_exact_product_is_the_fp32_gemm_on_the_cpu():
+    """On the CPU the tensor-core path is never taken: the same bits as x @ wᵀ (the metric pin depends on it)."""
+    from optimized.numerics import exact_product
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 3, 256, generator=g).to(torch.float8_e4m3fn).float()
+    w = torch.randn(96, 256, generator=g).to(torch.float8_e4m3fn).float() * 2.0 ** -6
+    assert torch.equal(exact_product(x, w), x @ w.T)

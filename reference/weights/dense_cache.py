@@ -31,6 +31,7 @@ class DenseCache:
 
     def __init__(self, budget_bytes: int = CPU_BUDGET_BYTES) -> None:
         self._cache: dict[str, torch.Tensor] = {}
+        self._bf16_exact: set[str] = set()  # names of cached GPU tensors whose every value is a bf16
         self.budget_bytes, self.used_bytes = budget_bytes, 0
 
     @classmethod
@@ -68,3 +69,30 @@ class DenseCache:
         if name not in self._cache:
             self._cache[name] = value
             self.used_bytes += value.numel() * 4
+            if value.is_cuda and all_bf16_exact(value):
+                self._bf16_exact.add(name)
+
+    def bf16_exact(self, name: str, value: torch.Tensor) -> bool:
+        """Whether `value` is the tensor cached under `name` and every value of it is a bf16 (checked once, when it
+        was cached, and on a GPU only): a product with it may then run on bf16 tensor cores
+        (optimized.numerics.exact_product). False for every other tensor — one a patch made, one past the budget
+        (dequantized on every use), any on the CPU — whose products stay fp32 GEMMs."""
+        return name in self._bf16_exact and self._cache.get(name) is value
+
+
+CHECK_ELEMENTS = 1 << 24
+"""Elements per step of all_bf16_exact: its temporaries (a bf16 copy, its fp32 value, the comparison) stay ~100 MB
+whatever the tensor (a Flash head weight is 0.5 G elements)."""
+
+
+def all_bf16_exact(t: torch.Tensor) -> bool:
+    """Whether every value of fp32 tensor `t` is exactly a bf16 (rounding to bf16 changes none: the exact
+    dequantization of FP8 e4m3 or FP4 e2m1 elements times power-of-two block scales — the checkpoint's UE8M0 — is;
+    an NVFP4 value with an fp32 global scale, in general, is not). One host read, after the whole tensor is checked
+    in steps of CHECK_ELEMENTS."""
+    flat = t.reshape(-1)
+    exact = torch.ones((), dtype=torch.bool, device=t.device)
+    for i in range(0, flat.numel(), CHECK_ELEMENTS):
+        part = flat[i:i + CHECK_ELEMENTS]
+        exact &= torch.eq(part.bfloat16().float(), part).all()
+    return bool(exact)
