@@ -175,10 +175,12 @@ def labelled(counter: LaunchCounter | RegionTimer, fn: Callable[..., Any], label
     return wrapper
 
 
-def instrument(counter: LaunchCounter | RegionTimer, where: dict[str, str], n_prompt: int) -> None:
+def instrument(counter: LaunchCounter | RegionTimer, where: dict[str, str], n_prompt: int, by_tap: bool = False
+               ) -> None:
     """Wrap the stacks' forwards, the engine's site computations and the sinks; `where['stack']` follows the
-    runner's progress events. A forward's phase is that of its first position (the layer state's position: the
-    reference and the yardstick may run the decode tokens as one segment)."""
+    runner's progress events; `by_tap`: each tap's comparisons get a region of their own (both phases). A forward's
+    phase is that of its first position (the layer state's position: the reference and the yardstick may run the
+    decode tokens as one segment)."""
     def stack_label(_self: Any, streams: torch.Tensor, token_ids: torch.Tensor, state: Any, *_: Any) -> str:
         where["phase"] = "prefill" if state.position < n_prompt else "decode"
         return f"{where['stack']} {where['phase']} stack"
@@ -193,6 +195,11 @@ def instrument(counter: LaunchCounter | RegionTimer, where: dict[str, str], n_pr
     probes.ComparingSink.finish = labelled(counter, probes.ComparingSink.finish,
                                            lambda *_: f"{where['stack']} finish compare")
     probes.RecordingSink.emit = labelled(counter, probes.RecordingSink.emit, lambda *_: "reference record")
+    if by_tap:  # each tap's comparisons apart, wherever they run (on arrival, deferred, held, at finish)
+        probes.ComparingSink._compare = labelled(counter, probes.ComparingSink._compare,
+                                                 lambda _self, tap, *_: f"{where['stack']} compare {tap}")
+        probes.ComparingSink._compare_held = labelled(counter, probes.ComparingSink._compare_held,
+                                                      lambda _self, tap: f"{where['stack']} compare {tap} (sampled)")
 
 
 def main() -> None:
@@ -209,6 +216,8 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true",
                     help="with --time, wait for the GPU at every region's edge: each region's seconds include the "
                          "kernels it queued (and the syncs' own cost)")
+    ap.add_argument("--by-tap", action="store_true",
+                    help="charge each tap's comparisons to a region of its own (STACK compare TAP), both phases")
     ap.add_argument("--decode-steps", action="store_true",
                     help="the reference and yardstick decode one pass per step, as on the CPU (default: as on a GPU)")
     args = ap.parse_args()
@@ -228,7 +237,7 @@ def main() -> None:
     counter = LaunchCounter()
     if args.callers:
         counter.callers = {}
-    instrument(counter, where, args.tokens)
+    instrument(counter, where, args.tokens, args.by_tap)
     if not args.eager:
         count_replays_as_graphs(counter)
 
@@ -262,7 +271,7 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
     device = torch.device(args.device)
     timer = RegionTimer(lambda: torch.cuda.synchronize(device)) if args.sync and device.type == "cuda" \
         else RegionTimer()
-    instrument(timer, where, args.tokens)
+    instrument(timer, where, args.tokens, args.by_tap)
 
     def progress(event: dict) -> None:
         if event.get("event") == "stack":
