@@ -179,3 +179,42 @@ def test_tensor_core_gemms_move_an_engine_run_by_fp32_accumulation_noise_only(mo
     moved = float((fast - fp32).norm() / fp32.norm())
     engine_vs_reference = float((fp32 - ref).norm() / ref.norm())
     assert torch.isfinite(fast).all() and moved < 0.1 * engine_vs_reference, (moved, engine_vs_reference)
+
+
+def test_router_comparison_on_the_device_gives_the_hosts_values_and_batches_decode_steps():
+    """metrics.compare_router runs where the reference's ids are: on a GPU the same flip rates (integer counts) and
+    weight L1s within fp64 rounding of ≤ 12 terms (an L1 of weights ≤ 1 summed in another association: 1e-15), and
+    a GPU sink compares 64 deferred decode emissions of moe.router in one call (probes.BATCHED_ON_DEVICE_TAPS)."""
+    from harness.run import probes
+    from harness.run.aggregate import LayerAccumulator
+    from harness.run.metrics import CompareContext, compare_router
+
+    g = torch.Generator().manual_seed(4)
+    T, k = 70, 6
+    ids_r = torch.stack([torch.randperm(256, generator=g)[:k] for _ in range(T)])
+    ids_v = torch.where(torch.rand(T, k, generator=g) < 0.1, torch.randint(0, 256, (T, k), generator=g), ids_r)
+    w_r, w_v = torch.rand(T, k, generator=g), torch.rand(T, k, generator=g)
+    ctx = CompareContext("csa", 4, 128, torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long), [])
+    pos = torch.arange(T)
+    host = compare_router(pos, {"expert_ids": ids_r, "weights": w_r}, {"expert_ids": ids_v, "weights": w_v}, ctx)
+    dev = compare_router(pos, {"expert_ids": ids_r.cuda(), "weights": w_r.cuda()},
+                         {"expert_ids": ids_v.cuda(), "weights": w_v.cuda()}, ctx)
+    for h, d in zip(host, dev):
+        assert h.metric == d.metric and d.value.is_cuda
+        assert torch.allclose(d.value.cpu(), h.value, rtol=0, atol=1e-15), h.metric
+
+    calls = []
+    original = probes.COMPARATORS["moe.router"]
+    probes.COMPARATORS["moe.router"] = lambda *a: calls.append(a[0].numel()) or original(*a)
+    try:
+        record = probes.RecordingSink(T, torch.zeros(T, dtype=torch.bool))
+        record.emit("moe.router", pos.cuda(), expert_ids=ids_r.cuda(), weights=w_r.cuda())
+        sink = probes.ComparingSink(record, LayerAccumulator([]), ctx, "v", "global", 0,
+                                    torch.zeros(T, dtype=torch.bool), [])
+        for p in range(T - 64, T):
+            sink.emit("moe.router", pos[p:p + 1].cuda(), expert_ids=ids_v[p:p + 1].cuda(),
+                      weights=w_v[p:p + 1].cuda())
+        sink.finish()
+    finally:
+        probes.COMPARATORS["moe.router"] = original
+    assert calls == [64], calls

@@ -187,6 +187,12 @@ largest id in the call, and an fp64 row sum's association depends on that width)
 grow from step to step; it is held and batched by itself): their deferred emissions are compared one at a time,
 as they were on arrival."""
 
+BATCHED_ON_DEVICE_TAPS = frozenset({"moe.router"})
+"""Taps batched as BATCHED_TAPS are, but only off the CPU: moe.router's expert matrix is as wide as the largest id in
+the call, so batching may re-associate an fp64 row sum of ≤ 2k nonzero terms — on the CPU that would move pinned bits;
+on a GPU, where a reduction's split already depends on the number of rows, it moves a value by an ulp, and a decode
+step's comparison costs a host read instead of one per 64 steps."""
+
 
 @dataclass
 class ComparingSink:
@@ -308,8 +314,9 @@ class ComparingSink:
             self._hold("indexer.scores", positions, values, self.record.samples["indexer.scores"])
 
     def _compare_deferred(self, tap: str) -> None:
-        """Compare the tap's deferred emissions in emission order: of a BATCHED_TAPS tap, each run of emissions with
-        the same field widths (shapes past the positions) as one call; of any other, one call per emission."""
+        """Compare the tap's deferred emissions in emission order: of a BATCHED_TAPS tap (and off the CPU a
+        BATCHED_ON_DEVICE_TAPS one), each run of emissions with the same field widths (shapes past the positions) as
+        one call; of any other, one call per emission."""
         held = self._deferred.pop(tap, None)
         if not held:
             return
@@ -317,10 +324,11 @@ class ComparingSink:
         def widths(entry: tuple[int, torch.Tensor, dict[str, torch.Tensor]]) -> tuple:
             return tuple((k, v.shape[1:], v.dtype) for k, v in entry[2].items())
 
+        batched = tap in BATCHED_TAPS or (tap in BATCHED_ON_DEVICE_TAPS and held[0][1].device.type != "cpu")
         start = 0
         while start < len(held):
             stop = start + 1
-            while tap in BATCHED_TAPS and stop < len(held) and widths(held[stop]) == widths(held[start]):
+            while batched and stop < len(held) and widths(held[stop]) == widths(held[start]):
                 stop += 1
             run = held[start:stop]
             positions = torch.cat([p for _, p, _ in run])
