@@ -217,7 +217,8 @@ def main() -> None:
                     help="with --time, wait for the GPU at every region's edge: each region's seconds include the "
                          "kernels it queued (and the syncs' own cost)")
     ap.add_argument("--by-tap", action="store_true",
-                    help="charge each tap's comparisons to a region of its own (STACK compare TAP), both phases")
+                    help="charge each tap's comparisons to a region of its own (STACK compare TAP), both phases; "
+                         "their NaN/Inf checks stay with the emission or finish that makes them")
     ap.add_argument("--decode-steps", action="store_true",
                     help="the reference and yardstick decode one pass per step, as on the CPU (default: as on a GPU)")
     args = ap.parse_args()

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from optimized.numerics import (TENSOR_CORE_MIN_ROWS, bf16, bf16_linear, constant, exact_product, fp8_activation,
-                                fp8_linear, fp32_linear, rms_norm_bf16)
+from optimized import numerics
+from optimized.numerics import bf16, bf16_linear, constant, exact_product, fp8_activation, fp8_linear, fp32_linear, \
+    rms_norm_bf16
 from optimized.ops import OpContext, Routing
 from optimized.paged_cache import quantize_fp8_per_row
 from reference.graphs import replay
@@ -46,7 +47,7 @@ def linear(ctx: OpContext, x: torch.Tensor, site: str) -> torch.Tensor:
     if site == "attn.wo_a":  # grouped: x [S, G, (H/G)·d], wo_a viewed [G, R_o, (H/G)·d] (spec §4.6)
         return bf16(grouped_bf16_product(bf16(x), bf16(w).unflatten(0, (ctx.cfg.o_groups, -1))))
     if precision == "fp8":
-        return fp8_linear(x, w, ctx.dense.bf16_exact(site + ".weight", w))
+        return fp8_linear(x, w, lambda: ctx.dense.bf16_exact(site + ".weight", w))
     if precision == "bf16":
         return bf16_linear(x, w)
     return fp32_product(ctx, x.float(), w)
@@ -55,7 +56,7 @@ def linear(ctx: OpContext, x: torch.Tensor, site: str) -> torch.Tensor:
 def grouped_bf16_product(x: torch.Tensor, wg: torch.Tensor) -> torch.Tensor:
     """x [S, G, I] by wg [G, R, I] (bf16 values both) -> [S, G, R] in fp32: each group's rows times its own matrix.
     On a GPU over many rows each group's product runs on tensor cores (numerics.exact_product), else one einsum."""
-    if x.is_cuda and x.shape[0] >= TENSOR_CORE_MIN_ROWS:
+    if numerics.on_tensor_cores(x[:, 0]):
         return torch.stack([exact_product(x[:, g], wg[g]) for g in range(wg.shape[0])], 1)
     return torch.einsum("sgi,gri->sgr", x, wg)
 
@@ -386,7 +387,9 @@ def _per_expert(ctx: OpContext, x: torch.Tensor, layout: "PairLayout", matrix: s
     def product(e: int, rows: slice) -> torch.Tensor:  # x: FP8 activations, bf16 values (numerics.exact_product)
         name = f"ffn.experts.{e}.{matrix}.weight"
         w = ctx.weight(name)
-        return exact_product(x[rows], w) if ctx.dense.bf16_exact(name, w) else x[rows] @ w.T
+        if numerics.on_tensor_cores(x[rows]) and ctx.dense.bf16_exact(name, w):
+            return exact_product(x[rows], w)
+        return x[rows] @ w.T
 
     if layout.spans and layout.order.numel() <= FEW_PAIRS:
         parts = [product(e, rows) for e, rows in layout.spans]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import torch
 
@@ -51,29 +52,46 @@ output): 8192×4096 by 4096→1024 1.39 ms against 0.09 ms; 190 rows by 4096→2
 by 4096→1024 0.019 against 0.024 ms plus the casts' launches — a decode step's products stay fp32 GEMMs."""
 
 
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def on_tensor_cores(x: torch.Tensor) -> bool:
+    """Whether exact_product runs a product with x's rows on bf16 tensor cores: on a CUDA device, from
+    TENSOR_CORE_MIN_ROWS rows. The callers ask before they check a weight's values (DenseCache.bf16_exact), so the
+    CPU never pays for the check."""
+    return x.is_cuda and _rows(x) >= TENSOR_CORE_MIN_ROWS
+
+
+def bf16_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K]ᵀ for fp32 tensors whose every value is a bf16, on bf16 tensor cores with fp32 output (the
+    casts change no value; fp32 output, so no reduction is made in bf16)."""
+    return torch.mm(x.bfloat16(), w.bfloat16().T, out_dtype=torch.float32)
+
+
 def exact_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ wᵀ accumulated in fp32, for operands whose every value is a bf16 — the caller knows it: FP8 and FP4
-    activations, bf16-rounded tensors, a weight the layer's dense cache found exact (DenseCache.bf16_exact).
+    """x @ wᵀ accumulated in fp32, for operands whose every value is a bf16 — the caller knows it: FP8 activations,
+    bf16-rounded tensors, a weight the layer's dense cache found exact (DenseCache.bf16_exact).
 
-    Each product of two such values is exact in fp32 (≤ 8 + 8 significant bits), so the fp32 GEMM a CPU runs and
-    bf16 tensor cores with fp32 accumulation (what the deployed kernels use) compute the same sum of the same exact
-    terms, differing only in the order and rounding of the fp32 accumulation: the noise of re-associating an fp32
-    sum (max error ~3·10⁻⁷ of the largest output on an H200, against ~2·10⁻⁷ for the fp32 GEMM; measured). On a GPU
-    with at least TENSOR_CORE_MIN_ROWS rows it runs there — ~15× faster at a prefill chunk's shapes; elsewhere it is
-    `x @ w.T`, the same bits as before."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not x.is_cuda or rows < TENSOR_CORE_MIN_ROWS:
+    Each product of two such values is exact in fp32 (≤ 8 + 8 significant bits; exponents of weights and activations
+    far from fp32's underflow), so the fp32 GEMM a CPU runs and bf16 tensor cores with fp32 accumulation (what the
+    deployed kernels use) sum the same exact terms, differing in the order and the rounding of the fp32
+    accumulation (tensor cores may truncate where an FMA rounds to nearest): max error ~3·10⁻⁷ of the largest output
+    on an H200, against ~2·10⁻⁷ for the fp32 GEMM (measured). Where on_tensor_cores(x) it runs there — ~15× faster
+    at a prefill chunk's shapes; elsewhere it is `x @ w.T`, the same bits as before."""
+    if not on_tensor_cores(x):
         return x @ w.T
-    y = torch.mm(x.reshape(rows, x.shape[-1]).bfloat16(), w.bfloat16().T, out_dtype=torch.float32)
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    return bf16_mm(x.reshape(_rows(x), x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
 
 
-def fp8_linear(x: torch.Tensor, weight_fp32: torch.Tensor, weight_bf16_exact: bool = False) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight_fp32: torch.Tensor,
+               weight_is_bf16: Callable[[], bool] = lambda: False) -> torch.Tensor:
     """FP8 GEMM: FP8 activations (1×128, UE8M0) × FP8 block-scaled weights, fp32 accumulation, bf16 output.
-    `weight_bf16_exact`: every weight value is a bf16 (DenseCache.bf16_exact), so the product may run on tensor cores
-    (exact_product; the activations are FP8 values times powers of two, bf16 by construction)."""
+    `weight_is_bf16`: asked only when the product could run on tensor cores — whether every weight value is a bf16
+    (DenseCache.bf16_exact); then it does (exact_product: the activations are FP8 values times powers of two, bf16
+    by construction)."""
     a = fp8_activation(x)
-    return bf16(exact_product(a, weight_fp32) if weight_bf16_exact else a @ weight_fp32.T)
+    return bf16(exact_product(a, weight_fp32) if on_tensor_cores(a) and weight_is_bf16() else a @ weight_fp32.T)
 
 
 def bf16_linear(x: torch.Tensor, weight_fp32: torch.Tensor, out_bf16: bool = True) -> torch.Tensor:

@@ -372,9 +372,7 @@ def test_per_chunk_probe_rows_are_padded_to_one_width_and_cut_into_blocks():
 
 def test_a_weight_is_bf16_exact_only_when_every_value_is_and_it_is_the_cached_tensor(monkeypatch):
     """DenseCache.bf16_exact decides whether an engine GEMM may run on bf16 tensor cores (numerics.exact_product): it
-    must say yes only for the very tensor it checked, and only when no value changes when rounded to bf16. The check
-    runs on GPU tensors only; here it is run on the CPU by calling it directly, and through the cache with CUDA
-    pretended."""
+    must say yes only for the very tensor it holds, and only when no value changes when rounded to bf16."""
     from reference.weights import dense_cache
     from reference.weights.dense_cache import DenseCache, all_bf16_exact
 
@@ -389,21 +387,54 @@ def test_a_weight_is_bf16_exact_only_when_every_value_is_and_it_is_the_cached_te
 
     cache = DenseCache()
     cache.put("w", exact)
-    assert not cache.bf16_exact("w", exact), "a CPU tensor is never flagged: its products stay fp32 GEMMs"
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    cache = DenseCache()
-    cache.put("w", exact)
     cache.put("v", off)
-    assert cache.bf16_exact("w", exact)
+    assert cache.bf16_exact("w", exact) and cache.bf16_exact("w", exact), "asked twice: remembered, the same answer"
     assert not cache.bf16_exact("w", exact.clone()), "another tensor of the same values is not the one checked"
     assert not cache.bf16_exact("v", off) and not cache.bf16_exact("u", exact)
 
 
 def test_exact_product_is_the_fp32_gemm_on_the_cpu():
     """On the CPU the tensor-core path is never taken: the same bits as x @ wᵀ (the metric pin depends on it)."""
-    from optimized.numerics import exact_product
+    from optimized.numerics import exact_product, on_tensor_cores
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, 3, 256, generator=g).to(torch.float8_e4m3fn).float()
     w = torch.randn(96, 256, generator=g).to(torch.float8_e4m3fn).float() * 2.0 ** -6
+    assert not on_tensor_cores(x)
     assert torch.equal(exact_product(x, w), x @ w.T)
+
+
+def test_on_tensor_cores_the_engine_sends_only_bf16_valued_operands_and_moves_by_rounding_only(monkeypatch):
+    """What the GPU path does, run on the CPU: numerics.on_tensor_cores says yes from TENSOR_CORE_MIN_ROWS rows and
+    numerics.bf16_mm is emulated (exact products summed in fp64, rounded once to fp32: another rounding of the
+    same sum, as tensor cores give). Every operand that reaches it must be bf16-valued (the exactness the path
+    rests on), and the FP8 linears, the grouped wo_a and the experts must all reach it. The logits move: another
+    rounding of an fp32 sum now and then flips a bf16 output rounding (2^-8 relative) or a near-tie routing or
+    top-k decision downstream (here 2.2e-3 against the engine's 9.9e-2 drift from the reference); the bound is an
+    order of magnitude under the drift, as in the GPU test (tests/test_gpu_engine.py)."""
+    from optimized import numerics
+    from reference.weights.dense_cache import all_bf16_exact
+
+    shapes = []
+
+    def emulated_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        assert x.dtype == w.dtype == torch.float32 and all_bf16_exact(x) and all_bf16_exact(w), "not bf16 values"
+        shapes.append((x.shape[1], w.shape[0]))
+        return (x.double() @ w.double().T).float()
+
+    src = SyntheticWeights(TINY, 0)
+    ids = torch.randint(0, TINY.vocab_size, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = ReferenceModel(src).forward(ids[:296], ids[296:], chunk_size=128).logits
+    plain = OptimizedModel(src, []).forward(ids[:296], ids[296:], 128).logits
+    monkeypatch.setattr(numerics, "on_tensor_cores", lambda x: numerics._rows(x) >= numerics.TENSOR_CORE_MIN_ROWS)
+    monkeypatch.setattr(numerics, "bf16_mm", emulated_mm)
+    routed = OptimizedModel(src, []).forward(ids[:296], ids[296:], 128).logits
+    c = TINY
+    expected = {(c.hidden_size, c.q_lora_rank), (c.q_lora_rank, c.num_attention_heads * c.head_dim),  # wq_a, wq_b
+                (c.hidden_size, c.head_dim), (c.o_groups * c.o_lora_rank, c.hidden_size),  # wkv, wo_b
+                (c.num_attention_heads * c.head_dim // c.o_groups, c.o_lora_rank),  # wo_a, per group
+                (c.hidden_size, c.moe_intermediate_size), (c.moe_intermediate_size, c.hidden_size)}  # experts
+    assert expected <= set(shapes), expected - set(shapes)
+    moved = float((routed - plain).norm() / plain.norm())
+    drift = float((plain - ref).norm() / ref.norm())
+    assert 0 < moved < 0.1 * drift, (moved, drift)

@@ -31,7 +31,7 @@ class DenseCache:
 
     def __init__(self, budget_bytes: int = CPU_BUDGET_BYTES) -> None:
         self._cache: dict[str, torch.Tensor] = {}
-        self._bf16_exact: set[str] = set()  # names of cached GPU tensors whose every value is a bf16
+        self._bf16_exact: dict[str, bool] = {}  # per name asked: whether every value of its cached tensor is a bf16
         self.budget_bytes, self.used_bytes = budget_bytes, 0
 
     @classmethod
@@ -69,15 +69,19 @@ class DenseCache:
         if name not in self._cache:
             self._cache[name] = value
             self.used_bytes += value.numel() * 4
-            if value.is_cuda and all_bf16_exact(value):
-                self._bf16_exact.add(name)
 
     def bf16_exact(self, name: str, value: torch.Tensor) -> bool:
-        """Whether `value` is the tensor cached under `name` and every value of it is a bf16 (checked once, when it
-        was cached, and on a GPU only): a product with it may then run on bf16 tensor cores
-        (optimized.numerics.exact_product). False for every other tensor — one a patch made, one past the budget
-        (dequantized on every use), any on the CPU — whose products stay fp32 GEMMs."""
-        return name in self._bf16_exact and self._cache.get(name) is value
+        """Whether `value` is the tensor cached under `name` and every value of it is a bf16: a product with it may
+        then run on bf16 tensor cores (optimized.numerics.exact_product). Checked when first asked and remembered —
+        the cache's tensors are shared by every stack and never changed in place — so only the weights a product
+        asks about are read (the engine asks on a GPU only). False for any tensor other than the cached one: one a
+        patch made, one past the budget (dequantized on every use); their products stay fp32 GEMMs."""
+        if self._cache.get(name) is not value:
+            return False
+        exact = self._bf16_exact.get(name)
+        if exact is None:
+            exact = self._bf16_exact[name] = all_bf16_exact(value)
+        return exact
 
 
 CHECK_ELEMENTS = 1 << 24
