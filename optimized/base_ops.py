@@ -387,9 +387,7 @@ def _per_expert(ctx: OpContext, x: torch.Tensor, layout: "PairLayout", matrix: s
     def product(e: int, rows: slice) -> torch.Tensor:  # x: FP8 activations, bf16 values (numerics.exact_product)
         name = f"ffn.experts.{e}.{matrix}.weight"
         w = ctx.weight(name)
-        if numerics.on_tensor_cores(x[rows]) and ctx.dense.bf16_exact(name, w):
-            return exact_product(x[rows], w)
-        return x[rows] @ w.T
+        return exact_product(x[rows], w, lambda: ctx.dense.bf16_exact(name, w))
 
     if layout.spans and layout.order.numel() <= FEW_PAIRS:
         parts = [product(e, rows) for e, rows in layout.spans]

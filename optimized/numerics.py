@@ -49,7 +49,9 @@ def fp8_activation(x: torch.Tensor) -> torch.Tensor:
 TENSOR_CORE_MIN_ROWS = 16
 """Rows from which exact_product runs on bf16 tensor cores. Measured on an H200 (fp32 SIMT against bf16 with fp32
 output): 8192×4096 by 4096→1024 1.39 ms against 0.09 ms; 190 rows by 4096→2048 0.088 against 0.022 ms; one row
-by 4096→1024 0.019 against 0.024 ms plus the casts' launches — a decode step's products stay fp32 GEMMs."""
+by 4096→1024 0.019 against 0.024 ms plus the casts' launches — a decode step's products stay fp32 GEMMs. 16 is a
+choice between the two measured sizes: few prefill products have fewer rows (an expert with a handful of tokens), and
+for those either GEMM costs little."""
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -57,9 +59,8 @@ def _rows(x: torch.Tensor) -> int:
 
 
 def on_tensor_cores(x: torch.Tensor) -> bool:
-    """Whether exact_product runs a product with x's rows on bf16 tensor cores: on a CUDA device, from
-    TENSOR_CORE_MIN_ROWS rows. The callers ask before they check a weight's values (DenseCache.bf16_exact), so the
-    CPU never pays for the check."""
+    """Whether exact_product may run a product with x's rows on bf16 tensor cores: on a CUDA device, from
+    TENSOR_CORE_MIN_ROWS rows."""
     return x.is_cuda and _rows(x) >= TENSOR_CORE_MIN_ROWS
 
 
@@ -69,29 +70,30 @@ def bf16_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(x.bfloat16(), w.bfloat16().T, out_dtype=torch.float32)
 
 
-def exact_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ wᵀ accumulated in fp32, for operands whose every value is a bf16 — the caller knows it: FP8 activations,
-    bf16-rounded tensors, a weight the layer's dense cache found exact (DenseCache.bf16_exact).
+def exact_product(x: torch.Tensor, w: torch.Tensor, weight_is_bf16: Callable[[], bool] = lambda: True
+                  ) -> torch.Tensor:
+    """x @ wᵀ accumulated in fp32, for x whose every value is a bf16 — the caller knows it: FP8 activations,
+    bf16-rounded tensors — and w whose values are bf16 when `weight_is_bf16()` says so (a weight the layer's dense
+    cache found exact: DenseCache.bf16_exact; asked only when the product could run on tensor cores, so the CPU never
+    pays for the check).
 
     Each product of two such values is exact in fp32 (≤ 8 + 8 significant bits; exponents of weights and activations
     far from fp32's underflow), so the fp32 GEMM a CPU runs and bf16 tensor cores with fp32 accumulation (what the
     deployed kernels use) sum the same exact terms, differing in the order and the rounding of the fp32
     accumulation (tensor cores may truncate where an FMA rounds to nearest): max error ~3·10⁻⁷ of the largest output
-    on an H200, against ~2·10⁻⁷ for the fp32 GEMM (measured). Where on_tensor_cores(x) it runs there — ~15× faster
-    at a prefill chunk's shapes; elsewhere it is `x @ w.T`, the same bits as before."""
-    if not on_tensor_cores(x):
+    on an H200, against ~2·10⁻⁷ for the fp32 GEMM (measured). Where on_tensor_cores(x) and the weight is bf16-valued
+    it runs there — ~15× faster at a prefill chunk's shapes; elsewhere it is `x @ w.T`, the same bits as before."""
+    if not (on_tensor_cores(x) and weight_is_bf16()):
         return x @ w.T
     return bf16_mm(x.reshape(_rows(x), x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
 
 
 def fp8_linear(x: torch.Tensor, weight_fp32: torch.Tensor,
                weight_is_bf16: Callable[[], bool] = lambda: False) -> torch.Tensor:
-    """FP8 GEMM: FP8 activations (1×128, UE8M0) × FP8 block-scaled weights, fp32 accumulation, bf16 output.
-    `weight_is_bf16`: asked only when the product could run on tensor cores — whether every weight value is a bf16
-    (DenseCache.bf16_exact); then it does (exact_product: the activations are FP8 values times powers of two, bf16
-    by construction)."""
-    a = fp8_activation(x)
-    return bf16(exact_product(a, weight_fp32) if on_tensor_cores(a) and weight_is_bf16() else a @ weight_fp32.T)
+    """FP8 GEMM: FP8 activations (1×128, UE8M0) × FP8 block-scaled weights, fp32 accumulation, bf16 output; on
+    tensor cores when the weight is bf16-valued (exact_product: the activations are FP8 values times powers of two,
+    bf16 by construction)."""
+    return bf16(exact_product(fp8_activation(x), weight_fp32, weight_is_bf16))
 
 
 def bf16_linear(x: torch.Tensor, weight_fp32: torch.Tensor, out_bf16: bool = True) -> torch.Tensor:

@@ -182,8 +182,8 @@ def compare_router(pos, ref, var, ctx) -> list[MetricValues]:
     Computed where the reference's ids are (the same operations on the CPU as ever; on a GPU no copy to the host:
     a Flash prefill chunk's [8192, 256] fp64 matrices took ~50 ms on the host, with four synchronising copies)."""
     dev = ref["expert_ids"].device
-    ids_r, ids_v = ref["expert_ids"].long(), var["expert_ids"].long().to(dev)
-    n_exp = int(torch.maximum(ids_r.max(), ids_v.max())) + 1  # one host read
+    ids_r, ids_v, pos = ref["expert_ids"].long(), var["expert_ids"].long().to(dev), pos.to(dev)
+    n_exp = _max_id(ids_r, ids_v) + 1
     dense_r = torch.zeros(ids_r.shape[0], n_exp, dtype=torch.float64, device=dev).scatter_add_(
         1, ids_r, _f64(ref["weights"]))
     dense_v = torch.zeros(ids_v.shape[0], n_exp, dtype=torch.float64, device=dev).scatter_add_(
@@ -192,8 +192,8 @@ def compare_router(pos, ref, var, ctx) -> list[MetricValues]:
     member_v = torch.zeros(ids_v.shape[0], n_exp, dtype=torch.bool, device=dev).scatter_(1, ids_v, True)
     overlap = (member_r & member_v).sum(1).double()
     return [
-        MetricValues("moe.flip_rate", pos.to(dev), 1 - overlap / ids_r.shape[1]),
-        MetricValues("moe.weight_l1", pos.to(dev), (dense_v - dense_r).abs().sum(1)),
+        MetricValues("moe.flip_rate", pos, 1 - overlap / ids_r.shape[1]),
+        MetricValues("moe.weight_l1", pos, (dense_v - dense_r).abs().sum(1)),
     ]
 
 
@@ -310,8 +310,9 @@ def compare_rows(name: str) -> Callable:
 
 
 def _max_id(*tensors: torch.Tensor) -> int:
-    """Largest id in any of the tensors (−1 when all are empty)."""
-    return max([int(t.max()) for t in tensors if t.numel()] + [-1])
+    """Largest id in any of the tensors (−1 when all are empty), with one host read."""
+    maxima = [t.max().to(tensors[0].device) for t in tensors if t.numel()]
+    return int(torch.stack(maxima).max()) if maxima else -1
 
 
 def _membership(rows: torch.Tensor, valid: torch.Tensor, n_rows: int) -> torch.Tensor:

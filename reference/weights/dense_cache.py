@@ -86,7 +86,7 @@ class DenseCache:
 
 CHECK_ELEMENTS = 1 << 24
 """Elements per step of all_bf16_exact: its temporaries (a bf16 copy, its fp32 value, the comparison) stay ~100 MB
-whatever the tensor (a Flash head weight is 0.5 G elements)."""
+whatever the tensor (a Flash attn.wq_b is 32 M elements: two steps)."""
 
 
 def all_bf16_exact(t: torch.Tensor) -> bool:
