@@ -11,7 +11,7 @@ each phase.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -91,6 +91,31 @@ def _in_blocks(parts: list[tuple[torch.Tensor, ...]], block: int) -> list[tuple[
     return [tuple(t[i:i + block] for t in joined) for i in range(0, n, block)]
 
 
+def _in_runs_of_equal_width(parts: list[tuple[torch.Tensor, ...]], block: int) -> list[tuple[torch.Tensor, ...]]:
+    """_in_blocks over each run of consecutive parts whose fields have the same shapes past the queries."""
+    calls, start = [], 0
+    while start < len(parts):
+        stop = start + 1
+        while stop < len(parts) and [f.shape[1:] for f in parts[stop]] == [f.shape[1:] for f in parts[start]]:
+            stop += 1
+        calls += _in_blocks(parts[start:stop], block)
+        start = stop
+    return calls
+
+
+@dataclass
+class _HeldSampled:
+    """Per-query inputs of the sampled indexer site and attention rows not yet emitted, and what emitting them
+    needs: the context of the segment that held them last (its state: the caches), its query block size and the
+    attention sink logits."""
+
+    site_rows: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    probs_rows: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    ctx: OpContext | None = None
+    block: int = 1
+    sink_logit: torch.Tensor | None = None
+
+
 @functools.lru_cache(maxsize=8)
 def _window_offsets(window: int, device: torch.device) -> torch.Tensor:
     """−W+1 … 0 (int64), made once per window and device: a query's window slots are its position plus these.
@@ -112,6 +137,7 @@ class OptimizedLayer:
         self.tables = {phase: OpTable(BASE_OPS, list(choices), phase) for phase in PHASES}
         self.stock_tables = {phase: OpTable(BASE_OPS, [], phase) for phase in PHASES}
         self.hadamard = hadamard_matrix(cfg.index_head_dim, device=self.device) if self.kind == "csa" else None
+        self._held_sampled = _HeldSampled()
 
     def new_state(self, capacity_tokens: int) -> EngineState:
         cfg, dev = self.cfg, self.device
@@ -154,8 +180,10 @@ class OptimizedLayer:
 
     # ------------------------------------------------------------------------------------------
     def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, state: EngineState, phase: str,
-                segment: int = 0, sink: ProbeSink = NULL_SINK) -> torch.Tensor:
-        """Block_l over the segment's tokens; streams [S, n, D] bf16 in and out. Mutates `state`."""
+                segment: int = 0, sink: ProbeSink = NULL_SINK, hold_sampled: bool = False) -> torch.Tensor:
+        """Block_l over the segment's tokens; streams [S, n, D] bf16 in and out. Mutates `state`.
+        `hold_sampled`: keep the sampled queries' indexer site and attention rows (recomputed from the caches) for
+        `emit_held_sampled` instead of emitting them at the end of this segment."""
         cfg = self.cfg
         positions = torch.arange(state.position, state.position + streams.shape[0], device=self.device)
         ctx = self._context(phase, segment, positions, state)
@@ -171,7 +199,8 @@ class OptimizedLayer:
             sink.emit("attn.hc", positions, pre=mix.pre, post=mix.post, comb=mix.comb, mixed=a)
         self._emit_site(sink, "attn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix), stock_only,
                         streams=streams, site="attn")
-        attn_out = self._attention(ctx, rms_norm_bf16(a, ctx.weight("attn_norm.weight"), cfg.rms_norm_eps), sink)
+        attn_out = self._attention(ctx, rms_norm_bf16(a, ctx.weight("attn_norm.weight"), cfg.rms_norm_eps), sink,
+                                   hold_sampled)
         if sink.wants("attn.out"):
             sink.emit("attn.out", positions, out=attn_out)
         streams = ctx.call("hc_post", f=attn_out, streams=streams, mix=mix)
@@ -193,7 +222,7 @@ class OptimizedLayer:
         return streams
 
     # ------------------------------------------------------------------------------------------
-    def _attention(self, ctx: OpContext, x: torch.Tensor, sink: ProbeSink) -> torch.Tensor:
+    def _attention(self, ctx: OpContext, x: torch.Tensor, sink: ProbeSink, hold_sampled: bool) -> torch.Tensor:
         cfg, state, positions = self.cfg, ctx.state, ctx.positions
         H, eps = cfg.num_attention_heads, cfg.rms_norm_eps
         cos, sin = cos_sin(state.inv_freq, positions, torch.float32)
@@ -275,16 +304,29 @@ class OptimizedLayer:
             out[blk] = o
         # The indexer site and the attention rows are recomputed per query from the caches, which hold the whole
         # chunk before its first block: once per chunk over every block's sampled queries, not once per block
-        # (120 blocks per stack and mode at 30K tokens, each a few dozen small kernels).
-        # At most `block` queries per call, the budget the blocks were sized by (attn_sample_every may be 1).
-        for rows in _in_blocks(site_rows, block):
-            self._emit_indexer_site(ctx, sink, *rows)
-        for rows in _in_blocks(probs_rows, block):
-            self._emit_probs(ctx, sink, *rows, sink_logit)
+        # (120 blocks per stack and mode at 30K tokens, each a few dozen small kernels) — and, held, once over a
+        # run of decode steps, whose caches only grow (a query masks what lies past its position).
+        held = self._held_sampled
+        held.site_rows += site_rows
+        held.probs_rows += probs_rows
+        held.ctx, held.block, held.sink_logit = ctx, block, sink_logit
+        if not hold_sampled:
+            self.emit_held_sampled(sink)
 
         o = bf16(apply_rope(out, cos[:, None], sin[:, None], inverse=True))
         u = ctx.call("linear", x=o.flatten(-2).unflatten(-1, (cfg.o_groups, -1)), site="attn.wo_a")
         return ctx.call("linear", x=u.flatten(-2), site="attn.wo_b")
+
+    def emit_held_sampled(self, sink: ProbeSink) -> None:
+        """Emit the held sampled queries' indexer site and attention rows, computed from the caches as they are now:
+        in calls of at most `block` queries (the budget the last segment's blocks were sized by), each call over
+        queries whose fields have one width (a tiny model's indexer picks fewer rows before it has index_topk), so
+        no query's fields are padded to a width it never had."""
+        held, self._held_sampled = self._held_sampled, _HeldSampled()
+        for rows in _in_runs_of_equal_width(held.site_rows, held.block):
+            self._emit_indexer_site(held.ctx, sink, *rows)
+        for rows in _in_runs_of_equal_width(held.probs_rows, held.block):
+            self._emit_probs(held.ctx, sink, *rows, held.sink_logit)
 
     def _emit_indexer_site(self, ctx: OpContext, sink: ProbeSink, pos: torch.Tensor, q: torch.Tensor,
                            weights: torch.Tensor, row_ids: torch.Tensor, valid: torch.Tensor) -> None:
@@ -392,9 +434,10 @@ class OptimizedModel:
                 if phase == "decode" and counts["decode"] == 0 and at_decode is not None:
                     at_decode(state)
                 outs.append(block.forward(streams[start : start + n], token_ids[start : start + n], state, phase,
-                                          counts[phase], sink))
+                                          counts[phase], sink, hold_sampled=phase == "decode"))
             counts[phase] += 1
             start += n
+        block.emit_held_sampled(sink)  # the decode steps' sampled queries, over every step at once
         return torch.cat(outs, 0)
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:

@@ -190,7 +190,9 @@ def test_tensor_core_gemms_move_an_engine_run_by_fp32_accumulation_noise_only(mo
 
 
 def test_router_comparison_on_the_device_gives_the_hosts_values_and_batches_decode_steps():
-    """metrics.compare_router runs where the reference's ids are: on a GPU the same flip rates (integer counts) and
+    """metrics.compare_router runs where the reference's ids are: on a GPU the same flip rates (integer counts over a
+    tensor k: a correctly rounded division on both, where CUDA's division by a Python scalar multiplies by its
+    rounded reciprocal and failed this test) and
     the same weight L1s — each a sum of ≤ 12 differences of torch.rand values (multiples of 2^-24 below 1), so every
     partial sum is a multiple of 2^-24 below 16 and exact in fp64 in any order — and a GPU sink compares 64
     deferred decode emissions of moe.router in one call (probes.BATCHED_ON_DEVICE_TAPS)."""

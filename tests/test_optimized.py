@@ -438,3 +438,66 @@ def test_on_tensor_cores_the_engine_sends_only_bf16_valued_operands_and_moves_by
     moved = float((routed - plain).norm() / plain.norm())
     drift = float((plain - ref).norm() / ref.norm())
     assert 0 < moved < 0.1 * drift, (moved, drift)
+
+
+class _SampledRowsSink:
+    """Samples every position and keeps, per tap and position, what the indexer site and the attention rows emit."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, dict[int, dict[str, torch.Tensor]]] = {"indexer.site": {}, "attn.probs": {}}
+        self.calls = {tap: 0 for tap in self.rows}
+
+    def wants(self, tap: str) -> bool:
+        return tap in self.rows
+
+    def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
+        self.calls[tap] += 1
+        for i, p in enumerate(positions.tolist()):
+            self.rows[tap][p] = {name: v[i].clone() for name, v in values.items()}
+
+    def sampled(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(positions, dtype=torch.bool)
+
+
+def test_decode_steps_sampled_rows_recomputed_once_give_each_steps_metrics():
+    """run_layer holds the decode steps' sampled indexer-site and attention-row inputs and recomputes them once over
+    all steps (issue #14: a few dozen small kernels per step and stack). The caches only grow and every query masks
+    what lies past its position, so on the CPU each query must get its own step's bits: its attention rows and its
+    own picks exactly, and the indexer-site metrics exactly. The stock and twin top-k are recomputed over the
+    caches as they are at the end, so their pick lists are as wide as index_topk (16) where the step's were as wide
+    as the rows it had (tiny: 12 to 15), with the extra picks invalid — as for a prefill chunk's earlier blocks,
+    recomputed once the chunk is in the caches — which the comparator, counting valid picks, does not see."""
+    from harness.run.metrics import compare_indexer_site
+
+    source = SyntheticWeights(TINY, 0)
+    model = OptimizedModel(source, default_registry().choose("all"))
+    n_prompt, n_decode = 50, 16
+    ids = torch.randint(0, TINY.vocab_size, (n_prompt + n_decode,), generator=torch.Generator().manual_seed(5))
+    segments = segment_lengths(n_prompt, n_decode, 32)
+    x = model.embed(ids)
+    held, stepwise = _SampledRowsSink(), _SampledRowsSink()
+    model.run_layer(model.layer(2), x, ids, segments, n_prompt, held)  # layer 2 is CSA
+    block = model.layer(2)
+    each_step = block.forward
+    block.forward = lambda *args, hold_sampled=False, **kw: each_step(*args, **kw)  # every step emits its own
+    model.run_layer(block, x, ids, segments, n_prompt, stepwise)
+    everywhere = set(range(n_prompt + n_decode))
+    assert held.rows["attn.probs"].keys() == stepwise.rows["attn.probs"].keys() == everywhere
+    for p, fields in stepwise.rows["attn.probs"].items():
+        for name, value in fields.items():
+            assert torch.equal(held.rows["attn.probs"][p][name], value), ("attn.probs", p, name)
+    assert held.rows["indexer.site"].keys() == stepwise.rows["indexer.site"].keys() == everywhere
+    widths = set()
+    for p, step in stepwise.rows["indexer.site"].items():
+        once = held.rows["indexer.site"][p]
+        assert torch.equal(once["row_ids"], step["row_ids"]) and torch.equal(once["valid"], step["valid"]), p
+        one = lambda fields: {name: v[None] for name, v in fields.items()}  # noqa: E731 - a batch of one query
+        for a, b in zip(compare_indexer_site(torch.tensor([p]), None, one(once), None),
+                        compare_indexer_site(torch.tensor([p]), None, one(step), None)):
+            assert a.metric == b.metric and torch.equal(a.value, b.value), (p, a.metric)
+        if p >= n_prompt:
+            widths.add(step["stock_row_ids"].numel())
+    assert widths == {12, 13, 14, 15, 16}, widths  # the steps' pick lists widen as index rows complete
+    # prefill: 2 chunks either way; decode: one call per width of the variant's own picks (runs of equal width are
+    # never padded) instead of one per step
+    assert held.calls["indexer.site"] == 2 + len(widths) and stepwise.calls["indexer.site"] == 2 + n_decode

@@ -191,8 +191,11 @@ def compare_router(pos, ref, var, ctx) -> list[MetricValues]:
     member_r = torch.zeros(ids_r.shape[0], n_exp, dtype=torch.bool, device=dev).scatter_(1, ids_r, True)
     member_v = torch.zeros(ids_v.shape[0], n_exp, dtype=torch.bool, device=dev).scatter_(1, ids_v, True)
     overlap = (member_r & member_v).sum(1).double()
+    # k as a tensor: CUDA divides by a Python scalar as a product with its rounded reciprocal (5 · fl(1/6) ≠ 5/6
+    # by an ulp, seen on an H200), a tensor divisor is a correctly rounded division, as on the CPU
+    k = overlap.new_full((), float(ids_r.shape[1]))
     return [
-        MetricValues("moe.flip_rate", pos, 1 - overlap / ids_r.shape[1]),
+        MetricValues("moe.flip_rate", pos, 1 - overlap / k),
         MetricValues("moe.weight_l1", pos, (dense_v - dense_r).abs().sum(1)),
     ]
 
