@@ -23,6 +23,7 @@ from optimized.paged_cache import IndexKeyCache, LatentCache
 from optimized.patching import PHASES, PatchChoice
 from optimized.state import EngineState
 from reference.config import ModelConfig
+from reference.graphs import replay
 from reference.layer import query_block_size
 from reference.model import ForwardResult, segment_lengths
 from reference.ops.attention import KeySet, sparse_attention_with_sink
@@ -114,6 +115,31 @@ class _HeldSampled:
     ctx: OpContext | None = None
     block: int = 1
     sink_logit: torch.Tensor | None = None
+
+
+# The attention's element-wise glue around its linears, each a pure function of its inputs replayed from a CUDA graph
+# when small (reference.graphs.replay: a decode step's ~45 launches become ~20; the same kernels, the same bits).
+# cos/sin [S, r/2]; queries [S, H, d], rows [S, d].
+def _normed_rotated_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each head's q RMS-normed without weight (spec §4.1), rounded to bf16 and RoPE'd (§4.3), bf16."""
+    return bf16(apply_rope(bf16(unweighted_rms_norm(q, eps)), cos[:, None], sin[:, None]))
+
+
+def _rotated_rows(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The normed kv row RoPE'd (spec §4.2, §4.3), bf16."""
+    return bf16(apply_rope(kv, cos, sin))
+
+
+def _rotated_index_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hadamard: torch.Tensor
+                           ) -> torch.Tensor:
+    """Indexer queries RoPE'd, bf16, then rotated by the Hadamard matrix, bf16 (the fused RoPE + Hadamard of
+    optimized-stack §3.1; spec §5.3)."""
+    return bf16(bf16(apply_rope(q, cos[:, None], sin[:, None])) @ hadamard)
+
+
+def _derotated_outputs(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The attention output's rope dims rotated back by −φ, bf16 (spec §4.6)."""
+    return bf16(apply_rope(out, cos[:, None], sin[:, None], inverse=True))
 
 
 @functools.lru_cache(maxsize=8)
@@ -228,9 +254,9 @@ class OptimizedLayer:
         cos, sin = cos_sin(state.inv_freq, positions, torch.float32)
         q_lat = rms_norm_bf16(ctx.call("linear", x=x, site="attn.wq_a"), ctx.weight("attn.q_norm.weight"), eps)
         q = ctx.call("linear", x=q_lat, site="attn.wq_b").unflatten(-1, (H, cfg.head_dim))
-        q = bf16(apply_rope(bf16(unweighted_rms_norm(q, eps)), cos[:, None], sin[:, None]))
+        q = replay(_normed_rotated_queries, q, cos, sin, eps=eps)
         kv = rms_norm_bf16(ctx.call("linear", x=x, site="attn.wkv"), ctx.weight("attn.kv_norm.weight"), eps)
-        kv = bf16(apply_rope(kv, cos, sin))
+        kv = replay(_rotated_rows, kv, cos, sin)
         ctx.call("kv_store", cache="window", rows=kv)
         if sink.wants("attn.q"):
             sink.emit("attn.q", positions, q=q)
@@ -248,7 +274,7 @@ class OptimizedLayer:
             self._emit_rows(sink, "indexer.rows", rows, state.indexer_compressor)
             q_idx = ctx.call("linear", x=q_lat, site="attn.indexer.wq_b").unflatten(
                 -1, (cfg.index_n_heads, cfg.index_head_dim))
-            q_idx = bf16(bf16(apply_rope(q_idx, cos[:, None], sin[:, None])) @ self.hadamard)
+            q_idx = replay(_rotated_index_queries, q_idx, cos, sin, self.hadamard)
             idx_weights = ctx.call("linear", x=x, site="attn.indexer.weights_proj").float() * (
                 cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
 
@@ -313,7 +339,7 @@ class OptimizedLayer:
         if not hold_sampled:
             self.emit_held_sampled(sink)
 
-        o = bf16(apply_rope(out, cos[:, None], sin[:, None], inverse=True))
+        o = replay(_derotated_outputs, out, cos, sin)
         u = ctx.call("linear", x=o.flatten(-2).unflatten(-1, (cfg.o_groups, -1)), site="attn.wo_a")
         return ctx.call("linear", x=u.flatten(-2), site="attn.wo_b")
 

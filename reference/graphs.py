@@ -36,6 +36,13 @@ ENABLED = True
 _graphs: dict[tuple, "_Graph | None"] = {}  # None: capture failed for this key, run it eagerly
 _lock = threading.Lock()
 
+MAX_GRAPHS_PER_FUNCTION = 256
+"""Keys (shapes × static arguments) a function is captured for; calls with further keys run eagerly. A static
+argument that takes many values (a checkpoint's per-expert NVFP4 input scales) would otherwise hold a graph and its
+memory for each; the decode steps' shapes are a handful per function, and prefill passes of up to 4,096 tokens
+(the reference's Sinkhorn) a few dozen lengths per run."""
+_graphs_of: dict[Callable[..., Any], int] = {}
+
 
 OUTPUT_ALIGN = 512
 """Byte alignment of each output in a replay's packed copy: the caching allocator's block size, so an output's
@@ -130,6 +137,13 @@ class _Graph:
         return type(self.outputs)(o.clone() for o in self.outputs)
 
 
+def clear() -> None:
+    """Forget every captured graph (tests that count captures start from none)."""
+    with _lock:
+        _graphs.clear()
+        _graphs_of.clear()
+
+
 def small_enough(tensors: tuple[torch.Tensor, ...]) -> bool:
     """Inputs a graph replays: at most MAX_ELEMENTS in total, the first not empty (an empty input launches nothing:
     no graph to make). bench/launch_count.py counts replays by the same rule."""
@@ -149,9 +163,12 @@ def replay(fn: Callable[..., Any], *tensors: torch.Tensor, **static: Any) -> Any
     graph = _graphs.get(key, False)
     if graph is False:
         with _lock:
+            if _graphs_of.get(fn, 0) >= MAX_GRAPHS_PER_FUNCTION:
+                return fn(*tensors, **static)
             try:
                 graph = _Graph(fn, tensors, static)
             except RuntimeError:  # not capturable after all: this key runs eagerly from now on
                 graph = None
             _graphs[key] = graph
+            _graphs_of[fn] = _graphs_of.get(fn, 0) + 1
     return fn(*tensors, **static) if graph is None else graph(tensors)

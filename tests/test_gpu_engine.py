@@ -80,12 +80,15 @@ def test_optimized_engine_with_triton_kernels_on_gpu():
 
 
 def test_graph_replays_give_the_eager_bits():
-    """reference.graphs replays the decode step's small pure functions (mHC mix, FP8 activation quantizer, RMSNorm)
-    from CUDA graphs: the same kernels on inputs of the same layout, so the eager call's bits — also for a strided
+    """reference.graphs replays the decode step's small pure functions (mHC mix, FP8 activation quantizer, RMSNorm,
+    the attention's RoPE glue, the NVFP4 activation quantizer) from CUDA graphs: the same kernels on inputs of the same layout, so the eager call's bits — also for a strided
     input and for a second call with new values (the replay path, not the capture)."""
     from reference import graphs
     from optimized.base_ops import hc_mix
+    from optimized import engine
     from optimized.numerics import fp8_activation, rms_norm_bf16
+    from optimized.patches.nvfp4_experts import nvfp4_activation
+    from reference.quant import hadamard_matrix
 
     g = torch.Generator(device="cuda").manual_seed(3)
     for trial in range(2):
@@ -94,9 +97,18 @@ def test_graph_replays_give_the_eager_bits():
         base, scale = torch.randn(24, device="cuda", generator=g), torch.rand(3, device="cuda", generator=g)
         x = torch.randn(3, 2048, device="cuda", generator=g)[:, ::2]  # strided
         w = torch.rand(1024, device="cuda", generator=g) + 0.5
+        q, kv, q_idx = (torch.randn(1, 8, 64, device="cuda", generator=g), torch.randn(1, 64, device="cuda", generator=g),
+                        torch.randn(1, 4, 32, device="cuda", generator=g))
+        cos, sin = torch.rand(1, 8, device="cuda", generator=g), torch.rand(1, 8, device="cuda", generator=g)
+        hadamard = hadamard_matrix(32, device="cuda")
         calls = [lambda: hc_mix(m, streams, base, scale, n=4, iters=20, eps=1e-6),
                  lambda: graphs.replay(hc_mix, m, streams, base, scale, n=4, iters=20, eps=1e-6),
-                 lambda: fp8_activation(x), lambda: rms_norm_bf16(x, w, 1e-6)]
+                 lambda: fp8_activation(x), lambda: rms_norm_bf16(x, w, 1e-6),
+                 lambda: graphs.replay(engine._normed_rotated_queries, q, cos, sin, eps=1e-6),
+                 lambda: graphs.replay(engine._rotated_rows, kv, cos, sin),
+                 lambda: graphs.replay(engine._rotated_index_queries, q_idx, cos, sin, hadamard),
+                 lambda: graphs.replay(engine._derotated_outputs, q, cos, sin),
+                 lambda: nvfp4_activation(x, 0.37)]
         replayed = [c() for c in calls]
         graphs.ENABLED = False
         try:
@@ -109,6 +121,21 @@ def test_graph_replays_give_the_eager_bits():
     assert any(v is not None for v in graphs._graphs.values()), "nothing was captured"  # noqa: SLF001
 
 
+def test_a_function_is_captured_for_at_most_its_cap_of_keys(monkeypatch):
+    """reference.graphs.MAX_GRAPHS_PER_FUNCTION: a static argument with many values (per-expert NVFP4 input scales)
+    must not hold a graph for each — past the cap, calls run eagerly and give the same values."""
+    from reference import graphs
+    from optimized.patches.nvfp4_experts import _nvfp4_activation, nvfp4_activation
+
+    monkeypatch.setattr(graphs, "MAX_GRAPHS_PER_FUNCTION", 3)
+    graphs.clear()
+    x = torch.randn(2, 256, device="cuda", generator=torch.Generator(device="cuda").manual_seed(8))
+    for scale in (0.5, 0.25, 0.125, 1.5, 3.0):
+        assert torch.equal(nvfp4_activation(x, scale), _nvfp4_activation(x, scale))
+    assert sum(1 for key in graphs._graphs if key[0] is _nvfp4_activation) == 3  # noqa: SLF001
+    graphs.clear()
+
+
 def test_reference_decode_with_graph_replays_is_bit_identical():
     """The reference replays its Sinkhorn from a CUDA graph in decode steps (reference.graphs): a prompt and 8
     teacher-forced decode steps, replays on and off, give identical logits."""
@@ -117,7 +144,7 @@ def test_reference_decode_with_graph_replays_is_bit_identical():
     src = SyntheticWeights(TINY, 0)
     ids = torch.randint(0, TINY.vocab_size, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     model = ReferenceModel(src, device="cuda")
-    graphs._graphs.clear()  # noqa: SLF001
+    graphs.clear()
     replayed = model.forward(ids[:292], ids[292:]).logits
     assert any(v is not None for v in graphs._graphs.values()), "nothing was captured"  # noqa: SLF001
     graphs.ENABLED = False

@@ -24,6 +24,7 @@ from optimized.base_ops import PairLayout, prepare_nvfp4_forms, swiglu_fp32
 from optimized.numerics import bf16
 from optimized.ops import OpContext, Routing
 from optimized.patching import Patch
+from reference.graphs import replay
 from reference.quant import FP4_MAX, QuantizedTensor, blockwise_amax_last, expand_blocks_last, round_to_e2m1, \
     round_to_e4m3
 
@@ -39,7 +40,12 @@ PATCH = Patch(
 
 
 def nvfp4_activation(x: torch.Tensor, input_scale: float) -> torch.Tensor:
-    """Quantize to NVFP4 and back: per-16 e4m3 block scales relative to the global input_scale."""
+    """Quantize to NVFP4 and back: per-16 e4m3 block scales relative to the global input_scale (~40 element-wise
+    kernels: a decode step's few rows replay them from a CUDA graph, reference.graphs.replay)."""
+    return replay(_nvfp4_activation, x, input_scale=input_scale)
+
+
+def _nvfp4_activation(x: torch.Tensor, input_scale: float) -> torch.Tensor:
     block = round_to_e4m3(blockwise_amax_last(x.float(), 16) / FP4_MAX / input_scale)
     scale = expand_blocks_last(block, 16, x.shape[-1]) * input_scale
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
