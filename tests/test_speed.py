@@ -393,3 +393,24 @@ def test_cached_constants_keep_the_sign_of_zero_and_refuse_nan():
     assert constant(-1, torch.int64, "cpu") is constant(-1, torch.int64, "cpu")
     with pytest.raises(ValueError):
         constant(float("nan"), torch.float32, "cpu")
+
+
+def test_ab_layer_alternates_old_and_new_and_reports_the_ratio_of_medians(tmp_path):
+    """bench/ab_layer.py times one layer in fresh processes, old and new tree alternately (a GPU lease drifts ±20%
+    between processes: only a ratio of medians over alternating runs shows a smaller change). Here both trees are
+    this one: two rounds, four runs, in the order old, new, old, new, and a ratio near 1."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "ab_layer.py"), "--old-tree", str(root), "--rounds", "2",
+                          "--model", "tiny", "--tokens", "120", "--decode", "2"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(root)}, check=True).stdout
+    assert re.findall(r"round (\d) (old|new)", out) == [("1", "old"), ("1", "new"), ("2", "old"), ("2", "new")], out
+    ratio = float(re.search(r"new/old: ([\d.]+)", out)[1])
+    # the same code twice: its runs differ by the machine's noise only (a tiny layer: ~0.1 s each on 2 CPU cores)
+    assert 0.5 < ratio < 2.0, out
+    assert "tiny layer 2 (csa), 120 + 2 tokens" in out
