@@ -104,6 +104,10 @@ def _in_runs_of_equal_width(parts: list[tuple[torch.Tensor, ...]], block: int) -
     return calls
 
 
+CACHE_OPS = ("kv_store", "kv_load", "chunk_state_carry")
+"""The ops that write, read or replace the engine's caches between decode steps."""
+
+
 @dataclass
 class _HeldSampled:
     """Per-query inputs of the sampled indexer site and attention rows not yet emitted, and what emitting them
@@ -164,6 +168,11 @@ class OptimizedLayer:
         self.stock_tables = {phase: OpTable(BASE_OPS, [], phase) for phase in PHASES}
         self.hadamard = hadamard_matrix(cfg.index_head_dim, device=self.device) if self.kind == "csa" else None
         self._held_sampled = _HeldSampled()
+        self.holds_decode_samples = not any(self.tables["decode"].patched(op) for op in CACHE_OPS)
+        """Whether run_layer may recompute the decode steps' sampled rows once after the last step: only when the
+        stock ops write and read the caches in decode. They append and never rewrite a row, so the caches at the end
+        hold what each step read; a patched store could rewrite rows a later step's query no longer sees, and a
+        patched load could depend on the step it runs in — those recompute at every step, as the kernel saw them."""
 
     def new_state(self, capacity_tokens: int) -> EngineState:
         cfg, dev = self.cfg, self.device
@@ -209,7 +218,8 @@ class OptimizedLayer:
                 segment: int = 0, sink: ProbeSink = NULL_SINK, hold_sampled: bool = False) -> torch.Tensor:
         """Block_l over the segment's tokens; streams [S, n, D] bf16 in and out. Mutates `state`.
         `hold_sampled`: keep the sampled queries' indexer site and attention rows (recomputed from the caches) for
-        `emit_held_sampled` instead of emitting them at the end of this segment."""
+        `emit_held_sampled` instead of emitting them at the end of this segment — valid only while later segments
+        leave the rows these queries read as they are (`holds_decode_samples`)."""
         cfg = self.cfg
         positions = torch.arange(state.position, state.position + streams.shape[0], device=self.device)
         ctx = self._context(phase, segment, positions, state)
@@ -460,10 +470,11 @@ class OptimizedModel:
                 if phase == "decode" and counts["decode"] == 0 and at_decode is not None:
                     at_decode(state)
                 outs.append(block.forward(streams[start : start + n], token_ids[start : start + n], state, phase,
-                                          counts[phase], sink, hold_sampled=phase == "decode"))
+                                          counts[phase], sink,
+                                          hold_sampled=phase == "decode" and block.holds_decode_samples))
             counts[phase] += 1
             start += n
-        block.emit_held_sampled(sink)  # the decode steps' sampled queries, over every step at once
+        block.emit_held_sampled(sink)  # the decode steps' sampled queries, over every step at once (if held)
         return torch.cat(outs, 0)
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:

@@ -501,3 +501,46 @@ def test_decode_steps_sampled_rows_recomputed_once_give_each_steps_metrics():
     # prefill: 2 chunks either way; decode: one call per width of the variant's own picks (runs of equal width are
     # never padded) instead of one per step
     assert held.calls["indexer.site"] == 2 + len(widths) and stepwise.calls["indexer.site"] == 2 + n_decode
+
+
+def test_a_patched_cache_store_keeps_the_decode_samples_per_step():
+    """Recomputing the decode steps' sampled rows once at the end is only valid while the caches are append-only:
+    a kv_store patch that also rewrites the previous token's window row (an off-by-one slot bug) changes, at step
+    t + 1, a row query t read. With kv_store (or kv_load, chunk_state_carry) patched in decode the engine therefore
+    recomputes at every step, what each step's kernel saw — and held to the end, the rows would have differed."""
+    from optimized.patching import Patch, PatchChoice
+
+    overwrite = Patch("overwrite-previous-row", phases=("decode",), description="also writes the previous slot")
+
+    @overwrite.op("kv_store")
+    def kv_store(ctx, cache, rows):
+        ctx.base(cache=cache, rows=rows)
+        if cache == "window" and rows.shape[0]:
+            store = ctx.state.cache(cache)
+            store.length -= 2  # rewrite the previous token's slot with this token's row, then this one's again
+            store.append(torch.cat([rows[-1:], rows[-1:]]))
+
+    source = SyntheticWeights(TINY, 0)
+    model = OptimizedModel(source, [PatchChoice(overwrite, {})])
+    n_prompt, n_decode = 50, 8
+    ids = torch.randint(0, TINY.vocab_size, (n_prompt + n_decode,), generator=torch.Generator().manual_seed(5))
+    segments = segment_lengths(n_prompt, n_decode, 32)
+    x = model.embed(ids)
+    runs = {}
+    for how in ("engine", "stepwise", "held anyway"):
+        block, sink = model.layer(2), _SampledRowsSink()
+        if how == "stepwise":
+            each_step = block.forward
+            block.forward = lambda *args, hold_sampled=False, _f=each_step, **kw: _f(*args, **kw)  # noqa: B023
+        if how == "held anyway":
+            block.holds_decode_samples = True
+        assert block.holds_decode_samples == (how == "held anyway")
+        model.run_layer(block, x, ids, segments, n_prompt, sink)
+        runs[how] = sink
+    decode = range(n_prompt, n_prompt + n_decode)
+    assert runs["engine"].calls["attn.probs"] == runs["stepwise"].calls["attn.probs"] == 2 + n_decode
+    for p in decode:
+        for name, value in runs["stepwise"].rows["attn.probs"][p].items():
+            assert torch.equal(runs["engine"].rows["attn.probs"][p][name], value), (p, name)
+    assert any(not torch.equal(runs["held anyway"].rows["attn.probs"][p]["probs"],
+                               runs["stepwise"].rows["attn.probs"][p]["probs"]) for p in decode)
