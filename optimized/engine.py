@@ -92,16 +92,21 @@ def _in_blocks(parts: list[tuple[torch.Tensor, ...]], block: int) -> list[tuple[
     return [tuple(t[i:i + block] for t in joined) for i in range(0, n, block)]
 
 
-def _in_runs_of_equal_width(parts: list[tuple[torch.Tensor, ...]], block: int) -> list[tuple[torch.Tensor, ...]]:
-    """_in_blocks over each run of consecutive parts whose fields have the same shapes past the queries."""
+def _in_runs(parts: list[tuple[Any, tuple[torch.Tensor, ...]]], block: int
+             ) -> list[tuple[Any, tuple[torch.Tensor, ...]]]:
+    """(key, rows) parts -> (key, call) calls: _in_blocks over each run of consecutive parts with one key."""
     calls, start = [], 0
     while start < len(parts):
         stop = start + 1
-        while stop < len(parts) and [f.shape[1:] for f in parts[stop]] == [f.shape[1:] for f in parts[start]]:
+        while stop < len(parts) and parts[stop][0] == parts[start][0]:
             stop += 1
-        calls += _in_blocks(parts[start:stop], block)
+        calls += [(parts[start][0], rows) for rows in _in_blocks([r for _, r in parts[start:stop]], block)]
         start = stop
     return calls
+
+
+def _widths(rows: tuple[torch.Tensor, ...]) -> tuple[torch.Size, ...]:
+    return tuple(f.shape[1:] for f in rows)
 
 
 CACHE_OPS = ("kv_store", "kv_load", "chunk_state_carry")
@@ -110,12 +115,12 @@ CACHE_OPS = ("kv_store", "kv_load", "chunk_state_carry")
 
 @dataclass
 class _HeldSampled:
-    """Per-query inputs of the sampled indexer site and attention rows not yet emitted, and what emitting them
-    needs: the context of the segment that held them last (its state: the caches), its query block size and the
-    attention sink logits."""
+    """Per-query inputs of the sampled indexer site and attention rows not yet emitted, each with the key of the
+    calls it may share (see OptimizedLayer._attention), and what emitting them needs: the context of the segment
+    that held them last (its state: the caches), its query block size and the attention sink logits."""
 
-    site_rows: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
-    probs_rows: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    site_rows: list[tuple[Any, tuple[torch.Tensor, ...]]] = field(default_factory=list)
+    probs_rows: list[tuple[Any, tuple[torch.Tensor, ...]]] = field(default_factory=list)
     ctx: OpContext | None = None
     block: int = 1
     sink_logit: torch.Tensor | None = None
@@ -342,9 +347,14 @@ class OptimizedLayer:
         # chunk before its first block: once per chunk over every block's sampled queries, not once per block
         # (120 blocks per stack and mode at 30K tokens, each a few dozen small kernels) — and, held, once over a
         # run of decode steps, whose caches only grow (a query masks what lies past its position).
+        # A chunk's queries share calls as before (widths a plugin varies between blocks are padded: _in_blocks). Held
+        # decode steps share a call only with steps of the same widths and the same number of index rows, whose
+        # stock top-k the recomputation then takes over that many rows, as the step did: over more rows (the caches
+        # at the end) torch.topk may break ties at the k-th score otherwise.
+        index_rows = state.index_keys.length if state.index_keys is not None else 0
         held = self._held_sampled
-        held.site_rows += site_rows
-        held.probs_rows += probs_rows
+        held.site_rows += [((index_rows, _widths(r)) if hold_sampled else None, r) for r in site_rows]
+        held.probs_rows += [(_widths(r) if hold_sampled else None, r) for r in probs_rows]
         held.ctx, held.block, held.sink_logit = ctx, block, sink_logit
         if not hold_sampled:
             self.emit_held_sampled(sink)
@@ -354,27 +364,34 @@ class OptimizedLayer:
         return ctx.call("linear", x=u.flatten(-2), site="attn.wo_b")
 
     def emit_held_sampled(self, sink: ProbeSink) -> None:
-        """Emit the held sampled queries' indexer site and attention rows, computed from the caches as they are now:
-        in calls of at most `block` queries (the budget the last segment's blocks were sized by), each call over
-        queries whose fields have one width (a tiny model's indexer picks fewer rows before it has index_topk), so
-        no query's fields are padded to a width it never had."""
-        held, self._held_sampled = self._held_sampled, _HeldSampled()
-        for rows in _in_runs_of_equal_width(held.site_rows, held.block):
-            self._emit_indexer_site(held.ctx, sink, *rows)
-        for rows in _in_runs_of_equal_width(held.probs_rows, held.block):
+        """Emit the held sampled queries' indexer site and attention rows, computed from the caches as they are now,
+        in calls of at most `block` queries (the budget the last segment's blocks were sized by) over queries that
+        share a key: a held decode step's fields are never padded to a width it never had, and its stock top-k runs
+        over the index rows it had."""
+        held = self.discard_held_sampled()
+        for key, rows in _in_runs(held.site_rows, held.block):
+            self._emit_indexer_site(held.ctx, sink, *rows, index_rows=None if key is None else key[0])
+        for _, rows in _in_runs(held.probs_rows, held.block):
             self._emit_probs(held.ctx, sink, *rows, held.sink_logit)
 
+    def discard_held_sampled(self) -> _HeldSampled:
+        """What is held, no longer held (run_layer starts from nothing: a run stopped by an error leaves no rows)."""
+        held, self._held_sampled = self._held_sampled, _HeldSampled()
+        return held
+
     def _emit_indexer_site(self, ctx: OpContext, sink: ProbeSink, pos: torch.Tensor, q: torch.Tensor,
-                           weights: torch.Tensor, row_ids: torch.Tensor, valid: torch.Tensor) -> None:
+                           weights: torch.Tensor, row_ids: torch.Tensor, valid: torch.Tensor,
+                           index_rows: int | None = None) -> None:
         """The indexer's selection at sampled queries, and the stock logits + top-k's (and its twin's) on the same
         queries, weights and keys: the fp32 weighted head-sum is a site the official model keeps in fp32. Also,
         per stock pick, its stock score's margin over the k-th pick's, and per query the largest change the twin's
-        re-association made to any visible score: a lost pick whose margin is many times that is no tie."""
+        re-association made to any visible score: a lost pick whose margin is many times that is no tie.
+        `index_rows`: the number of index rows the queries' step had (the cache may hold more now); None: all."""
         values = {"row_ids": row_ids, "valid": valid}
         logits = {}
         for prefix, twin in (("stock_", False), ("twin_", True)):
             stock = self._stock(ctx, twin)
-            logits[prefix] = stock.call("indexer_logits", q=q, weights=weights, positions=pos)
+            logits[prefix] = stock.call("indexer_logits", q=q, weights=weights, positions=pos)[:, :index_rows]
             ids, ok = stock.call("indexer_topk", logits=logits[prefix], positions=pos, k=self.cfg.index_topk)
             values.update({prefix + "row_ids": ids, prefix + "valid": ok})
         ok, stock = values["stock_valid"], logits["stock_"]
@@ -463,6 +480,7 @@ class OptimizedModel:
         skipped and the output holds the positions from state.position on. `at_decode(state)` is called before the
         first decode step."""
         state = state if state is not None else block.new_state(int(streams.shape[0]))
+        block.discard_held_sampled()
         outs, start, counts = [], 0, {"prefill": 0, "decode": 0}
         for n in segments:
             phase = "prefill" if start < n_prompt else "decode"

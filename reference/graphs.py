@@ -16,7 +16,7 @@ Same numbers: a replay runs the kernels the eager call would launch, on inputs o
 tests/test_gpu_engine.py. The CPU never replays (nothing changes there), and neither do large inputs (prefill
 chunks: their kernels are long enough that launching them costs nothing, and a graph would pin their memory). What
 is small is the inputs' total (MAX_ELEMENTS): the reference's Sinkhorn takes 16 elements per token, so its prefill
-passes of up to 4,096 tokens replay too — one graph per distinct length, a few hundred KB each.
+passes of up to 4,096 tokens replay too — one graph per distinct length (MAX_GRAPHS_PER_FUNCTION caps them).
 """
 
 from __future__ import annotations
@@ -36,11 +36,13 @@ ENABLED = True
 _graphs: dict[tuple, "_Graph | None"] = {}  # None: capture failed for this key, run it eagerly
 _lock = threading.Lock()
 
-MAX_GRAPHS_PER_FUNCTION = 256
-"""Keys (shapes × static arguments) a function is captured for; calls with further keys run eagerly. A static
-argument that takes many values (a checkpoint's per-expert NVFP4 input scales) would otherwise hold a graph and its
-memory for each; the decode steps' shapes are a handful per function, and prefill passes of up to 4,096 tokens
-(the reference's Sinkhorn) a few dozen lengths per run."""
+MAX_GRAPHS_PER_FUNCTION = 64
+"""Keys (shapes × static arguments) a function is captured for; calls with further keys run eagerly, and the first
+keys keep their graphs (nothing is evicted). A static argument that takes many values (a checkpoint's per-expert
+NVFP4 input scales) would otherwise hold a graph and its private memory pool for each; the decode steps' shapes are
+a handful per function, and prefill passes of up to 4,096 tokens (the reference's Sinkhorn) a few dozen lengths per
+run. A graph's memory was not measured; the caching allocator reserves small blocks in 2 MiB segments, so 64 graphs
+of a function may hold ~128 MiB."""
 _graphs_of: dict[Callable[..., Any], int] = {}
 
 
@@ -163,12 +165,15 @@ def replay(fn: Callable[..., Any], *tensors: torch.Tensor, **static: Any) -> Any
     graph = _graphs.get(key, False)
     if graph is False:
         with _lock:
-            if _graphs_of.get(fn, 0) >= MAX_GRAPHS_PER_FUNCTION:
-                return fn(*tensors, **static)
-            try:
-                graph = _Graph(fn, tensors, static)
-            except RuntimeError:  # not capturable after all: this key runs eagerly from now on
-                graph = None
-            _graphs[key] = graph
-            _graphs_of[fn] = _graphs_of.get(fn, 0) + 1
+            graph = _graphs.get(key, False)  # another thread may have captured it meanwhile
+            if graph is False:
+                if _graphs_of.get(fn, 0) >= MAX_GRAPHS_PER_FUNCTION:
+                    graph = None  # eager from now on: the key is remembered, the lock not taken again for it
+                else:
+                    try:
+                        graph = _Graph(fn, tensors, static)
+                        _graphs_of[fn] = _graphs_of.get(fn, 0) + 1
+                    except RuntimeError:  # not capturable after all: this key runs eagerly from now on
+                        graph = None
+                _graphs[key] = graph
     return fn(*tensors, **static) if graph is None else graph(tensors)
