@@ -81,8 +81,9 @@ def test_optimized_engine_with_triton_kernels_on_gpu():
 
 def test_graph_replays_give_the_eager_bits():
     """reference.graphs replays the decode step's small pure functions (mHC mix, FP8 activation quantizer, RMSNorm,
-    the attention's RoPE glue, the NVFP4 activation quantizer) from CUDA graphs: the same kernels on inputs of the same layout, so the eager call's bits — also for a strided
-    input and for a second call with new values (the replay path, not the capture)."""
+    the attention's RoPE glue, the NVFP4 activation quantizer) from CUDA graphs: the same kernels on inputs of the
+    same layout, so the eager call's bits — also for a strided input and for a second call with new values (the
+    replay path, not the capture)."""
     from reference import graphs
     from optimized.base_ops import hc_mix
     from optimized import engine

@@ -459,6 +459,13 @@ class _SampledRowsSink:
         return torch.ones_like(positions, dtype=torch.bool)
 
 
+def _emitting_every_step(block):
+    """`block`, whose forward emits each segment's sampled rows itself whatever run_layer asks (the per-step way)."""
+    each_step = block.forward
+    block.forward = lambda *args, hold_sampled=False, **kw: each_step(*args, **kw)
+    return block
+
+
 @pytest.mark.parametrize("n_prompt,n_decode,seed", [(50, 16, 5), (150, 24, 5)])
 def test_decode_steps_sampled_rows_recomputed_once_give_each_step_its_own_bits(n_prompt, n_decode, seed):
     """run_layer holds the decode steps' sampled indexer-site and attention-row inputs and recomputes them once over
@@ -478,10 +485,7 @@ def test_decode_steps_sampled_rows_recomputed_once_give_each_step_its_own_bits(n
     for layer in (2, 3):  # CSA, HCA (no indexer: the compressed rows the probs read widen every 128 tokens)
         held, stepwise = _SampledRowsSink(), _SampledRowsSink()
         model.run_layer(model.layer(layer), x, ids, segments, n_prompt, held)
-        block = model.layer(layer)
-        each_step = block.forward
-        block.forward = lambda *args, hold_sampled=False, _f=each_step, **kw: _f(*args, **kw)  # each step its own
-        model.run_layer(block, x, ids, segments, n_prompt, stepwise)
+        model.run_layer(_emitting_every_step(model.layer(layer)), x, ids, segments, n_prompt, stepwise)
         for tap in stepwise.rows:
             assert held.rows[tap].keys() == stepwise.rows[tap].keys(), (layer, tap)
             for p, fields in stepwise.rows[tap].items():
@@ -527,8 +531,7 @@ def test_a_patched_cache_store_keeps_the_decode_samples_per_step():
     for how in ("engine", "stepwise", "held anyway"):
         block, sink = model.layer(2), _SampledRowsSink()
         if how == "stepwise":
-            each_step = block.forward
-            block.forward = lambda *args, hold_sampled=False, _f=each_step, **kw: _f(*args, **kw)  # noqa: B023
+            _emitting_every_step(block)
         if how == "held anyway":
             block.holds_decode_samples = True
         assert block.holds_decode_samples == (how == "held anyway")
