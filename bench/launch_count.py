@@ -250,6 +250,7 @@ def main() -> None:
         store = RunStore(tmp + "/run")
         store.create({})
         runner = LockstepRunner(spec, store, progress)
+        runner.HOST_LANES = False  # regions follow one thread's events: one stack at a time
         streams = runner.initial_streams()
         weights = spec.source.layer(args.layer, torch.device(args.device))
         with counter:
@@ -286,6 +287,7 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
             store = RunStore(f"{tmp}/{run}")
             store.create({})
             runner = LockstepRunner(spec, store, progress)
+            runner.HOST_LANES = False
             streams = runner.initial_streams()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

@@ -47,6 +47,7 @@ def main() -> None:
         store = RunStore(tmp + "/run")
         store.create({})
         runner = LockstepRunner(spec, store, progress)
+        runner.HOST_LANES = False  # cProfile sees this thread only: one stack at a time
         streams = runner.initial_streams()
         profile = cProfile.Profile()
         profile.enable()

@@ -106,6 +106,7 @@ class _Graph:
     one launch instead of one per output (hc_mix: four)."""
 
     def __init__(self, fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], static: dict[str, Any]) -> None:
+        self.lock = threading.Lock()
         with torch.inference_mode(False):  # written in place at every replay, inside inference mode or not
             self.inputs = [torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
                            for t in tensors]
@@ -127,16 +128,19 @@ class _Graph:
                 self.packed = _pack(self.outputs, list(range(len(self.outputs))), align=OUTPUT_ALIGN)
 
     def __call__(self, tensors: tuple[torch.Tensor, ...]) -> Any:
-        for dst, src in zip(self.inputs, tensors):
-            dst.copy_(src)
-        self.graph.replay()
-        if isinstance(self.outputs, torch.Tensor):
-            return self.outputs.clone()
-        if self.packed is not None:
-            out: list[Any] = [None] * len(self.outputs)
-            _unpack(self.packed[0].clone(), self.packed[1], out)
-            return type(self.outputs)(out)
-        return type(self.outputs)(o.clone() for o in self.outputs)
+        # one caller at a time from copying in to copying out: the buffers are shared, and two host threads
+        # (harness.run.host_lanes) queue on one stream, which then runs each caller's three steps together
+        with self.lock:
+            for dst, src in zip(self.inputs, tensors):
+                dst.copy_(src)
+            self.graph.replay()
+            if isinstance(self.outputs, torch.Tensor):
+                return self.outputs.clone()
+            if self.packed is not None:
+                out: list[Any] = [None] * len(self.outputs)
+                _unpack(self.packed[0].clone(), self.packed[1], out)
+                return type(self.outputs)(out)
+            return type(self.outputs)(o.clone() for o in self.outputs)
 
 
 def clear() -> None:

@@ -251,6 +251,7 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
             mark[0], mark[1] = now, f"{event['stack']}/{event['mode']}" if event.get("event") == "stack" else None
 
         runner = LockstepRunner(spec, store, on_event)
+        runner.HOST_LANES = False  # one stack at a time, so that each column is one stack's (harness.run.host_lanes)
         x = runner.initial_streams()
         for layer in layers:
             if dev.type == "cuda":

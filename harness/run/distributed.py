@@ -184,6 +184,10 @@ class ShardedRunner(LockstepRunner):
         self._ahead: ReferencePass | Exception | None = None
         """The reference rank's pass over the next layer, run ahead (or the error it raised)."""
 
+    HOST_LANES = False
+    """A rank runs its pairs one after another (no harness.run.host_lanes): ranks sharing one GPU already overlap
+    one another's host time, and two lanes per rank, beside the collectives, have not been run on a GPU."""
+
     def own_stacks(self) -> list[tuple[str, str]]:
         return self.spec.stacks_of_rank(self.group.rank, self.group.world)
 

@@ -10,6 +10,7 @@ Metrics land on disk after every layer, and so do the streams needed to resume.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -20,6 +21,7 @@ import torch
 from harness.errors import UsageError
 from harness.run.aggregate import LayerAccumulator
 from harness.run.bins import BinPlan
+from harness.run.host_lanes import lanes_of
 from harness.run.metrics import CompareContext, compare_logits
 from harness.run.needles import AnswerLens, needle_queries
 from harness.run.prefill_sharing import PrefillKey, SharedPrefills, pair_keys
@@ -302,30 +304,89 @@ class LockstepRunner:
         self._write_layer(layer, rows, dumped)
         return new_streams
 
+    HOST_LANES: bool | None = None
+    """Whether a layer's stacks run in two host threads (harness.run.host_lanes): None, on a GPU only (on a CPU the
+    threads would share its cores with the kernels themselves); tests set True to check the CPU's bits."""
+
     def _run_stacks(self, layer: int, streams: dict[str, torch.Tensor], ref: ReferencePass
                     ) -> tuple[dict[tuple[str, str], list[dict]], dict[str, torch.Tensor]]:
         """This process's (stack, mode) pairs over the layer, compared with the reference's taps: their rows, and
-        the new streams (the reference's and each global stack's)."""
+        the new streams (the reference's and each global stack's). On a GPU the pairs that run no patch code run
+        in a second host thread beside the others (harness.run.host_lanes)."""
+        own = self.own_stacks()
+        on = self.device.type != "cpu" if self.HOST_LANES is None else self.HOST_LANES
+        lanes = lanes_of(self.spec, own, self.SHARE_PREFILL) if on else [own]
+        ref_answers = self.lens.read(self.reference.logits, ref.out) if self.lens else None
+        if len(lanes) == 1:
+            return self._run_pairs(layer, own, streams, ref, ref_answers, self.findings)
+        return self._run_lanes(layer, own, lanes, streams, ref, ref_answers)
+
+    def _run_lanes(self, layer: int, own: list[tuple[str, str]], lanes: list[list[tuple[str, str]]],
+                   streams: dict[str, torch.Tensor], ref: ReferencePass, ref_answers: dict[str, torch.Tensor] | None
+                   ) -> tuple[dict[tuple[str, str], list[dict]], dict[str, torch.Tensor]]:
+        """_run_pairs over the patched lane in this thread and the stock lane in another; rows, streams and new
+        findings merged in the order of `own`, as a sequential run gives them. An error stops the run after both
+        lanes have ended, naming the pair that failed (the earlier one in `own` when both did)."""
+        findings = [list(self.findings) for _ in lanes]
+        known = len(self.findings)
+        order = {pair: i for i, pair in enumerate(own)}
+        results: list[Any] = [None] * len(lanes)
+        failed: list[tuple[int, BaseException, dict[str, Any]]] = []
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+        gpu = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
+            if self.device.type == "cuda" else None
+
+        def run(i: int) -> None:  # lane 0 in this thread (self.where, progress events), lane 1 in the worker
+            where = {"layer": layer, "stack": lanes[i][0][0], "mode": lanes[i][0][1]} if i else None
+            try:
+                if i and gpu is not None:
+                    torch.cuda.set_device(gpu)  # the worker's current device (thread-local): this thread's
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):  # thread-local too
+                    results[i] = self._run_pairs(layer, lanes[i], streams, ref, ref_answers, findings[i], where)
+            except BaseException as e:  # noqa: BLE001 — re-raised below, after both lanes ended
+                at = dict(where if i else self.where)
+                failed.append((order.get((at["stack"], at["mode"]), -1), e, at))
+
+        worker = threading.Thread(target=run, args=(1,), name=f"dsv4-drift layer {layer} stock lane")
+        worker.start()
+        try:
+            run(0)
+        finally:
+            worker.join()
+        if failed:
+            _, error, self.where = min(failed, key=lambda f: f[0])
+            raise error
+        rows = {pair: r for result in results for pair, r in result[0].items()}
+        new_streams = {name: s for result in results for name, s in result[1].items()}
+        new = [f for lane in findings for f in lane[known:]]
+        self.findings.extend(sorted(new, key=lambda f: order.get((f.variant, f.mode), len(order))))  # stable
+        return {pair: rows[pair] for pair in own}, new_streams
+
+    def _run_pairs(self, layer: int, own: list[tuple[str, str]], streams: dict[str, torch.Tensor],
+                   ref: ReferencePass, ref_answers: dict[str, torch.Tensor] | None, findings: list[Finding],
+                   where: dict[str, Any] | None = None
+                   ) -> tuple[dict[tuple[str, str], list[dict]], dict[str, torch.Tensor]]:
+        """The pairs `own` over the layer in order, with the reference's needle answers `ref_answers` (None: no
+        needles); new findings go to `findings`, and the pair running now to `where` (a lane's own; None:
+        self.where)."""
         spec, cfg = self.spec, self.cfg
         weights, dense, record, dump = ref.weights, ref.dense, ref.record, ref.dump
         ref_in, ref_out = streams["reference"], ref.out
         ctx = CompareContext(cfg.layer_kind(layer), cfg.compress_ratio(layer), cfg.sliding_window,
                              torch.tensor(spec.turn_of_position), self.turn_start, spec.needle_spans)
-        ref_answers = self.lens.read(self.reference.logits, ref_out) if self.lens else None
         rows: dict[tuple[str, str], list[dict]] = {}
         new_streams = {"reference": ref_out}
-        own = self.own_stacks()
         yard_layer = ReferenceLayer(cfg, layer, weights, torch.bfloat16, ParityOptions(), self.device, dense) \
             if any(name == YARDSTICK for name, _ in own) else None  # built (weights dequantized) where it runs
         engine_layers: dict[str, OptimizedLayer] = {}
         keys = self._prefill_keys(own)
         shares = SharedPrefills(keys)
         for name, mode in own:
-            self._enter(layer, name, mode)
+            self._enter(layer, name, mode, where)
             if dump:
                 dump.prefix = f"{name}.{mode}/"
             sink = ComparingSink(record, LayerAccumulator(self.plan), ctx, name, mode, layer, self.phase_of,
-                                 self.findings, dump)
+                                 findings, dump)
             x_in = streams[name] if mode == "global" else ref_in.to(torch.bfloat16)
             if name == YARDSTICK:
                 out = self.yardstick.run_layer(yard_layer, x_in, self.ids, self.yardstick_segments, sink)
@@ -419,7 +480,12 @@ class LockstepRunner:
         if dumped:
             self.store.write_dump(f"layer-{layer:03d}", dumped)
 
-    def _enter(self, layer: int, stack: str, mode: str) -> None:
+    def _enter(self, layer: int, stack: str, mode: str, where: dict[str, Any] | None = None) -> None:
+        """The pair about to run, in `where` (a host lane's; None: self.where, reported when the run stops on an
+        error); the progress event is sent from the caller's thread only (the stock lane's pairs send none)."""
+        if where is not None:
+            where.update(layer=layer, stack=stack, mode=mode)
+            return
         self.where = {"layer": layer, "stack": stack, "mode": mode}
         self.progress({"event": "stack", **self.where})
 

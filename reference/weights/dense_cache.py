@@ -9,11 +9,14 @@ matrices were dequantized ~10,000 times per layer through the runner (measured o
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
 
 from reference.quant import QuantizedTensor
+
+Stored = torch.Tensor | QuantizedTensor
 
 CPU_BUDGET_BYTES = 4 << 30
 """On the CPU: a Flash layer's attention, indexer and shared-expert weights (< 1 GB in fp32) with room for the
@@ -33,6 +36,9 @@ class DenseCache:
         self._cache: dict[str, torch.Tensor] = {}
         self._bf16_exact: dict[str, bool] = {}  # per name asked: whether every value of its cached tensor is a bf16
         self.budget_bytes, self.used_bytes = budget_bytes, 0
+        # two host threads may ask for one name at once (harness.run.host_lanes): both must get the one cached
+        # tensor, since bf16_exact lets only that one onto tensor cores
+        self._lock = threading.RLock()
 
     @classmethod
     def for_device(cls, device: torch.device | str, sharing: int = 1) -> "DenseCache":
@@ -43,10 +49,16 @@ class DenseCache:
             return cls(int(torch.cuda.get_device_properties(device).total_memory * DEVICE_BUDGET_FRACTION / sharing))
         return cls()
 
-    def get(self, name: str, stored: torch.Tensor | QuantizedTensor | Callable[[], torch.Tensor | QuantizedTensor],
-            device: torch.device) -> torch.Tensor:
+    def get(self, name: str, stored: Stored | Callable[[], Stored], device: torch.device) -> torch.Tensor:
         """fp32 value of `stored` (or of what the callable returns, called only on a miss), cached by name."""
         t = self._cache.get(name)
+        if t is not None:
+            return t
+        with self._lock:
+            return self._get_locked(name, stored, device)
+
+    def _get_locked(self, name: str, stored: Stored | Callable[[], Stored], device: torch.device) -> torch.Tensor:
+        t = self._cache.get(name)  # another thread may have made it meanwhile
         if t is None:
             if callable(stored) and not isinstance(stored, torch.Tensor):
                 stored = stored()
@@ -66,9 +78,10 @@ class DenseCache:
     def put(self, name: str, value: torch.Tensor) -> None:
         """Keep an fp32 value computed elsewhere (a batch of conversions) as `get` would have kept it; the caller checks
         `room_for` first."""
-        if name not in self._cache:
-            self._cache[name] = value
-            self.used_bytes += value.numel() * 4
+        with self._lock:
+            if name not in self._cache:
+                self._cache[name] = value
+                self.used_bytes += value.numel() * 4
 
     def bf16_exact(self, name: str, value: torch.Tensor) -> bool:
         """Whether `value` is the tensor cached under `name` and every value of it is a bf16: a product with it may

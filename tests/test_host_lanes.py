@@ -1,0 +1,154 @@
+"""A layer's stacks in two host threads (harness.run.host_lanes): the deal keeps every patch call in the caller's
+thread and order, and a run gives the sequential run's metrics and findings bit for bit. On a GPU the lanes are on
+by default; here the CPU runs them (LockstepRunner.HOST_LANES), which checks the bits, not the speed."""
+
+from __future__ import annotations
+
+import threading
+
+import pandas as pd
+import pytest
+import torch
+
+from harness.run.host_lanes import deal_lanes
+from harness.run.runner import LockstepRunner, VariantSpec
+from harness.run.setup import Overrides, build_run_spec
+from harness.run.store import RunStore
+from harness.scenario import find_scenario, load_scenario
+from optimized.patching import Patch, PatchChoice
+from optimized.registry import default_registry
+
+LAYERS = 4  # tiny's SWA, SWA, CSA and HCA layers (reference.config.TINY)
+PAIRS = [("yardstick", "global"), ("yardstick", "local"), ("base", "global"), ("base", "local"),
+         ("all", "global"), ("all", "local")]
+
+
+def test_the_stock_lane_holds_only_pairs_that_run_no_patch_code():
+    patched = {"base": False, "all": True}
+    assert deal_lanes(PAIRS, patched, {}) == [PAIRS[4:], PAIRS[:4]]
+    # forced mode runs the forcing patch, even for a variant without patches of its own
+    assert deal_lanes(PAIRS + [("base", "forced")], patched, {}) == [PAIRS[4:] + [("base", "forced")], PAIRS[:4]]
+
+
+def test_a_stock_prefill_that_a_patched_pair_continues_from_stays_in_the_patched_lane():
+    keys = {("base", "global"): "k-g", ("base", "local"): "k-l", ("all", "global"): "k-g"}
+    lanes = deal_lanes(PAIRS, {"base": False, "all": True}, keys)
+    assert lanes == [[("base", "global"), ("all", "global"), ("all", "local")],
+                     [("yardstick", "global"), ("yardstick", "local"), ("base", "local")]]
+
+
+def test_one_lane_when_either_would_be_empty():
+    assert deal_lanes(PAIRS[:4], {"base": False}, {}) == [PAIRS[:4]]
+    assert deal_lanes(PAIRS[4:], {"all": True}, {}) == [PAIRS[4:]]
+
+
+def _run(tmp_path, name: str, lanes: bool, monkeypatch, variants=None, device: str = "cpu") -> RunStore:
+    spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all", device=device))[0]
+    spec.local = True
+    if variants is not None:
+        spec.variants = variants
+    store = RunStore(tmp_path / name)
+    store.create({})
+    with monkeypatch.context() as m:
+        m.setattr(LockstepRunner, "HOST_LANES", lanes)
+        LockstepRunner(spec, store).run(end_layer=LAYERS)
+    return store
+
+
+def _recording_patch(calls: list) -> Patch:
+    """A plugin that remembers the thread and the order of its calls, as one with state between calls would see
+    them."""
+    patch = Patch("recorder", ("prefill", "decode"), "records its calls", source="test")
+
+    @patch.op("router")
+    def router(ctx, **inputs):
+        calls.append((threading.get_ident(), ctx.layer, ctx.phase, int(ctx.positions[0])))
+        return ctx.base(**inputs)
+    return patch
+
+
+def test_two_lanes_give_the_sequential_metrics_findings_and_patch_calls(tmp_path, monkeypatch):
+    """Every metric row in the same order, the same findings (one stack with NaN in its decode steps), and the
+    plugin called from the caller's thread in the same order."""
+    # acting in prefill too, so that base's prefill is its own and base runs in the stock lane
+    poison = Patch("nan-in-decode", ("prefill", "decode"), "NaN in every decode step's attention output",
+                   source="test")
+
+    @poison.op("sparse_attention")
+    def nan_attention(ctx, **inputs):
+        out, lse = ctx.base(**inputs)
+        return (out * float("nan") if ctx.phase == "decode" else out), lse
+
+    def variants(calls: list) -> list[VariantSpec]:
+        return [VariantSpec("base", []), VariantSpec("all", default_registry().choose("all")),
+                VariantSpec("recorded", [PatchChoice(_recording_patch(calls), {})]),
+                VariantSpec("poisoned", [PatchChoice(poison, {})])]
+
+    threads = {}
+    run_engine = LockstepRunner._run_engine
+
+    def noting_thread(self, name, mode, *args, **kwargs):
+        threads[name] = threading.get_ident()
+        return run_engine(self, name, mode, *args, **kwargs)
+
+    monkeypatch.setattr(LockstepRunner, "_run_engine", noting_thread)
+    calls_seq, calls_lanes = [], []
+    sequential = _run(tmp_path, "sequential", False, monkeypatch, variants(calls_seq))
+    lanes = _run(tmp_path, "lanes", True, monkeypatch, variants(calls_lanes))
+    assert threads["base"] != threads["all"] == threading.get_ident()  # base ran in the stock lane's thread
+    pd.testing.assert_frame_equal(lanes.read_metrics().to_pandas(), sequential.read_metrics().to_pandas())  # NaN=NaN
+    assert lanes.read_findings() == sequential.read_findings()
+    assert [f["variant"] for f in lanes.read_findings()] == ["poisoned", "poisoned"]  # global and local
+    assert calls_lanes and [c[1:] for c in calls_lanes] == [c[1:] for c in calls_seq]
+    assert {c[0] for c in calls_lanes} == {threading.get_ident()}
+
+
+def test_an_error_in_the_stock_lane_stops_the_run_naming_its_pair(tmp_path, monkeypatch):
+    """The stock lane fails (base, local) while the patched lane runs: the run stops after both end, and the
+    manifest names the pair that failed."""
+    run_engine = LockstepRunner._run_engine
+
+    def failing(self, name, mode, *args, **kwargs):
+        if (name, mode) == ("base", "local"):
+            raise RuntimeError("kernel fault in the stock lane")
+        return run_engine(self, name, mode, *args, **kwargs)
+
+    monkeypatch.setattr(LockstepRunner, "_run_engine", failing)
+    with pytest.raises(RuntimeError, match="stock lane"):
+        _run(tmp_path, "failed", True, monkeypatch)
+    manifest = RunStore(tmp_path / "failed").read_manifest()
+    assert manifest["status"] == "failed"
+    assert (manifest["failure"]["layer"], manifest["failure"]["stack"], manifest["failure"]["mode"]) == \
+        (0, "base", "local")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_two_lanes_give_the_sequential_bits(tmp_path, monkeypatch):
+    """On a GPU (where the lanes are on by default) both threads queue on one stream: the same kernels on the same
+    inputs, so the same bits — with the CUDA graph replays and the dense cache that both lanes use."""
+    with torch.inference_mode():  # as the CLI runs
+        lanes = _run(tmp_path, "lanes", True, monkeypatch, device="cuda")
+        sequential = _run(tmp_path, "sequential", False, monkeypatch, device="cuda")
+    pd.testing.assert_frame_equal(lanes.read_metrics().to_pandas(), sequential.read_metrics().to_pandas())
+
+
+def test_the_memory_estimate_counts_the_second_lanes_working_set(monkeypatch):
+    """One process on a GPU with stock and patched stacks holds two prefill chunks' temporaries at once; on a CPU, with
+    only stock stacks, or sharded (one lane per rank), it holds one."""
+    from harness.run.memory import predict_memory
+
+    gpu = type("Props", (), {"total_memory": 10 * 2**40})()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
+    spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))[0]
+    assert "second host lane" not in predict_memory(spec).device_terms  # a CPU run: no device terms at all
+    assert "second host lane" not in predict_memory(spec).host_terms
+    spec.device = "cuda"
+    terms = predict_memory(spec).device_terms
+    cfg = spec.source.config
+    assert terms["second host lane"] == min(spec.n_total, spec.chunk_size) * 4 * (
+        3 * cfg.num_attention_heads * cfg.head_dim + 2 * cfg.num_experts_per_tok * cfg.hidden_size)
+    assert "second host lane" not in predict_memory(spec, world=2).device_terms
+    spec.variants = [v for v in spec.variants if not v.choices]  # base only: every stack in one lane
+    assert "second host lane" not in predict_memory(spec).device_terms
