@@ -9,7 +9,10 @@ import argparse
 
 import torch
 
+from harness.run.runner import RunSpec, VariantSpec
+from optimized.registry import default_registry
 from reference.config import ModelConfig, get_preset
+from reference.weights.synthetic import SyntheticWeights
 
 
 def bench_parser(doc: str, tokens: int) -> argparse.ArgumentParser:
@@ -30,3 +33,16 @@ def bench_setup(args: argparse.Namespace) -> tuple[ModelConfig, torch.Tensor]:
     ids = torch.randint(min(1000, cfg.vocab_size // 2), min(cfg.vocab_size, 100000), (args.tokens + args.decode,),
                         generator=torch.Generator().manual_seed(0))
     return cfg, ids
+
+
+def bench_run_spec(args: argparse.Namespace, cfg: ModelConfig, ids: torch.Tensor, variants: str = "base,all",
+                   reference_decode_together: bool | None = None) -> RunSpec:
+    """The lockstep spec the layer benches time: synthetic weights (seed 0), the first --tokens ids as the prompt
+    in two turns, the rest decoded, one 16-token needle an eighth of the way in, the comma-separated patch sets
+    `variants` ('base' or 'none': no patches; else a registry choice such as 'all'), local mode on."""
+    ids_list = ids.tolist()
+    turns = [0] * (len(ids_list) // 2) + [1] * (len(ids_list) - len(ids_list) // 2)
+    chosen = [VariantSpec(v, [] if v in ("base", "none") else default_registry().choose(v)) for v in variants.split(",")]
+    return RunSpec(SyntheticWeights(cfg, 0), ids_list[: args.tokens], ids_list[args.tokens:], turns,
+                   [(args.tokens // 8, args.tokens // 8 + 16)], chosen, local=True, device=args.device,
+                   reference_decode_together=reference_decode_together)

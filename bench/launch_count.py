@@ -31,15 +31,13 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench_common import bench_parser, bench_setup
+from bench_common import bench_parser, bench_run_spec, bench_setup
 from harness.run import probes
-from harness.run.runner import LockstepRunner, RunSpec, VariantSpec
+from harness.run.runner import LockstepRunner, RunSpec
 from harness.run.store import RunStore
 from optimized import engine
-from optimized.registry import default_registry
 from reference import graphs
 from reference import layer as reference_layer
-from reference.weights.synthetic import SyntheticWeights
 
 NO_LAUNCH = frozenset({
     "view", "_unsafe_view", "as_strided", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "transpose",
@@ -225,13 +223,7 @@ def main() -> None:
     probes.ComparingSink.DEFER_BLOCKS_ON_CPU = args.defer_blocks
     torch.set_num_threads(1)
     cfg, ids = bench_setup(args)
-    ids = ids.tolist()
-    turns = [0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2)
-    variants = [VariantSpec(v, [] if v in ("base", "none") else default_registry().choose(v))
-                for v in args.variants.split(",")]
-    spec = RunSpec(SyntheticWeights(cfg, 0), ids[: args.tokens], ids[args.tokens:], turns,
-                   [(args.tokens // 8, args.tokens // 8 + 16)], variants, local=True, device=args.device,
-                   reference_decode_together=not args.decode_steps)
+    spec = bench_run_spec(args, cfg, ids, args.variants, reference_decode_together=not args.decode_steps)
     where = {"stack": "reference", "phase": "prefill"}
     if args.time:
         return time_regions(spec, args, where)

@@ -398,6 +398,24 @@ def test_cached_constants_keep_the_sign_of_zero_and_refuse_nan():
         constant(float("nan"), torch.float32, "cpu")
 
 
+def test_lanes_ab_alternates_one_and_two_host_threads_and_checks_the_rows():
+    """bench/lanes_ab.py times one layer with its stacks in one host thread and in two (harness.run.host_lanes),
+    alternating in one process after a warm-up, and fails if any metric row differs between the runs."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "lanes_ab.py"), "--rounds", "2", "--model", "tiny",
+                          "--tokens", "120", "--decode", "2"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root)}, check=True).stdout
+    assert re.findall(r"(warm-up|round \d) (one|two) threads?", out) == [
+        ("warm-up", "one"), ("round 1", "one"), ("round 1", "two"), ("round 2", "one"), ("round 2", "two")], out
+    assert "DIFFER" not in out and re.search(r"one/two: [\d.]+; \d+ rows identical in every run", out), out
+
+
 def test_ab_layer_alternates_old_and_new_and_reports_the_ratio_of_medians():
     """bench/ab_layer.py times one layer in fresh processes, old and new tree alternately (a GPU lease drifts ±20%
     between processes: only a ratio of medians over alternating runs shows a smaller change). Here both trees are
