@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from harness.run.host_lanes import deal_lanes
+from harness.run.host_lanes import blamed_lane, cache_holds_every_form, deal_lanes
 from harness.run.runner import LockstepRunner, VariantSpec
 from harness.run.setup import Overrides, build_run_spec
 from harness.run.store import RunStore
@@ -42,9 +42,67 @@ def test_one_lane_when_either_would_be_empty():
     assert deal_lanes(PAIRS[4:], {"all": True}, {}) == [PAIRS[4:]]
 
 
-def _run(tmp_path, name: str, lanes: bool, monkeypatch, variants=None, device: str = "cpu") -> RunStore:
+def test_when_both_lanes_failed_the_error_a_sequential_run_would_have_met_is_raised():
+    from optimized.patching import PluginOpError
+
+    harness_bug, plugin = RuntimeError("a bug in the stock lane"), PluginOpError("a plugin op raised")
+    device_fault = RuntimeError("CUDA error: an illegal memory access was encountered")
+    assert blamed_lane({1: harness_bug}, {1: 3}) == 1  # one failure: that one
+    assert blamed_lane({0: plugin, 1: harness_bug}, {0: 4, 1: 3}) == 0  # a plugin's error: the patched lane's
+    # a device fault in the stock lane after the patched lane's kernels ran: theirs (a sequential run had finished
+    # the stock pairs before any patched kernel)
+    assert blamed_lane({0: RuntimeError("boom"), 1: device_fault}, {0: 4, 1: 2}) == 0
+    assert blamed_lane({0: RuntimeError("boom"), 1: harness_bug}, {0: 4, 1: 2}) == 1  # else the earlier pair
+    assert blamed_lane({0: RuntimeError("boom"), 1: KeyboardInterrupt()}, {0: 1, 1: 2}) == 1  # Ctrl-C wins
+
+
+def test_the_lanes_need_a_dense_cache_that_holds_every_form_the_patches_may_ask_for():
+    """A cache that runs out admits whichever thread asks first, and an admitted weight may take another GEMM path
+    (DenseCache.bf16_exact): so the lanes run only when the layer's fp32 copies and the NVFP4 forms of its experts,
+    in every format the patches may ask for, fit the budget."""
+    from reference.weights.schema import layer_specs
+
+    spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))[0]
+    specs = layer_specs(spec.source.config, 2)
+    fp32 = sum(t.numel for t in specs) * 4
+    experts = sum(t.numel for t in specs if t.name.startswith("ffn.experts.")) * 4
+    assert experts > 0
+    # all's nvfp4-experts asks for one format (modelopt by default)
+    assert cache_holds_every_form(spec, 2, fp32 + experts)
+    assert not cache_holds_every_form(spec, 2, fp32 + experts - 1)
+    spec.variants = [v for v in spec.variants if not v.choices]  # no patch: the fp32 copies only
+    assert cache_holds_every_form(spec, 2, fp32) and not cache_holds_every_form(spec, 2, fp32 - 1)
+    spec.variants.append(VariantSpec("plugin", [PatchChoice(_recording_patch([]), {})]))  # may ask for either format
+    assert cache_holds_every_form(spec, 2, fp32 + 2 * experts)
+    assert not cache_holds_every_form(spec, 2, fp32 + 2 * experts - 1)
+
+
+def _noting_threads(monkeypatch) -> dict[str, int]:
+    """The thread each engine variant runs in (by name), filled in as the runner runs them."""
+    threads = {}
+    run_engine = LockstepRunner._run_engine
+
+    def noting_thread(self, name, mode, *args, **kwargs):
+        threads[name] = threading.get_ident()
+        return run_engine(self, name, mode, *args, **kwargs)
+
+    monkeypatch.setattr(LockstepRunner, "_run_engine", noting_thread)
+    return threads
+
+
+def test_a_dense_cache_too_small_for_every_form_keeps_one_lane(tmp_path, monkeypatch):
+    from reference.weights.dense_cache import DenseCache
+
+    threads = _noting_threads(monkeypatch)
+    monkeypatch.setattr(DenseCache, "for_device", classmethod(lambda cls, device, sharing=1: cls(64 << 10)))
+    _run(tmp_path, "small-cache", True, monkeypatch)
+    assert "base" in threads and len(threads) == 2 and set(threads.values()) == {threading.get_ident()}, threads
+
+
+def _run(tmp_path, name: str, lanes: bool, monkeypatch, variants=None, device: str = "cpu",
+         yardstick: bool = True) -> RunStore:
     spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all", device=device))[0]
-    spec.local = True
+    spec.local, spec.yardstick = True, yardstick
     if variants is not None:
         spec.variants = variants
     store = RunStore(tmp_path / name)
@@ -84,23 +142,63 @@ def test_two_lanes_give_the_sequential_metrics_findings_and_patch_calls(tmp_path
                 VariantSpec("recorded", [PatchChoice(_recording_patch(calls), {})]),
                 VariantSpec("poisoned", [PatchChoice(poison, {})])]
 
-    threads = {}
-    run_engine = LockstepRunner._run_engine
+    from optimized import base_ops
 
-    def noting_thread(self, name, mode, *args, **kwargs):
-        threads[name] = threading.get_ident()
-        return run_engine(self, name, mode, *args, **kwargs)
+    stock_attention = base_ops.BASE_OPS["sparse_attention"]
 
-    monkeypatch.setattr(LockstepRunner, "_run_engine", noting_thread)
+    def nan_in_decode(ctx, **inputs):  # the stock op: NaN in decode, so base has findings in the stock lane too
+        out, lse = stock_attention(ctx, **inputs)
+        return (out * float("nan") if ctx.phase == "decode" else out), lse
+
+    monkeypatch.setitem(base_ops.BASE_OPS, "sparse_attention", nan_in_decode)
+    threads = _noting_threads(monkeypatch)
     calls_seq, calls_lanes = [], []
     sequential = _run(tmp_path, "sequential", False, monkeypatch, variants(calls_seq))
     lanes = _run(tmp_path, "lanes", True, monkeypatch, variants(calls_lanes))
     assert threads["base"] != threads["all"] == threading.get_ident()  # base ran in the stock lane's thread
     pd.testing.assert_frame_equal(lanes.read_metrics().to_pandas(), sequential.read_metrics().to_pandas())  # NaN=NaN
     assert lanes.read_findings() == sequential.read_findings()
-    assert [f["variant"] for f in lanes.read_findings()] == ["poisoned", "poisoned"]  # global and local
+    # in stack order: base's (global and local) from the stock lane first, then the patched lane's
+    found = [f["variant"] for f in lanes.read_findings()]
+    assert found[:2] == ["base", "base"] and found.count("poisoned") == 2, found
     assert calls_lanes and [c[1:] for c in calls_lanes] == [c[1:] for c in calls_seq]
     assert {c[0] for c in calls_lanes} == {threading.get_ident()}
+
+
+def test_a_plugin_error_stops_the_stock_lane_at_its_next_pair(tmp_path, monkeypatch):
+    """The patched lane fails (a plugin op raises) while the stock lane runs base/global: the stock lane runs no
+    further pair, and the run stops with the plugin's error, naming its pair."""
+    import time
+
+    from optimized.patching import PluginOpError
+
+    broken = Patch("broken", ("prefill", "decode"), "raises", source="test")
+    base_started, raised = threading.Event(), threading.Event()
+
+    @broken.op("router")
+    def router(ctx, **inputs):
+        base_started.wait(60)  # fails while the stock lane is inside base/global
+        raised.set()
+        raise ValueError("a plugin bug")
+
+    ran = []
+    run_engine = LockstepRunner._run_engine
+
+    def slow_base_global(self, name, mode, *args, **kwargs):
+        ran.append((name, mode))
+        if (name, mode) == ("base", "global"):
+            base_started.set()
+            raised.wait(60)
+            time.sleep(1.0)  # the patched lane's error reaches its handler (microseconds) before this pair ends
+        return run_engine(self, name, mode, *args, **kwargs)
+
+    monkeypatch.setattr(LockstepRunner, "_run_engine", slow_base_global)
+    with pytest.raises(PluginOpError, match="a plugin bug"):
+        _run(tmp_path, "stopped", True, monkeypatch,  # no yardstick: base/global is the stock lane's first pair
+             [VariantSpec("base", []), VariantSpec("broken", [PatchChoice(broken, {})])], yardstick=False)
+    assert ("base", "global") in ran and ("base", "local") not in ran
+    failure = RunStore(tmp_path / "stopped").read_manifest()["failure"]
+    assert (failure["layer"], failure["stack"], failure["mode"]) == (0, "broken", "global")
 
 
 def test_an_error_in_the_stock_lane_stops_the_run_naming_its_pair(tmp_path, monkeypatch):
@@ -147,8 +245,10 @@ def test_the_memory_estimate_counts_the_second_lanes_working_set(monkeypatch):
     spec.device = "cuda"
     terms = predict_memory(spec).device_terms
     cfg = spec.source.config
-    assert terms["second host lane"] == min(spec.n_total, spec.chunk_size) * 4 * (
+    chunk = min(spec.n_total, spec.chunk_size) * 4 * (
         3 * cfg.num_attention_heads * cfg.head_dim + 2 * cfg.num_experts_per_tok * cfg.hidden_size)
+    # the peak holds two chunks' temporaries at once, unless the reference's own pass (alone) needs more
+    assert terms["working set"] + terms["second host lane"] == 2 * chunk
     assert "second host lane" not in predict_memory(spec, world=2).device_terms
     spec.variants = [v for v in spec.variants if not v.choices]  # base only: every stack in one lane
     assert "second host lane" not in predict_memory(spec).device_terms

@@ -17,9 +17,36 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import torch
+
 from harness.run.prefill_sharing import pair_keys
+from optimized.base_ops import NVFP4_FORMATS
+from optimized.patching import PluginOpError
+from reference.weights.schema import layer_specs
 
 Pair = tuple[str, str]
+
+
+def cache_holds_every_form(spec: Any, layer: int, budget_bytes: float) -> bool:
+    """Whether layer `layer`'s dense cache (reference.weights.dense_cache, `budget_bytes`) can hold the fp32 copy of
+    every tensor of the layer and, for each NVFP4 format the run's patches may ask for, every expert's NVFP4 form.
+
+    The lanes need it: a cache that runs out admits whichever thread asks first, and a weight it did not admit is
+    multiplied on another path (DenseCache.bf16_exact: fp32 GEMMs instead of tensor cores), so the bits would follow
+    the threads' interleaving. The built-in `nvfp4-experts` asks for one format (its global_scale option); a plugin
+    may ask for either. (A Flash layer with `nvfp4-experts`: 52.15 GB against an H200's 52.54 GB budget.)"""
+    formats: set[str] = set()
+    for variant in spec.variants:
+        for choice in variant.choices:
+            if choice.patch.source != "built-in":
+                formats = set(NVFP4_FORMATS)
+                break
+            if choice.id == "nvfp4-experts":
+                formats.add("nvfp4" if choice.options.get("global_scale", "modelopt") == "modelopt" else "nvfp4-pow2")
+    specs = layer_specs(spec.source.config, layer)
+    fp32 = sum(t.numel for t in specs) * 4
+    experts = sum(t.numel for t in specs if t.name.startswith("ffn.experts.")) * 4
+    return fp32 + len(formats) * experts <= budget_bytes
 
 
 def lanes_of(spec: Any, pairs: Sequence[Pair], share_prefill: bool = True) -> list[list[Pair]]:
@@ -43,3 +70,30 @@ def deal_lanes(pairs: Sequence[Pair], patched: dict[str, bool], prefill_keys: di
     stock = [p for p in pairs if not runs_patches(p) and prefill_keys.get(p) not in patched_keys]
     rest = [p for p in pairs if p not in stock]
     return [list(pairs)] if not stock or not rest else [rest, stock]
+
+
+class LaneStopped(Exception):
+    """Raised in a lane, between two pairs, once the other lane has failed: it stops without an error of its own."""
+
+
+def is_device_fault(error: BaseException) -> bool:
+    """A CUDA error: sticky on its device, so every later CUDA call of either thread fails with it, wherever the
+    fault came from."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return (accelerator_error is not None and isinstance(error, accelerator_error)) or "CUDA error" in str(error)
+
+
+def blamed_lane(errors: dict[int, BaseException], pair_index: dict[int, int]) -> int:
+    """Which lane's error stops the run when both failed (0: patched, 1: stock; `pair_index`: the position in the
+    run's stack order of the pair each failed in). The patched lane's when its error is a plugin's (PluginOpError)
+    or when the stock lane's is a device fault, which the patched lane's kernels may have caused (a sequential run
+    finishes the stock pairs before any patched kernel runs); a KeyboardInterrupt over either; else the earlier
+    pair, as a sequential run would have met it first."""
+    if len(errors) == 1:
+        return next(iter(errors))
+    interrupted = [i for i, e in errors.items() if isinstance(e, KeyboardInterrupt)]
+    if interrupted:  # Ctrl-C: the run is interrupted, whatever else failed meanwhile
+        return interrupted[0]
+    if isinstance(errors[0], PluginOpError) or is_device_fault(errors[1]):
+        return 0
+    return min(errors, key=lambda i: pair_index[i])

@@ -18,8 +18,9 @@ what would not fit and which setting changes it:
   buffers ([T, H·d] queries three times, [T·k, D] expert slots twice), or an engine chunk's;
 - **shared prefills**: a prefill that variants differing only in decode share (harness.run.prefill_sharing) is kept
   during the layer — in local mode its output rows, in either mode a copy of the engine state (the paged caches);
-- **second host lane** (one process on a GPU, when stock and patched stacks run): a stock stack's prefill chunk computes in a
-  second host thread while a patched stack computes its own (harness.run.host_lanes), one more chunk's working set;
+- **second host lane** (one process on a GPU, when stock and patched stacks run and a layer's dense cache holds every
+  weight): a stock stack's prefill chunk computes in a second host thread while a patched stack computes its own
+  (harness.run.host_lanes): two chunks' working sets, less the working set counted above;
 - **NVFP4 conversion** (with `nvfp4-experts`): the temporaries of one group of expert matrices converted together
   (optimized.base_ops.prepare_nvfp4_forms).
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.run.distributed import ranks_per_device
-from harness.run.host_lanes import lanes_of
+from harness.run.host_lanes import cache_holds_every_form, lanes_of
 from harness.run.prefill_sharing import kept_prefill_keys
 from harness.run.runner import RunSpec
 from optimized.base_ops import NVFP4_GROUP
@@ -118,8 +119,8 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
                       + 4 * cfg.n_routed_experts + 12 * cfg.num_experts_per_tok  # router
                       + 9 * cfg.index_topk)  # indexer.selected: int64 ids + bool
     reference_pass = T if spec.reference_chunk_size is None else min(T, spec.reference_chunk_size)
-    working = max(reference_pass * ref_size * (3 * H * hd + 2 * cfg.num_experts_per_tok * D),
-                  min(T, spec.chunk_size) * 4 * (3 * H * hd + 2 * cfg.num_experts_per_tok * D))
+    chunk_working = min(T, spec.chunk_size) * 4 * (3 * H * hd + 2 * cfg.num_experts_per_tok * D)
+    working = max(reference_pass * ref_size * (3 * H * hd + 2 * cfg.num_experts_per_tok * D), chunk_working)
     non_expert = dense - experts
     vocab = cfg.vocab_size * D
     terms = {
@@ -138,9 +139,12 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
                      for mode, _ in kept_prefill_keys(spec, spec.stacks_of_rank(rank, world))) for rank in range(world))
     if shared:
         terms["shared prefills"] = shared
-    if device.type == "cuda" and world == 1 and len(lanes_of(spec, spec.stacks())) > 1:  # ranks: one lane each
-        # a stock stack's prefill chunk in the second host thread while a patched one computes its own
-        terms["second host lane"] = min(T, spec.chunk_size) * 4 * (3 * H * hd + 2 * cfg.num_experts_per_tok * D)
+    if device.type == "cuda" and world == 1 and len(lanes_of(spec, spec.stacks())) > 1 \
+            and any(cache_holds_every_form(spec, layer, budget) for layer in range(cfg.num_hidden_layers)):
+        # two engine chunks at once, a stock one in the second host thread (ranks run one lane each); the
+        # reference's pass, which runs alone, may already need more
+        if 2 * chunk_working > working:
+            terms["second host lane"] = 2 * chunk_working - working
     if nvfp4:  # prepare_nvfp4_forms: a group's e2m1 values, scales, products and dense forms (5 copies, fp32)
         terms["NVFP4 conversion (one group)"] = NVFP4_GROUP * 5 * 4 * cfg.moe_intermediate_size * D
     if world > 1:  # the reference's rank packs its taps into one byte buffer to broadcast them (distributed.Group)

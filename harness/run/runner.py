@@ -10,6 +10,7 @@ Metrics land on disk after every layer, and so do the streams needed to resume.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch
 from harness.errors import UsageError
 from harness.run.aggregate import LayerAccumulator
 from harness.run.bins import BinPlan
-from harness.run.host_lanes import lanes_of
+from harness.run.host_lanes import LaneStopped, blamed_lane, cache_holds_every_form, lanes_of
 from harness.run.metrics import CompareContext, compare_logits
 from harness.run.needles import AnswerLens, needle_queries
 from harness.run.prefill_sharing import PrefillKey, SharedPrefills, pair_keys
@@ -305,8 +306,9 @@ class LockstepRunner:
         return new_streams
 
     HOST_LANES: bool | None = None
-    """Whether a layer's stacks run in two host threads (harness.run.host_lanes): None, on a GPU only (on a CPU the
-    threads would share its cores with the kernels themselves); tests set True to check the CPU's bits."""
+    """Whether a layer's stacks run in two host threads (harness.run.host_lanes): None, on a CUDA device only (on a
+    CPU the threads would share its cores with the kernels themselves); tests set True to check the CPU's bits. Either
+    way, only while the layer's dense cache holds every weight in every form (host_lanes.cache_holds_every_form)."""
 
     def _run_stacks(self, layer: int, streams: dict[str, torch.Tensor], ref: ReferencePass
                     ) -> tuple[dict[tuple[str, str], list[dict]], dict[str, torch.Tensor]]:
@@ -314,8 +316,9 @@ class LockstepRunner:
         the new streams (the reference's and each global stack's). On a GPU the pairs that run no patch code run
         in a second host thread beside the others (harness.run.host_lanes)."""
         own = self.own_stacks()
-        on = self.device.type != "cpu" if self.HOST_LANES is None else self.HOST_LANES
-        lanes = lanes_of(self.spec, own, self.SHARE_PREFILL) if on else [own]
+        on = self.device.type == "cuda" if self.HOST_LANES is None else self.HOST_LANES
+        lanes = lanes_of(self.spec, own, self.SHARE_PREFILL) \
+            if on and cache_holds_every_form(self.spec, layer, ref.dense.budget_bytes) else [own]
         ref_answers = self.lens.read(self.reference.logits, ref.out) if self.lens else None
         if len(lanes) == 1:
             return self._run_pairs(layer, own, streams, ref, ref_answers, self.findings)
@@ -324,51 +327,61 @@ class LockstepRunner:
     def _run_lanes(self, layer: int, own: list[tuple[str, str]], lanes: list[list[tuple[str, str]]],
                    streams: dict[str, torch.Tensor], ref: ReferencePass, ref_answers: dict[str, torch.Tensor] | None
                    ) -> tuple[dict[tuple[str, str], list[dict]], dict[str, torch.Tensor]]:
-        """_run_pairs over the patched lane in this thread and the stock lane in another; rows, streams and new
-        findings merged in the order of `own`, as a sequential run gives them. An error stops the run after both
-        lanes have ended, naming the pair that failed (the earlier one in `own` when both did)."""
+        """_run_pairs over the patched lane (lanes[0]) in this thread and the stock lane in a worker on this thread's
+        CUDA stream; rows, streams and new findings merged in the order of `own`, as a sequential run gives them. A
+        lane that fails (or is interrupted) stops the other at its next pair; the run stops once both have ended,
+        with the error host_lanes.blamed_lane picks and the pair it names."""
         findings = [list(self.findings) for _ in lanes]
         known = len(self.findings)
-        order = {pair: i for i, pair in enumerate(own)}
         results: list[Any] = [None] * len(lanes)
-        failed: list[tuple[int, BaseException, dict[str, Any]]] = []
+        failed: dict[int, tuple[BaseException, dict[str, Any]]] = {}
+        stop = threading.Event()
         inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-        gpu = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
-            if self.device.type == "cuda" else None
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        wheres = [{"layer": layer, "stack": lane[0][0], "mode": lane[0][1]} for lane in lanes]
+        self.where = wheres[0]
 
         def run(i: int) -> None:  # lane 0 in this thread (self.where, progress events), lane 1 in the worker
-            where = {"layer": layer, "stack": lanes[i][0][0], "mode": lanes[i][0][1]} if i else None
             try:
-                if i and gpu is not None:
-                    torch.cuda.set_device(gpu)  # the worker's current device (thread-local): this thread's
-                with torch.inference_mode(inference), torch.set_grad_enabled(grad):  # thread-local too
-                    results[i] = self._run_pairs(layer, lanes[i], streams, ref, ref_answers, findings[i], where)
+                with contextlib.ExitStack() as scope:
+                    if i and stream is not None:  # thread-local: the device, the stream, inference and grad mode
+                        torch.cuda.set_device(stream.device)
+                        scope.enter_context(torch.cuda.stream(stream))  # one queue: the sequential run's kernels
+                    scope.enter_context(torch.inference_mode(inference))
+                    scope.enter_context(torch.set_grad_enabled(grad))
+                    results[i] = self._run_pairs(layer, lanes[i], streams, ref, ref_answers, findings[i],
+                                                 wheres[i] if i else None, stop)
+            except LaneStopped:
+                pass
             except BaseException as e:  # noqa: BLE001 — re-raised below, after both lanes ended
-                at = dict(where if i else self.where)
-                failed.append((order.get((at["stack"], at["mode"]), -1), e, at))
+                stop.set()
+                failed[i] = (e, dict(wheres[i] if i else self.where))
 
-        worker = threading.Thread(target=run, args=(1,), name=f"dsv4-drift layer {layer} stock lane")
+        worker = threading.Thread(target=run, args=(1,), name=f"dsv4-drift layer {layer} stock lane", daemon=True)
         worker.start()
         try:
             run(0)
         finally:
             worker.join()
         if failed:
-            _, error, self.where = min(failed, key=lambda f: f[0])
+            errors = {i: e for i, (e, _) in failed.items()}
+            positions = {i: own.index((at["stack"], at["mode"])) for i, (_, at) in failed.items()}
+            error, self.where = failed[blamed_lane(errors, positions)]
             raise error
         rows = {pair: r for result in results for pair, r in result[0].items()}
         new_streams = {name: s for result in results for name, s in result[1].items()}
+        order = {pair: i for i, pair in enumerate(own)}
         new = [f for lane in findings for f in lane[known:]]
         self.findings.extend(sorted(new, key=lambda f: order.get((f.variant, f.mode), len(order))))  # stable
         return {pair: rows[pair] for pair in own}, new_streams
 
     def _run_pairs(self, layer: int, own: list[tuple[str, str]], streams: dict[str, torch.Tensor],
                    ref: ReferencePass, ref_answers: dict[str, torch.Tensor] | None, findings: list[Finding],
-                   where: dict[str, Any] | None = None
+                   where: dict[str, Any] | None = None, stop: threading.Event | None = None
                    ) -> tuple[dict[tuple[str, str], list[dict]], dict[str, torch.Tensor]]:
         """The pairs `own` over the layer in order, with the reference's needle answers `ref_answers` (None: no
         needles); new findings go to `findings`, and the pair running now to `where` (a lane's own; None:
-        self.where)."""
+        self.where). Raises host_lanes.LaneStopped before a pair once `stop` is set (the other lane failed)."""
         spec, cfg = self.spec, self.cfg
         weights, dense, record, dump = ref.weights, ref.dense, ref.record, ref.dump
         ref_in, ref_out = streams["reference"], ref.out
@@ -382,6 +395,8 @@ class LockstepRunner:
         keys = self._prefill_keys(own)
         shares = SharedPrefills(keys)
         for name, mode in own:
+            if stop is not None and stop.is_set():
+                raise LaneStopped
             self._enter(layer, name, mode, where)
             if dump:
                 dump.prefix = f"{name}.{mode}/"
