@@ -168,30 +168,31 @@ def test_two_lanes_give_the_sequential_metrics_findings_and_patch_calls(tmp_path
 def test_a_plugin_error_stops_the_stock_lane_at_its_next_pair(tmp_path, monkeypatch):
     """The patched lane fails (a plugin op raises) while the stock lane runs base/global: the stock lane runs no
     further pair, and the run stops with the plugin's error, naming its pair."""
-    import time
-
     from optimized.patching import PluginOpError
 
     broken = Patch("broken", ("prefill", "decode"), "raises", source="test")
-    base_started, raised = threading.Event(), threading.Event()
+    base_started = threading.Event()
 
     @broken.op("router")
     def router(ctx, **inputs):
         base_started.wait(60)  # fails while the stock lane is inside base/global
-        raised.set()
         raise ValueError("a plugin bug")
 
-    ran = []
-    run_engine = LockstepRunner._run_engine
+    ran, stops = [], []
+    run_engine, run_pairs = LockstepRunner._run_engine, LockstepRunner._run_pairs
+
+    def noting_stop(self, *args):
+        stops.append(args[-1])  # the lanes' stop event
+        return run_pairs(self, *args)
 
     def slow_base_global(self, name, mode, *args, **kwargs):
         ran.append((name, mode))
         if (name, mode) == ("base", "global"):
             base_started.set()
-            raised.wait(60)
-            time.sleep(1.0)  # the patched lane's error reaches its handler (microseconds) before this pair ends
+            assert stops[0].wait(60)  # the patched lane has failed: this pair ends, and no other starts
         return run_engine(self, name, mode, *args, **kwargs)
 
+    monkeypatch.setattr(LockstepRunner, "_run_pairs", noting_stop)
     monkeypatch.setattr(LockstepRunner, "_run_engine", slow_base_global)
     with pytest.raises(PluginOpError, match="a plugin bug"):
         _run(tmp_path, "stopped", True, monkeypatch,  # no yardstick: base/global is the stock lane's first pair
@@ -199,6 +200,52 @@ def test_a_plugin_error_stops_the_stock_lane_at_its_next_pair(tmp_path, monkeypa
     assert ("base", "global") in ran and ("base", "local") not in ran
     failure = RunStore(tmp_path / "stopped").read_manifest()["failure"]
     assert (failure["layer"], failure["stack"], failure["mode"]) == (0, "broken", "global")
+
+
+def test_ctrl_c_while_waiting_for_the_stock_lane_stops_it_at_its_next_pair(tmp_path, monkeypatch):
+    """Ctrl-C (a real SIGINT) once the patched lane has ended, while this thread waits for the stock lane inside
+    base/global: the stock lane starts no further pair and has ended when the run stops; the manifest says
+    interrupted, at the pair that was running."""
+    import os
+    import signal
+    import sys
+    import time
+
+    main = threading.get_ident()
+    patched_done, after = threading.Event(), []
+    run_engine, run_pairs = LockstepRunner._run_engine, LockstepRunner._run_pairs
+
+    stops = []
+
+    def noting_end(self, *args):
+        stops.append(args[-1])  # the lanes' stop event
+        out = run_pairs(self, *args)
+        if threading.get_ident() == main:
+            patched_done.set()
+        return out
+
+    def interrupted_base_global(self, name, mode, *args, **kwargs):
+        if threading.get_ident() != main:
+            if (name, mode) == ("base", "global"):
+                assert patched_done.wait(60)
+                while sys._current_frames()[main].f_code.co_name != "wait":  # the caller waits for this lane
+                    time.sleep(0.001)
+                os.kill(os.getpid(), signal.SIGINT)
+                assert stops[0].wait(60)  # the caller's handler has run: this pair ends, and no other starts
+            else:
+                after.append((name, mode))
+        return run_engine(self, name, mode, *args, **kwargs)
+
+    monkeypatch.setattr(LockstepRunner, "_run_pairs", noting_end)
+    monkeypatch.setattr(LockstepRunner, "_run_engine", interrupted_base_global)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, "interrupted", True, monkeypatch,
+             [VariantSpec("base", []), VariantSpec("recorded", [PatchChoice(_recording_patch([]), {})])],
+             yardstick=False)
+    assert after == [] and not any(t.name.endswith("stock lane") for t in threading.enumerate())
+    manifest = RunStore(tmp_path / "interrupted").read_manifest()
+    assert manifest["status"] == "interrupted"
+    assert (manifest["failure"]["stack"], manifest["failure"]["mode"]) == ("base", "global")
 
 
 def test_an_error_in_the_stock_lane_stops_the_run_naming_its_pair(tmp_path, monkeypatch):

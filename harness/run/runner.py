@@ -35,6 +35,7 @@ from reference.layer import ParityOptions, ReferenceLayer
 from reference.model import ReferenceModel, ensure_no_tf32, segment_lengths
 from reference.weights.dense_cache import DenseCache
 from reference.weights.prefetch import PrefetchingSource
+from reference.weights.schema import layer_specs
 from reference.weights.source import TensorBundle, WeightSource
 
 YARDSTICK = "yardstick"
@@ -164,6 +165,11 @@ def forcing_patch(record: RecordingSink) -> Patch:
         return Routing(own.scores, ids, w, own.output_scale, own.shared_weight)
 
     return patch
+
+
+SIGNAL_POLL_S = 0.1
+"""How often the caller's thread wakes while it waits for the stock lane: Python runs signal handlers (Ctrl-C) in the
+main thread only, and a SIGINT the kernel hands to another thread does not wake a blocked wait."""
 
 
 class LockstepRunner:
@@ -341,6 +347,8 @@ class LockstepRunner:
         wheres = [{"layer": layer, "stack": lane[0][0], "mode": lane[0][1]} for lane in lanes]
         self.where = wheres[0]
 
+        ended = threading.Event()  # the worker's lane has ended (Thread.join may not say so once interrupted)
+
         def run(i: int) -> None:  # lane 0 in this thread (self.where, progress events), lane 1 in the worker
             try:
                 with contextlib.ExitStack() as scope:
@@ -356,13 +364,23 @@ class LockstepRunner:
             except BaseException as e:  # noqa: BLE001 — re-raised below, after both lanes ended
                 stop.set()
                 failed[i] = (e, dict(wheres[i] if i else self.where))
+            finally:
+                if i:
+                    ended.set()
 
+        self._fill_dense_cache(ref)
         worker = threading.Thread(target=run, args=(1,), name=f"dsv4-drift layer {layer} stock lane", daemon=True)
         worker.start()
         try:
-            run(0)
-        finally:
-            worker.join()
+            run(0)  # records its own failures, Ctrl-C included
+            while not ended.wait(SIGNAL_POLL_S):
+                pass
+        except KeyboardInterrupt as e:  # while waiting for the stock lane: it stops at its next pair, named as running
+            stop.set()
+            failed.setdefault(0, (e, dict(wheres[1])))
+            while not ended.wait(SIGNAL_POLL_S):  # (a second Ctrl-C leaves the daemon thread to the interpreter's exit)
+                pass
+        worker.join()
         if failed:
             errors = {i: e for i, (e, _) in failed.items()}
             positions = {i: own.index((at["stack"], at["mode"])) for i, (_, at) in failed.items()}
@@ -374,6 +392,14 @@ class LockstepRunner:
         new = [f for lane in findings for f in lane[known:]]
         self.findings.extend(sorted(new, key=lambda f: order.get((f.variant, f.mode), len(order))))  # stable
         return {pair: rows[pair] for pair in own}, new_streams
+
+    def _fill_dense_cache(self, ref: ReferencePass) -> None:
+        """Every floating tensor of the layer into its dense cache (cache_holds_every_form says they fit), before the
+        lanes start: the stock lane then admits nothing, so what a patch puts into the cache in the patched lane
+        (ctx.dense) never races with it. Those the reference used are there already."""
+        for t in layer_specs(self.cfg, ref.layer):
+            if t.storage != "i64":
+                ref.dense.get(t.name, lambda name=t.name: ref.weights.stored(name), self.device)
 
     def _run_pairs(self, layer: int, own: list[tuple[str, str]], streams: dict[str, torch.Tensor],
                    ref: ReferencePass, ref_answers: dict[str, torch.Tensor] | None, findings: list[Finding],
