@@ -60,12 +60,10 @@ def test_the_lanes_need_a_dense_cache_that_holds_every_form_the_patches_may_ask_
     """A cache that runs out admits whichever thread asks first, and an admitted weight may take another GEMM path
     (DenseCache.bf16_exact): so the lanes run only when the layer's fp32 copies and the NVFP4 forms of its experts,
     in every format the patches may ask for, fit the budget."""
-    from reference.weights.schema import layer_specs
+    from reference.weights.dense_cache import layer_dense_bytes
 
     spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))[0]
-    specs = layer_specs(spec.source.config, 2)
-    fp32 = sum(t.numel for t in specs) * 4
-    experts = sum(t.numel for t in specs if t.name.startswith("ffn.experts.")) * 4
+    fp32, experts = layer_dense_bytes(spec.source.config, 2)
     assert experts > 0
     # all's nvfp4-experts asks for one format (modelopt by default)
     assert cache_holds_every_form(spec, 2, fp32 + experts)

@@ -22,7 +22,7 @@ import torch
 from harness.run.prefill_sharing import pair_keys
 from optimized.base_ops import NVFP4_FORMATS
 from optimized.patching import PluginOpError
-from reference.weights.schema import layer_specs
+from reference.weights.dense_cache import layer_dense_bytes
 
 Pair = tuple[str, str]
 
@@ -35,6 +35,7 @@ def cache_holds_every_form(spec: Any, layer: int, budget_bytes: float) -> bool:
     multiplied on another path (DenseCache.bf16_exact: fp32 GEMMs instead of tensor cores), so the bits would follow
     the threads' interleaving. The built-in `nvfp4-experts` asks for one format (its global_scale option); a plugin
     may ask for either. (A Flash layer with `nvfp4-experts`: 52.15 GB against an H200's 52.54 GB budget.)"""
+    format_of_rule = {rule: fmt for fmt, rule in NVFP4_FORMATS.items()}  # the global_scale option's load format
     formats: set[str] = set()
     for variant in spec.variants:
         for choice in variant.choices:
@@ -42,10 +43,8 @@ def cache_holds_every_form(spec: Any, layer: int, budget_bytes: float) -> bool:
                 formats = set(NVFP4_FORMATS)
                 break
             if choice.id == "nvfp4-experts":
-                formats.add("nvfp4" if choice.options.get("global_scale", "modelopt") == "modelopt" else "nvfp4-pow2")
-    specs = layer_specs(spec.source.config, layer)
-    fp32 = sum(t.numel for t in specs) * 4
-    experts = sum(t.numel for t in specs if t.name.startswith("ffn.experts.")) * 4
+                formats.add(format_of_rule[choice.options.get("global_scale", "modelopt")])
+    fp32, experts = layer_dense_bytes(spec.source.config, layer)
     return fp32 + len(formats) * experts <= budget_bytes
 
 

@@ -41,7 +41,7 @@ from harness.run.prefill_sharing import kept_prefill_keys
 from harness.run.runner import RunSpec
 from optimized.base_ops import NVFP4_GROUP
 from reference.config import ModelConfig
-from reference.weights.dense_cache import DenseCache
+from reference.weights.dense_cache import DenseCache, layer_dense_bytes
 from reference.weights.schema import layer_specs
 
 STORED_BYTES_PER_ELEMENT = {"fp8_block128": 1 + 1 / 128**2, "fp4_mx32": 0.5 + 1 / 32, "bf16": 2, "f32": 4, "i64": 8}
@@ -82,14 +82,8 @@ class MemoryEstimate:
 
 def _layer_bytes(cfg: ModelConfig, layer: int) -> tuple[float, float, float]:
     """(stored bytes, fp32 bytes of every float tensor, fp32 bytes of the routed experts) of one layer."""
-    stored = dense = experts = 0.0
-    for spec in layer_specs(cfg, layer):
-        stored += spec.numel * STORED_BYTES_PER_ELEMENT[spec.storage]
-        if spec.storage != "i64":
-            dense += spec.numel * 4
-            if spec.name.startswith("ffn.experts."):
-                experts += spec.numel * 4
-    return stored, dense, experts
+    stored = sum(spec.numel * STORED_BYTES_PER_ELEMENT[spec.storage] for spec in layer_specs(cfg, layer))
+    return (float(stored), *(float(b) for b in layer_dense_bytes(cfg, layer)))
 
 
 def _global_stacks_per_rank(spec: RunSpec, world: int) -> int:

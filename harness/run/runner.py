@@ -346,7 +346,6 @@ class LockstepRunner:
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         wheres = [{"layer": layer, "stack": lane[0][0], "mode": lane[0][1]} for lane in lanes]
         self.where = wheres[0]
-
         ended = threading.Event()  # the worker's lane has ended (Thread.join may not say so once interrupted)
 
         def run(i: int) -> None:  # lane 0 in this thread (self.where, progress events), lane 1 in the worker

@@ -14,7 +14,9 @@ from typing import Callable
 
 import torch
 
+from reference.config import ModelConfig
 from reference.quant import QuantizedTensor
+from reference.weights.schema import layer_specs
 
 Stored = torch.Tensor | QuantizedTensor
 
@@ -114,3 +116,14 @@ def all_bf16_exact(t: torch.Tensor) -> bool:
         part = flat[i:i + CHECK_ELEMENTS]
         exact &= torch.eq(part.bfloat16().float(), part).all()
     return bool(exact)
+
+
+def layer_dense_bytes(cfg: ModelConfig, layer: int) -> tuple[int, int]:
+    """(fp32 bytes of every floating tensor of layer `layer`, of its routed experts): what the layer's fp32 copies
+    take in a cache that holds them all (`get` counts numel·4; integer tensors such as tid2eid are never cached)."""
+    dense = experts = 0
+    for t in layer_specs(cfg, layer):
+        if t.storage != "i64":
+            dense += t.numel * 4
+            experts += t.numel * 4 if t.name.startswith("ffn.experts.") else 0
+    return dense, experts
