@@ -240,8 +240,8 @@ class QuantizedTensor:
 
     @property
     def shape(self) -> tuple[int, int]:
-        rows = self.codes.shape[0]
-        cols = self.codes.shape[1] * (1 if self.format == "fp8_block128" else 2)
+        rows = self.codes.shape[-2]
+        cols = self.codes.shape[-1] * (1 if self.format == "fp8_block128" else 2)
         return (rows, cols)
 
     @property
@@ -256,20 +256,40 @@ class QuantizedTensor:
                                mv(self.global_scale), mv(self.input_scale))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The exact value. Codes and scales may carry leading dimensions (a stack of same-shaped tensors of one
+        format, dequantize_stack): the scales are expanded over the last two dimensions either way."""
         out, inp = self.shape
         if self.format == "fp8_block128":
             s = e8m0_decode(self.scale)
-            s = s.repeat_interleave(128, 0)[:out].repeat_interleave(128, 1)[:, :inp]
+            s = s.repeat_interleave(128, -2)[..., :out, :].repeat_interleave(128, -1)[..., :inp]
             return (self.codes.float() * s).to(dtype)
         vals = e2m1_decode(unpack_e2m1(self.codes))
         if self.format == "fp4_mx32":
-            s = e8m0_decode(self.scale).repeat_interleave(32, 1)[:, :inp]
+            s = e8m0_decode(self.scale).repeat_interleave(32, -1)[..., :inp]
             return (vals * s).to(dtype)
         if self.format == "nvfp4":
             assert self.global_scale is not None
-            s = self.scale.float().repeat_interleave(16, 1)[:, :inp]
+            s = self.scale.float().repeat_interleave(16, -1)[..., :inp]
             return (vals * s * self.global_scale.float()).to(dtype)
         raise ValueError(f"unknown weight format {self.format!r}")
+
+
+STACKABLE_FORMATS = ("fp8_block128", "fp4_mx32")
+"""Formats whose dequantization is element-wise given the scales, with no per-tensor number: G tensors of one shape
+dequantize as one stack (nvfp4's per-tensor global scale would need one more broadcast)."""
+
+
+def dequantize_stack(qs: list[QuantizedTensor]) -> torch.Tensor:
+    """[G, out, in] fp32: the dequantize() of G tensors of one STACKABLE_FORMATS format and shape, computed over their
+    stack — the same element-wise products of the same values, so the same bits, in a dozen launches instead of a
+    dozen per tensor (a Flash layer has 768 expert matrices: reference.weights.dense_cache.DenseCache.fill)."""
+    first = qs[0] if qs else None
+    if first is None or first.format not in STACKABLE_FORMATS \
+            or any(q.format != first.format or q.shape != first.shape or q.device != first.device for q in qs):
+        raise ValueError("dequantize_stack: give one or more tensors of one format among "
+                         f"{STACKABLE_FORMATS}, one shape and one device")
+    return QuantizedTensor(first.format, torch.stack([q.codes for q in qs]),
+                           torch.stack([q.scale for q in qs])).dequantize(torch.float32)
 
 
 FP8_BLOCK_AMAX_FLOOR = FP8_MAX * 2.0**-127

@@ -97,6 +97,27 @@ def test_a_dense_cache_too_small_for_every_form_keeps_one_lane(tmp_path, monkeyp
     assert "base" in threads and len(threads) == 2 and set(threads.values()) == {threading.get_ident()}, threads
 
 
+def test_the_stock_lane_admits_nothing_into_the_dense_cache(tmp_path, monkeypatch):
+    """Every fp32 copy (and NVFP4 form) a layer's stacks use is admitted from the caller's thread — by the layer's
+    fill before its first stack, or by the patched lane's own conversions — never by the stock lane, while a patch
+    may write ctx.dense. (The reference reads every weight too, so this holds without the fill; it fails as soon as a
+    stock stack reads a form that nothing in the caller's thread made before the lanes started.)"""
+    from reference.weights.dense_cache import DenseCache
+
+    threads = _noting_threads(monkeypatch)
+    admitted: list[int] = []
+    for method in ("put", "_admit", "_admit_stack"):
+        original = getattr(DenseCache, method)
+
+        def noting(self, *args, _original=original, **kwargs):
+            admitted.append(threading.get_ident())
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(DenseCache, method, noting)
+    _run(tmp_path, "admissions", True, monkeypatch)
+    assert len(set(threads.values())) == 2, "the stock lane ran in its own thread"
+    assert admitted and set(admitted) == {threading.get_ident()}
+
+
 def _run(tmp_path, name: str, lanes: bool, monkeypatch, variants=None, device: str = "cpu",
          yardstick: bool = True) -> RunStore:
     spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all", device=device))[0]

@@ -143,6 +143,62 @@ def test_the_dense_cache_keeps_what_its_budget_allows_and_gives_the_same_values(
         assert torch.equal(v, weights.dense(n))
 
 
+@pytest.mark.parametrize("quantize", ["fp8_block128", "fp4_mx32"])
+def test_a_stack_dequantizes_to_the_bits_of_each_tensor_alone(quantize):
+    """DenseCache.fill dequantizes a layer's same-shaped weights as one stack: the pinned metrics need every value to be
+    what QuantizedTensor.dequantize gives the tensor alone (shapes not multiples of the blocks included)."""
+    from reference.quant import dequantize_stack, quantize_fp4_mx32, quantize_fp8_block128
+
+    quantizer = {"fp8_block128": quantize_fp8_block128, "fp4_mx32": quantize_fp4_mx32}[quantize]
+    g = torch.Generator().manual_seed(3)
+    qs = [quantizer(torch.randn(200, 320, generator=g) * 10.0 ** (i - 1)) for i in range(3)]
+    stack = dequantize_stack(qs)
+    assert stack.shape == (3, 200, 320)
+    for i, q in enumerate(qs):
+        assert torch.equal(stack[i], q.dequantize(torch.float32)), i
+    with pytest.raises(ValueError, match="one format"):
+        dequantize_stack([qs[0], quantizer(torch.randn(128, 320, generator=g))])
+
+
+def test_the_dense_cache_fills_a_layer_as_get_would_and_within_its_budget():
+    """fill admits what get would (the same values, one cached tensor per name, bf16_exact for it), as far as the
+    budget goes: every weight each token uses first, then whole routed experts; the rest is left to get."""
+    from reference.weights.dense_cache import admission_units
+    from reference.weights.schema import layer_specs
+
+    cpu = torch.device("cpu")
+    weights = SyntheticWeights(TINY, 0).layer(2)
+    names = [t.name for t in layer_specs(TINY, 2) if t.storage != "i64"]
+    full = DenseCache()
+    full.fill(names, weights.stored, cpu)
+    assert set(names) <= set(full._cache) and full.used_bytes == sum(weights.dense(n).numel() * 4 for n in names)
+    for n in names:
+        assert torch.equal(full.get(n, None, cpu), weights.dense(n)), n
+    expert = "ffn.experts.3.w2.weight"
+    assert full.bf16_exact(expert, full.get(expert, None, cpu)), "a view of a stack is the cached tensor"
+
+    units = admission_units(names)
+    others = [u[0] for u in units if len(u) == 1]
+    assert not any(n.startswith("ffn.experts.") for n in others) and "ffn.shared_experts.w2.weight" in others
+    assert units[len(others)] == [f"ffn.experts.0.{m}.weight" for m in ("w1", "w3", "w2")]
+    short = sum(weights.dense(n).numel() * 4 for n in others) + sum(weights.dense(n).numel() * 4 for n in units[-1])
+    small = DenseCache(budget_bytes=short + 2 * weights.dense(units[-1][0]).numel() * 4)  # 1 expert and 2/3 of one
+    small.fill(names, weights.stored, cpu)
+    assert small.used_bytes == short and all(n in small for n in others + units[len(others)])
+    assert not any(n in small for u in units[len(others) + 1:] for n in u), "a partial expert is not admitted"
+    left = units[-1][0]
+    assert torch.equal(small.get(left, weights.stored(left), cpu), weights.dense(left))
+
+
+def test_bf16_exact_flags_of_a_stack_are_all_bf16_exact_of_each():
+    from reference.weights.dense_cache import all_bf16_exact, bf16_exact_flags
+
+    weights = SyntheticWeights(TINY, 0).layer(2)
+    stack = torch.stack([weights.dense(f"ffn.experts.{e}.w1.weight") for e in range(3)])
+    stack[1, 0, 0] += stack[1, 0, 0].abs().clamp(min=1e-30) * 2.0 ** -12  # a 12th mantissa bit: not a bf16
+    assert bf16_exact_flags(stack).tolist() == [all_bf16_exact(t) for t in stack] == [True, False, True]
+
+
 @pytest.mark.parametrize("tokens,k,experts", [(300, 6, 16), (1, 6, 16), (77, 2, 8)])
 def test_grouped_moe_is_bit_identical_to_a_search_per_expert(tokens, k, experts):
     g = torch.Generator().manual_seed(tokens)

@@ -367,7 +367,8 @@ class LockstepRunner:
                 if i:
                     ended.set()
 
-        self._fill_dense_cache(ref)
+        # the layer's fp32 copies were all made before its first stack (_run_reference; cache_holds_every_form says
+        # they fit), so the stock lane admits nothing and never races what a patch puts into ctx.dense
         worker = threading.Thread(target=run, args=(1,), name=f"dsv4-drift layer {layer} stock lane", daemon=True)
         worker.start()
         try:
@@ -391,14 +392,6 @@ class LockstepRunner:
         new = [f for lane in findings for f in lane[known:]]
         self.findings.extend(sorted(new, key=lambda f: order.get((f.variant, f.mode), len(order))))  # stable
         return {pair: rows[pair] for pair in own}, new_streams
-
-    def _fill_dense_cache(self, ref: ReferencePass) -> None:
-        """Every floating tensor of the layer into its dense cache (cache_holds_every_form says they fit), before the
-        lanes start: the stock lane then admits nothing, so what a patch puts into the cache in the patched lane
-        (ctx.dense) never races with it. Those the reference used are there already."""
-        for t in layer_specs(self.cfg, ref.layer):
-            if t.storage != "i64":
-                ref.dense.get(t.name, lambda name=t.name: ref.weights.stored(name), self.device)
 
     def _run_pairs(self, layer: int, own: list[tuple[str, str]], streams: dict[str, torch.Tensor],
                    ref: ReferencePass, ref_answers: dict[str, torch.Tensor] | None, findings: list[Finding],
@@ -504,6 +497,10 @@ class LockstepRunner:
         """Run the reference over ref.layer from `ref_in`, recording its taps; its output in ref.out."""
         spec = self.spec
         self._enter(ref.layer, "reference", "global")
+        # every stack reads every weight of the layer: their fp32 copies are made first, in stacks (DenseCache.fill),
+        # charged to the reference, which would have made them one at a time
+        ref.dense.fill([t.name for t in layer_specs(self.cfg, ref.layer) if t.storage != "i64"], ref.weights.stored,
+                       self.device)
         block = ReferenceLayer(self.cfg, ref.layer, ref.weights, spec.reference_dtype, spec.parity, self.device,
                                ref.dense)
         ref.out = self.reference.run_layer(block, ref_in, self.ids, self.reference_segments, ref.record)

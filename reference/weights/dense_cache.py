@@ -10,12 +10,12 @@ matrices were dequantized ~10,000 times per layer through the runner (measured o
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
 from reference.config import ModelConfig
-from reference.quant import QuantizedTensor
+from reference.quant import STACKABLE_FORMATS, QuantizedTensor, dequantize_stack
 from reference.weights.schema import layer_specs
 
 Stored = torch.Tensor | QuantizedTensor
@@ -71,6 +71,54 @@ class DenseCache:
                 self.put(name, t)
         return t
 
+    def fill(self, names: Iterable[str], stored: Callable[[str], Stored], device: torch.device) -> None:
+        """Admit the fp32 copies of `names` not cached yet, as `get` would one at a time, as far as the budget goes:
+        every other tensor first, then each routed expert's matrices together (admission_units), so that a budget
+        short of the layer leaves out whole experts — not the shared expert, which every token uses. Quantized
+        tensors of one format and shape are dequantized STACK_BYTES at a time (quant.dequantize_stack: the same
+        bits), each cached as a view of its stack; on a GPU, whether each is bf16-exact is noted with one host read
+        for all of them (what `bf16_exact` would find when first asked). A layer-major run fills a layer's cache
+        before its first stack: one tensor at a time at first use took ~13 launches per tensor and a host read per
+        bf16_exact, ~10,000 launches and ~800 reads in a Flash layer. What is not admitted is left to `get`."""
+        with self._lock:
+            admitted: list[tuple[str, Stored]] = []
+            reserved = 0
+            for unit in admission_units([n for n in dict.fromkeys(names) if n not in self._cache]):
+                values = [stored(n) for n in unit]
+                size = sum(_elements(v) * 4 for v in values)
+                if self.room_for(reserved + size):
+                    admitted += zip(unit, values)
+                    reserved += size
+            stacks: dict[tuple, list[tuple[str, QuantizedTensor]]] = {}
+            made: list[tuple[list[str], torch.Tensor]] = []
+            for name, value in admitted:
+                if isinstance(value, QuantizedTensor) and value.format in STACKABLE_FORMATS:
+                    key = (value.format, value.shape, value.device)
+                    stacks.setdefault(key, []).append((name, value))
+                    if _elements(value) * 4 * len(stacks[key]) >= STACK_BYTES:
+                        made.append(self._admit_stack(stacks.pop(key), device))
+                else:
+                    made.append(([name], self._admit(name, value, device)[None]))
+            made += [self._admit_stack(members, device) for members in stacks.values()]
+            flags = [(group, bf16_exact_flags(stack)) for group, stack in made if stack.is_cuda]
+            if flags:
+                exact = torch.cat([f for _, f in flags]).tolist()  # the one host read
+                self._bf16_exact.update(zip([n for group, _ in flags for n in group], exact))
+
+    def _admit(self, name: str, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        t = (value.dequantize(torch.float32) if isinstance(value, QuantizedTensor) else value.float()).to(device)
+        self._cache[name] = t
+        self.used_bytes += t.numel() * 4
+        return t
+
+    def _admit_stack(self, members: list[tuple[str, QuantizedTensor]], device: torch.device
+                     ) -> tuple[list[str], torch.Tensor]:
+        stack = dequantize_stack([q for _, q in members]).to(device)
+        for (name, _), value in zip(members, stack):
+            self._cache[name] = value
+            self.used_bytes += value.numel() * 4
+        return [name for name, _ in members], stack
+
     def __contains__(self, name: str) -> bool:
         return name in self._cache
 
@@ -105,17 +153,56 @@ CHECK_ELEMENTS = 1 << 24
 whatever the tensor (a Flash attn.wq_b is 32 M elements: two steps)."""
 
 
+STACK_BYTES = 256 << 20
+"""fp32 bytes dequantized together by DenseCache.fill: 8 Flash expert matrices (2048 × 4096). Their temporaries
+peak at ~5× that (the e2m1 decode's int64 lookup indices 2×, its magnitudes, negation and values, the expanded
+scales, the product), ~1.3 GB — as much as an NVFP4 conversion group (base_ops.NVFP4_GROUP) — and exist only before
+the layer's first stack, when no working set does (harness.run.memory)."""
+
+
+ROUTED_EXPERT_PREFIX = "ffn.experts."
+
+
+def admission_units(names: list[str]) -> list[list[str]]:
+    """The order DenseCache.fill admits `names` in, as units admitted whole or not at all: each tensor that is not a
+    routed expert's on its own, in the given order, then each routed expert's matrices (ffn.experts.E.*) together,
+    experts in the given order. A cache short of a layer then holds every weight each token uses (attention,
+    router, shared expert) and whole experts, as one filled at first use mostly did."""
+    experts: dict[str, list[str]] = {}
+    others = []
+    for name in names:
+        if name.startswith(ROUTED_EXPERT_PREFIX):
+            experts.setdefault(name.split(".")[2], []).append(name)
+        else:
+            others.append(name)
+    return [[n] for n in others] + list(experts.values())
+
+
+def _elements(value: Stored) -> int:
+    """Elements of a stored tensor's fp32 copy (a QuantizedTensor's: its [out, in] shape)."""
+    if isinstance(value, QuantizedTensor):
+        rows, cols = value.shape
+        return rows * cols
+    return value.numel()
+
+
 def all_bf16_exact(t: torch.Tensor) -> bool:
     """Whether every value of fp32 tensor `t` is exactly a bf16 (rounding to bf16 changes none: the exact
     dequantization of FP8 e4m3 or FP4 e2m1 elements times power-of-two block scales — the checkpoint's UE8M0 — is;
-    an NVFP4 value with an fp32 global scale, in general, is not). One host read, after the whole tensor is checked
-    in steps of CHECK_ELEMENTS."""
-    flat = t.reshape(-1)
-    exact = torch.ones((), dtype=torch.bool, device=t.device)
-    for i in range(0, flat.numel(), CHECK_ELEMENTS):
-        part = flat[i:i + CHECK_ELEMENTS]
-        exact &= torch.eq(part.bfloat16().float(), part).all()
-    return bool(exact)
+    an NVFP4 value with an fp32 global scale, in general, is not). One host read."""
+    return bool(bf16_exact_flags(t[None])[0])
+
+
+def bf16_exact_flags(stack: torch.Tensor) -> torch.Tensor:
+    """[G] bools, on the stack's device: all_bf16_exact of each stack[i], without a host read; checked in steps of
+    CHECK_ELEMENTS per tensor."""
+    flat = stack.reshape(stack.shape[0], -1)
+    exact = torch.ones(stack.shape[0], dtype=torch.bool, device=stack.device)
+    step = max(1, CHECK_ELEMENTS // max(1, flat.shape[0]))
+    for i in range(0, flat.shape[1], step):
+        part = flat[:, i:i + step]
+        exact &= torch.eq(part.bfloat16().float(), part).all(1)
+    return exact
 
 
 def layer_dense_bytes(cfg: ModelConfig, layer: int) -> tuple[int, int]:
