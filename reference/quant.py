@@ -105,11 +105,15 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     return code | (sign.to(torch.uint8) << 3)
 
 
+E2M1_BY_CODE = E2M1_VALUES + tuple(-v for v in E2M1_VALUES)
+"""The value of each 4-bit e2m1 code: bit 3 the sign, bits 0-2 the magnitude's index in E2M1_VALUES (code 8 is −0)."""
+
+
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
-    """4-bit e2m1 code (uint8) -> fp32."""
-    table = _table("e2m1_values", E2M1_VALUES, code.device)
-    mag = table[(code & 7).long()]
-    return torch.where((code & 8) != 0, -mag, mag)
+    """4-bit e2m1 code (uint8, 0-15) -> fp32: one lookup in E2M1_BY_CODE. (Through int32 indices: a Flash layer
+    decodes 6.4·10⁹ codes, and int64 indices with a separate sign step moved ~4× the bytes of this.)"""
+    table = _table("e2m1_by_code", E2M1_BY_CODE, code.device)
+    return torch.index_select(table, 0, code.reshape(-1).to(torch.int32)).view(code.shape)
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
