@@ -143,6 +143,28 @@ def test_the_dense_cache_keeps_what_its_budget_allows_and_gives_the_same_values(
         assert torch.equal(v, weights.dense(n))
 
 
+def test_the_synthetic_weights_hash_is_murmur3s_finaliser_and_their_normals_the_byte_sum():
+    """The hash works in place on its temporaries (reference.weights.hashing): every value must still be murmur3's
+    fmix32 of index XOR key — here against plain Python integers — and every normal (b0+b1+b2+b3−510)/sqrt(21845)
+    of its bytes, in fp32."""
+    from reference.weights import hashing
+
+    def fmix32(h: int) -> int:
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+
+    key, offset = 0xDEADBEEF, hashing.CHUNK - 40
+    index = torch.arange(offset, offset + 80, dtype=torch.int64)
+    expected = [fmix32(i ^ key) for i in index.tolist()]
+    assert hashing.hash_u32(key, index).tolist() == expected and index[0] == offset, "the index is left as it was"
+    normals = hashing.standard_normal(key, 80, "cpu", offset=offset)
+    sums = torch.tensor([sum((h >> (8 * b)) & 255 for b in range(4)) - 510 for h in expected], dtype=torch.float32)
+    assert torch.equal(normals, sums * hashing.INV_STD_IH4)
+
+
 @pytest.mark.parametrize("quantize", ["fp8_block128", "fp4_mx32"])
 def test_a_stack_dequantizes_to_the_bits_of_each_tensor_alone(quantize):
     """DenseCache.fill dequantizes a layer's same-shaped weights as one stack: the pinned metrics need every value to be

@@ -19,12 +19,17 @@ INV_STD_IH4 = 1.0 / math.sqrt(4 * (256**2 - 1) / 12)  # 1/std of a sum of four u
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3 finaliser on values in [0, 2^32) held in int64; exact wrap-around via masking."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _MASK32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _MASK32
-    return h ^ (h >> 16)
+    """murmur3 finaliser on values in [0, 2^32) held in int64; exact wrap-around via masking. Works in place on `h`
+    (the callers' own temporaries): at a prefill-sized tensor each new int64 temporary costs as much as the
+    arithmetic (the demo's weights were made ~2.5× slower on the CPU with one per step)."""
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h &= _MASK32
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h &= _MASK32
+    h ^= h >> 16
+    return h
 
 
 def stream_key(seed: int, layer: int | None, name: str) -> int:
@@ -39,6 +44,20 @@ def hash_u32(key: int, index: torch.Tensor) -> torch.Tensor:
     return _fmix32(index ^ key)
 
 
+def normal_of_hash(h: torch.Tensor) -> torch.Tensor:
+    """(b0 + b1 + b2 + b3 − 510) / sqrt(21845) in fp32 for the four bytes of each 32-bit hash (standard_normal's
+    Irwin–Hall variate); the integer sum is exact, the one float operation a correctly-rounded multiply. Consumes
+    `h` (shifted in place)."""
+    s = h >> 24
+    s += h & 255
+    h >>= 8
+    s += h & 255
+    h >>= 8
+    s += h & 255
+    s -= 510
+    return s.to(torch.float32).mul_(INV_STD_IH4)
+
+
 def standard_normal(key: int, numel: int, device: torch.device | str, offset: int = 0) -> torch.Tensor:
     """Elements [offset, offset+numel) of the key's stream of approximately N(0, 1) fp32 values.
 
@@ -50,9 +69,8 @@ def standard_normal(key: int, numel: int, device: torch.device | str, offset: in
     out = torch.empty(numel, dtype=torch.float32, device=device)
     for start in range(0, numel, CHUNK):
         stop = min(numel, start + CHUNK)
-        h = hash_u32(key, torch.arange(offset + start, offset + stop, dtype=torch.int64, device=device))
-        s = (h & 255) + ((h >> 8) & 255) + ((h >> 16) & 255) + (h >> 24)
-        out[start:stop] = (s - 510).to(torch.float32) * INV_STD_IH4
+        out[start:stop] = normal_of_hash(hash_u32(key, torch.arange(offset + start, offset + stop, dtype=torch.int64,
+                                                                    device=device)))
     return out
 
 

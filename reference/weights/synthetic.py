@@ -27,7 +27,7 @@ import torch
 from reference.config import ModelConfig
 from reference.quant import quantize_fp4_mx32, quantize_fp8_block128
 from reference.weights import profiles, retrieval
-from reference.weights.hashing import CHUNK, INV_STD_IH4, hash_u32, standard_normal, stream_key, uniform_int, uniforms
+from reference.weights.hashing import CHUNK, hash_u32, normal_of_hash, standard_normal, stream_key, uniform_int, uniforms
 from reference.weights.schema import TensorSpec, layer_specs, top_level_specs
 from reference.weights.source import Stored, TensorBundle
 
@@ -91,9 +91,7 @@ class SyntheticWeights:
         for start in range(0, unique.numel(), max(1, CHUNK // D)):
             u = unique[start : start + max(1, CHUNK // D)].to(device)
             idx = (u[:, None] * D + cols[None, :]).flatten()
-            h = hash_u32(key, idx)
-            s = (h & 255) + ((h >> 8) & 255) + ((h >> 16) & 255) + (h >> 24)
-            rows.append(((s - 510).to(torch.float32) * INV_STD_IH4).view(-1, D))
+            rows.append(normal_of_hash(hash_u32(key, idx)).view(-1, D))
         table = torch.cat(rows, 0) if rows else torch.empty(0, D, device=device)
         if self.profile.calibrated:
             table = self._calibrated_embedding(unique.to(device), table)
