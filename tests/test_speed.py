@@ -182,34 +182,35 @@ def test_a_stack_dequantizes_to_the_bits_of_each_tensor_alone(quantize):
         dequantize_stack([qs[0], quantizer(torch.randn(128, 320, generator=g))])
 
 
-def test_the_dense_cache_fills_a_layer_as_get_would_and_within_its_budget():
-    """fill admits what get would (the same values, one cached tensor per name, bf16_exact for it), as far as the
-    budget goes: every weight each token uses first, then whole routed experts; the rest is left to get."""
-    from reference.weights.dense_cache import admission_units
+def test_the_dense_cache_fills_a_layer_as_get_would_only_when_it_fits_whole():
+    """fill admits what get would (the same values, one cached tensor per name, bf16_exact for it) when the whole
+    layer fits; a budget short of the layer admits nothing (and dequantizes nothing), leaving it to get's first-use
+    order, which keeps the weights every token uses."""
+    from reference.weights import dense_cache
     from reference.weights.schema import layer_specs
 
     cpu = torch.device("cpu")
     weights = SyntheticWeights(TINY, 0).layer(2)
     names = [t.name for t in layer_specs(TINY, 2) if t.storage != "i64"]
-    full = DenseCache()
-    full.fill(names, weights.stored, cpu)
-    assert set(names) <= set(full._cache) and full.used_bytes == sum(weights.dense(n).numel() * 4 for n in names)
+    size = sum(weights.dense(n).numel() * 4 for n in names)
+    full = DenseCache(budget_bytes=size)
+    assert full.fill(names, weights.stored, cpu)
+    assert set(names) <= set(full._cache) and full.used_bytes == size
     for n in names:
         assert torch.equal(full.get(n, None, cpu), weights.dense(n)), n
     expert = "ffn.experts.3.w2.weight"
     assert full.bf16_exact(expert, full.get(expert, None, cpu)), "a view of a stack is the cached tensor"
 
-    units = admission_units(names)
-    others = [u[0] for u in units if len(u) == 1]
-    assert not any(n.startswith("ffn.experts.") for n in others) and "ffn.shared_experts.w2.weight" in others
-    assert units[len(others)] == [f"ffn.experts.0.{m}.weight" for m in ("w1", "w3", "w2")]
-    short = sum(weights.dense(n).numel() * 4 for n in others) + sum(weights.dense(n).numel() * 4 for n in units[-1])
-    small = DenseCache(budget_bytes=short + 2 * weights.dense(units[-1][0]).numel() * 4)  # 1 expert and 2/3 of one
-    small.fill(names, weights.stored, cpu)
-    assert small.used_bytes == short and all(n in small for n in others + units[len(others)])
-    assert not any(n in small for u in units[len(others) + 1:] for n in u), "a partial expert is not admitted"
-    left = units[-1][0]
-    assert torch.equal(small.get(left, weights.stored(left), cpu), weights.dense(left))
+    small = DenseCache(budget_bytes=size - 4)
+    calls = []
+    original = dense_cache.dequantize_stack
+    try:
+        dense_cache.dequantize_stack = lambda qs: calls.append(len(qs)) or original(qs)
+        assert not small.fill(names, weights.stored, cpu)
+    finally:
+        dense_cache.dequantize_stack = original
+    assert small.used_bytes == 0 and not calls, "nothing admitted, nothing dequantized"
+    assert torch.equal(small.get(expert, weights.stored(expert), cpu), weights.dense(expert))
 
 
 def test_bf16_exact_flags_of_a_stack_are_all_bf16_exact_of_each():

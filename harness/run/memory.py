@@ -6,9 +6,9 @@ what would not fit and which setting changes it:
 
 - **weights**: two layers in their stored formats (the one in use and the next, made in the background);
 - **dequantized weights**: the layer's fp32 copies shared by every stack (reference.weights.dense_cache), up to
-  the cache's budget (a GPU's share is split between the ranks on it); they are made before the layer's first
-  stack, in stacks whose temporaries (dense_cache.STACK_BYTES: ~1.3 GB with the int64 lookup of the e2m1 decode)
-  come and go before any working set exists, so they add no term;
+  the cache's budget (a GPU's share is split between the ranks on it); when the layer fits whole they are made
+  before its first stack, in stacks whose temporaries (dense_cache.STACK_BYTES: ~0.8 GB) come and go before any
+  working set exists, so they add no term;
 - **reference layers**: the reference's non-expert weights in its dtype and the yardstick's in bf16;
 - **output heads**: the LM head stored, and in the reference's, the yardstick's and the engines' dtypes (the needle
   lens reads logits after every layer);

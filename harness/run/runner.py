@@ -367,8 +367,8 @@ class LockstepRunner:
                 if i:
                     ended.set()
 
-        # the layer's fp32 copies were all made before its first stack (_run_reference; cache_holds_every_form says
-        # they fit), so the stock lane admits nothing and never races what a patch puts into ctx.dense
+        # the layer's fp32 copies were all made before its first stack (_run_reference's fill: cache_holds_every_form
+        # says they fit), so the stock lane admits nothing and never races what a patch puts into ctx.dense
         worker = threading.Thread(target=run, args=(1,), name=f"dsv4-drift layer {layer} stock lane", daemon=True)
         worker.start()
         try:
@@ -497,8 +497,8 @@ class LockstepRunner:
         """Run the reference over ref.layer from `ref_in`, recording its taps; its output in ref.out."""
         spec = self.spec
         self._enter(ref.layer, "reference", "global")
-        # every stack reads every weight of the layer: their fp32 copies are made first, in stacks (DenseCache.fill),
-        # charged to the reference, which would have made them one at a time
+        # every stack reads every weight of the layer: their fp32 copies are made first, in stacks, when the layer fits
+        # the cache whole (DenseCache.fill), charged to the reference, which would have made them one at a time
         ref.dense.fill([t.name for t in layer_specs(self.cfg, ref.layer) if t.storage != "i64"], ref.weights.stored,
                        self.device)
         block = ReferenceLayer(self.cfg, ref.layer, ref.weights, spec.reference_dtype, spec.parity, self.device,

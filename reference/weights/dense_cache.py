@@ -71,24 +71,19 @@ class DenseCache:
                 self.put(name, t)
         return t
 
-    def fill(self, names: Iterable[str], stored: Callable[[str], Stored], device: torch.device) -> None:
-        """Admit the fp32 copies of `names` not cached yet, as `get` would one at a time, as far as the budget goes:
-        every other tensor first, then each routed expert's matrices together (admission_units), so that a budget
-        short of the layer leaves out whole experts — not the shared expert, which every token uses. Quantized
-        tensors of one format and shape are dequantized STACK_BYTES at a time (quant.dequantize_stack: the same
-        bits), each cached as a view of its stack; on a GPU, whether each is bf16-exact is noted with one host read
-        for all of them (what `bf16_exact` would find when first asked). A layer-major run fills a layer's cache
-        before its first stack: one tensor at a time at first use took ~13 launches per tensor and a host read per
-        bf16_exact, ~10,000 launches and ~800 reads in a Flash layer. What is not admitted is left to `get`."""
+    def fill(self, names: Iterable[str], stored: Callable[[str], Stored], device: torch.device) -> bool:
+        """Admit the fp32 copies of every one of `names` not cached yet, if they all fit the budget together; else
+        admit none and return False (what does not fit whole is left to `get`, which admits by first use, so that
+        the weights every token uses come first). Quantized tensors of one format and shape are dequantized
+        STACK_BYTES at a time (quant.dequantize_stack: the same bits), each cached as a view of its stack; on a
+        GPU, whether each is bf16-exact is noted with one host read for all of them (what `bf16_exact` would find
+        when first asked). A layer-major run fills a layer's cache before its first stack: one tensor at a time at
+        first use took ~13 launches per tensor and a host read per bf16_exact, ~10,000 launches and ~800 reads in a
+        Flash layer."""
         with self._lock:
-            admitted: list[tuple[str, Stored]] = []
-            reserved = 0
-            for unit in admission_units([n for n in dict.fromkeys(names) if n not in self._cache]):
-                values = [stored(n) for n in unit]
-                size = sum(_elements(v) * 4 for v in values)
-                if self.room_for(reserved + size):
-                    admitted += zip(unit, values)
-                    reserved += size
+            admitted = [(n, stored(n)) for n in dict.fromkeys(names) if n not in self._cache]
+            if not self.room_for(sum(_elements(v) * 4 for _, v in admitted)):
+                return False
             stacks: dict[tuple, list[tuple[str, QuantizedTensor]]] = {}
             made: list[tuple[list[str], torch.Tensor]] = []
             for name, value in admitted:
@@ -104,6 +99,7 @@ class DenseCache:
             if flags:
                 exact = torch.cat([f for _, f in flags]).tolist()  # the one host read
                 self._bf16_exact.update(zip([n for group, _ in flags for n in group], exact))
+            return True
 
     def _admit(self, name: str, value: torch.Tensor, device: torch.device) -> torch.Tensor:
         t = (value.dequantize(torch.float32) if isinstance(value, QuantizedTensor) else value.float()).to(device)
@@ -155,27 +151,9 @@ whatever the tensor (a Flash attn.wq_b is 32 M elements: two steps)."""
 
 STACK_BYTES = 256 << 20
 """fp32 bytes dequantized together by DenseCache.fill: 8 Flash expert matrices (2048 × 4096). Their temporaries
-peak at ~5× that (the e2m1 decode's int64 lookup indices 2×, its magnitudes, negation and values, the expanded
-scales, the product), ~1.3 GB — as much as an NVFP4 conversion group (base_ops.NVFP4_GROUP) — and exist only before
-the layer's first stack, when no working set does (harness.run.memory)."""
-
-
-ROUTED_EXPERT_PREFIX = "ffn.experts."
-
-
-def admission_units(names: list[str]) -> list[list[str]]:
-    """The order DenseCache.fill admits `names` in, as units admitted whole or not at all: each tensor that is not a
-    routed expert's on its own, in the given order, then each routed expert's matrices (ffn.experts.E.*) together,
-    experts in the given order. A cache short of a layer then holds every weight each token uses (attention,
-    router, shared expert) and whole experts, as one filled at first use mostly did."""
-    experts: dict[str, list[str]] = {}
-    others = []
-    for name in names:
-        if name.startswith(ROUTED_EXPERT_PREFIX):
-            experts.setdefault(name.split(".")[2], []).append(name)
-        else:
-            others.append(name)
-    return [[n] for n in others] + list(experts.values())
+peak at ~3× that (the e2m1 decode's int32 indices and values, the expanded scales, the product), ~0.8 GB — less than
+an NVFP4 conversion group (base_ops.NVFP4_GROUP) — and exist only before the layer's first stack, when no working
+set does (harness.run.memory)."""
 
 
 def _elements(value: Stored) -> int:
