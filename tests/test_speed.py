@@ -187,11 +187,10 @@ def test_the_dense_cache_fills_a_layer_as_get_would_only_when_it_fits_whole():
     layer fits; a budget short of the layer admits nothing (and dequantizes nothing), leaving it to get's first-use
     order, which keeps the weights every token uses."""
     from reference.weights import dense_cache
-    from reference.weights.schema import layer_specs
 
     cpu = torch.device("cpu")
     weights = SyntheticWeights(TINY, 0).layer(2)
-    names = [t.name for t in layer_specs(TINY, 2) if t.storage != "i64"]
+    names = [t.name for t in dense_cache.dense_specs(TINY, 2)]
     size = sum(weights.dense(n).numel() * 4 for n in names)
     full = DenseCache(budget_bytes=size)
     assert full.fill(names, weights.stored, cpu)

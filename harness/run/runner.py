@@ -33,9 +33,8 @@ from optimized.ops import OpContext, Routing
 from optimized.patching import Patch, PatchChoice
 from reference.layer import ParityOptions, ReferenceLayer
 from reference.model import ReferenceModel, ensure_no_tf32, segment_lengths
-from reference.weights.dense_cache import DenseCache
+from reference.weights.dense_cache import DenseCache, dense_specs
 from reference.weights.prefetch import PrefetchingSource
-from reference.weights.schema import layer_specs
 from reference.weights.source import TensorBundle, WeightSource
 
 YARDSTICK = "yardstick"
@@ -499,8 +498,7 @@ class LockstepRunner:
         self._enter(ref.layer, "reference", "global")
         # every stack reads every weight of the layer: their fp32 copies are made first, in stacks, when the layer fits
         # the cache whole (DenseCache.fill), charged to the reference, which would have made them one at a time
-        ref.dense.fill([t.name for t in layer_specs(self.cfg, ref.layer) if t.storage != "i64"], ref.weights.stored,
-                       self.device)
+        ref.dense.fill([t.name for t in dense_specs(self.cfg, ref.layer)], ref.weights.stored, self.device)
         block = ReferenceLayer(self.cfg, ref.layer, ref.weights, spec.reference_dtype, spec.parity, self.device,
                                ref.dense)
         ref.out = self.reference.run_layer(block, ref_in, self.ids, self.reference_segments, ref.record)

@@ -16,7 +16,7 @@ import torch
 
 from reference.config import ModelConfig
 from reference.quant import STACKABLE_FORMATS, QuantizedTensor, dequantize_stack
-from reference.weights.schema import layer_specs
+from reference.weights.schema import TensorSpec, layer_specs
 
 Stored = torch.Tensor | QuantizedTensor
 
@@ -93,7 +93,7 @@ class DenseCache:
                     if _elements(value) * 4 * len(stacks[key]) >= STACK_BYTES:
                         made.append(self._admit_stack(stacks.pop(key), device))
                 else:
-                    made.append(([name], self._admit(name, value, device)[None]))
+                    made.append(([name], self._get_locked(name, value, device)[None]))  # fits: admitted
             made += [self._admit_stack(members, device) for members in stacks.values()]
             flags = [(group, bf16_exact_flags(stack)) for group, stack in made if stack.is_cuda]
             if flags:
@@ -101,18 +101,11 @@ class DenseCache:
                 self._bf16_exact.update(zip([n for group, _ in flags for n in group], exact))
             return True
 
-    def _admit(self, name: str, value: torch.Tensor, device: torch.device) -> torch.Tensor:
-        t = (value.dequantize(torch.float32) if isinstance(value, QuantizedTensor) else value.float()).to(device)
-        self._cache[name] = t
-        self.used_bytes += t.numel() * 4
-        return t
-
     def _admit_stack(self, members: list[tuple[str, QuantizedTensor]], device: torch.device
                      ) -> tuple[list[str], torch.Tensor]:
         stack = dequantize_stack([q for _, q in members]).to(device)
         for (name, _), value in zip(members, stack):
-            self._cache[name] = value
-            self.used_bytes += value.numel() * 4
+            self.put(name, value)
         return [name for name, _ in members], stack
 
     def __contains__(self, name: str) -> bool:
@@ -183,12 +176,14 @@ def bf16_exact_flags(stack: torch.Tensor) -> torch.Tensor:
     return exact
 
 
+def dense_specs(cfg: ModelConfig, layer: int) -> list[TensorSpec]:
+    """The tensors of layer `layer` that have fp32 copies: every floating one (integer tensors such as tid2eid are
+    read as stored, never cached)."""
+    return [t for t in layer_specs(cfg, layer) if t.storage != "i64"]
+
+
 def layer_dense_bytes(cfg: ModelConfig, layer: int) -> tuple[int, int]:
-    """(fp32 bytes of every floating tensor of layer `layer`, of its routed experts): what the layer's fp32 copies
-    take in a cache that holds them all (`get` counts numel·4; integer tensors such as tid2eid are never cached)."""
-    dense = experts = 0
-    for t in layer_specs(cfg, layer):
-        if t.storage != "i64":
-            dense += t.numel * 4
-            experts += t.numel * 4 if t.name.startswith("ffn.experts.") else 0
-    return dense, experts
+    """(fp32 bytes of every tensor of dense_specs, of its routed experts): what the layer's fp32 copies take in a
+    cache that holds them all (`get` counts numel·4)."""
+    specs = dense_specs(cfg, layer)
+    return (sum(t.numel * 4 for t in specs), sum(t.numel * 4 for t in specs if t.name.startswith("ffn.experts.")))

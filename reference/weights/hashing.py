@@ -20,8 +20,8 @@ INV_STD_IH4 = 1.0 / math.sqrt(4 * (256**2 - 1) / 12)  # 1/std of a sum of four u
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
     """murmur3 finaliser on values in [0, 2^32) held in int64; exact wrap-around via masking. Works in place on `h`
-    (the callers' own temporaries): at a prefill-sized tensor each new int64 temporary costs as much as the
-    arithmetic (the demo's weights were made ~2.5× slower on the CPU with one per step)."""
+    (the callers' own temporaries): on the CPU a new int64 temporary per step cost as much as its arithmetic —
+    standard_normal of 16.8 M elements on one thread took 2.6 s with them, 1.0–1.2 s in place (measured)."""
     h ^= h >> 16
     h *= 0x85EBCA6B
     h &= _MASK32
