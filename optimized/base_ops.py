@@ -20,7 +20,7 @@ from optimized.numerics import bf16, bf16_linear, constant, exact_product, fp8_a
 from optimized.ops import OpContext, Routing
 from optimized.paged_cache import quantize_fp8_per_row
 from reference.graphs import replay
-from reference.quant import QuantizedTensor, mx32_to_nvfp4, mx32_to_nvfp4_dense
+from reference.quant import QuantizedTensor, mx32_to_nvfp4, mx32_to_nvfp4_dense, nvfp4_dense_from_mx
 from reference.layer import share_rows
 from reference.ops.attention import KeySet
 from reference.ops.compressor import pool_new_windows, visible_rows
@@ -160,11 +160,12 @@ host reads each."""
 
 def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
     """Put the NVFP4 forms that the stock `load_weight(name, fmt)` would convert one at a time into the layer's dense
-    cache in groups of NVFP4_GROUP (reference.quant.mx32_to_nvfp4_dense: the same bits), while the cache has room
-    for a whole group; what does not fit is converted on use, as before. Only FP4-stored names not cached yet are
-    converted. Nothing is prepared when a patch overrides load_weight in this phase (it may never ask the stock op
-    for these forms), and a group that cannot be converted (scales spanning too many binades) is left to its use,
-    which raises for the tensor actually loaded."""
+    cache in groups of NVFP4_GROUP (reference.quant.mx32_to_nvfp4_dense, or nvfp4_dense_from_mx from the group's fp32
+    copies when the cache holds them: the same bits either way), while the cache has room for a whole group; what
+    does not fit is converted on use, as before. Only FP4-stored names not cached yet are converted. Nothing is
+    prepared when a patch overrides load_weight in this phase (it may never ask the stock op for these forms), and a
+    group that cannot be converted (scales spanning too many binades) is left to its use, which raises for the tensor
+    actually loaded."""
     if fmt not in NVFP4_FORMATS:
         raise ValueError(f"prepare_nvfp4_forms: unknown format {fmt!r} (nvfp4 or nvfp4-pow2)")
     if ctx.table.patched("load_weight"):
@@ -180,8 +181,13 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
             group = same[i:i + NVFP4_GROUP]
             if not ctx.dense.room_for(len(group) * shape[0] * shape[1] * 4):
                 break  # a smaller group of the other shape may still fit
+            qs = [ctx.weights.stored(n) for n in group]
             try:
-                dense = mx32_to_nvfp4_dense([ctx.weights.stored(n) for n in group], NVFP4_FORMATS[fmt], group)
+                if all(n in ctx.dense for n in group):  # their fp32 copies (the layer's fill): ~2x faster from those
+                    mx = torch.stack([ctx.dense.get(n, q, ctx.device) for n, q in zip(group, qs)])
+                    dense = nvfp4_dense_from_mx(mx, qs, NVFP4_FORMATS[fmt], group)
+                else:
+                    dense = mx32_to_nvfp4_dense(qs, NVFP4_FORMATS[fmt], group)
             except ValueError:
                 continue
             for name, value in zip(group, dense.to(ctx.device)):

@@ -358,39 +358,87 @@ def mx32_to_nvfp4_dense(qs: list[QuantizedTensor], global_rule: str = "modelopt"
     """[G, out, in] fp32: `mx32_to_nvfp4(q, global_rule).dequantize()` of G same-shaped FP4 tensors, the same bits,
     computed over the stack at once (a Flash layer converts 768 expert matrices: a few dozen launches and one host
     read per stack instead of per matrix)."""
-    names = names or [f"tensor {i}" for i in range(len(qs))]
-    if not qs or len(names) != len(qs):
-        raise ValueError(f"mx32_to_nvfp4_dense: give at least one tensor and one name per tensor ({len(qs)} tensors, "
-                         f"{len(names)} names)")
-    for q, name in zip(qs, names):
-        if q.format != "fp4_mx32":
-            raise ValueError(f"{name}: expected an fp4_mx32 tensor, got {q.format}")
+    names = _checked_fp4_names(qs, names, "mx32_to_nvfp4_dense")
     vals, block16, global_scale = _nvfp4_scales(torch.stack([q.codes for q in qs]), torch.stack([q.scale for q in qs]),
                                                 global_rule, names)
     s = block16.float().repeat_interleave(16, -1)[..., : vals.shape[-1]]
     return vals * s * global_scale.to(vals.device)[:, None, None]  # QuantizedTensor.dequantize's arithmetic, in order
 
 
-def _nvfp4_scales(codes: torch.Tensor, scale: torch.Tensor, global_rule: str, names: list[str]
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mx32_to_nvfp4 over a stack: packed e2m1 codes [G, out, in/2] and UE8M0 scales [G, out, in/32] -> the e2m1
-    values [G, out, in] (fp32, on the codes' device), the e4m3 block scales [G, out, in/16] (there too) and the fp32
-    global scales [G] (on the host, as the one-tensor code made them). Each tensor's rule and numbers are those of
-    mx32_to_nvfp4's docstring; the per-tensor arithmetic once done in Python floats (f, the global) runs in float64
-    tensors on the host, the same IEEE double operations (round() and torch.round both round half to even)."""
+def nvfp4_dense_from_mx(mx: torch.Tensor, qs: list[QuantizedTensor], global_rule: str = "modelopt",
+                        names: list[str] | None = None) -> torch.Tensor:
+    """mx32_to_nvfp4_dense(qs, global_rule, names), the same bits, from mx [G, out, in]: the tensors' own fp32 values
+    (QuantizedTensor.dequantize, as a layer's dense cache holds them), on mx's device.
+
+    Why it is the same: every non-zero 32-block's NVFP4 block scale is its MX scale 2^e times a per-tensor factor c —
+    modelopt b = 2^(e−emax+7)·f, so c = 2^(7−emax)·f; pow2 b = 2^(e−emax+8), so c = 2^(8−emax) — and an all-zero
+    block's values are ±0 whatever its scale. So code·b = (code·2^e)·c = mx·c, and both are exact (≤ 6 significant
+    bits, normal: |code·b| ≥ 0.5·2^-9), which makes fl(fl(mx·c)·global) the dequantization's fl(fl(code·b)·global)
+    bit for bit. It also finds the per-tensor numbers (all-zero blocks, amax) from mx: a block is all zero exactly
+    when its codes are, and max|mx| is the largest block's max|code|·2^e, as every code·2^e is exact in fp32 (UE8M0
+    gives e ≥ −127, and 0.5·2^-127 is a subnormal). c must be a normal fp32 (emax ≥ −119): a stack with a tensor of
+    smaller values is converted from its codes.
+    Measured on an H200 (8 Flash expert matrices): 2.9 ms from the codes (decode, a repeat_interleave'd block scale,
+    two reductions), ~1.5 ms from mx (one reduction pass, two products)."""
+    names = _checked_fp4_names(qs, names, "nvfp4_dense_from_mx")
+    if tuple(mx.shape) != (len(qs), *qs[0].shape):
+        raise ValueError(f"nvfp4_dense_from_mx: mx is {tuple(mx.shape)}, expected {(len(qs), *qs[0].shape)} for "
+                         f"{names[0]} and the rest of its stack")
+    scale = torch.stack([q.scale for q in qs]).to(mx.device)
+    lo, hi = torch.aminmax(mx.unflatten(-1, (-1, 32)), dim=-1)
+    block_amax = torch.maximum(hi, -lo)  # max |mx| per 32-block: exact (negation and max)
+    rule = _nvfp4_rule(scale.to(torch.int32) - 127, block_amax == 0, block_amax.flatten(1).amax(1), global_rule, names)
+    if rule.top_exponent.min() < -119:
+        return mx32_to_nvfp4_dense(qs, global_rule, names).to(mx.device)
+    c = torch.where(rule.modelopt_host, torch.ldexp(torch.ones_like(rule.f), 7 - rule.top_exponent) * rule.f,
+                    torch.ldexp(torch.ones_like(rule.f), 8 - rule.top_exponent)).float()
+    return (mx * c.to(mx.device)[:, None, None]).mul_(rule.global_scale.to(mx.device)[:, None, None])
+
+
+def _checked_fp4_names(qs: list[QuantizedTensor], names: list[str] | None, caller: str) -> list[str]:
+    """The names of a stack of fp4_mx32 tensors of one shape (given, or "tensor i"), checked."""
+    names = names or [f"tensor {i}" for i in range(len(qs))]
+    if not qs or len(names) != len(qs):
+        raise ValueError(f"{caller}: give at least one tensor and one name per tensor ({len(qs)} tensors, "
+                         f"{len(names)} names)")
+    for q, name in zip(qs, names):
+        if q.format != "fp4_mx32":
+            raise ValueError(f"{name}: expected an fp4_mx32 tensor, got {q.format}")
+        if q.shape != qs[0].shape:
+            raise ValueError(f"{name}: shape {tuple(q.shape)} differs from {names[0]}'s {tuple(qs[0].shape)}; a stack "
+                             "converts tensors of one shape")
+    return names
+
+
+@dataclass(frozen=True)
+class _Nvfp4Rule:
+    """The per-tensor numbers of an MX→NVFP4 conversion of a stack of G tensors (mx32_to_nvfp4's docstring).
+    exponent: [G, out, in/32] int32, the MX block exponents with each all-zero block's set to emax (any exponent
+    is exact for zeros, and it must not widen the span); emax, modelopt: [G, 1, 1] on the device; top_exponent
+    (emax), modelopt_host, f, global_scale: [G] on the host."""
+
+    exponent: torch.Tensor
+    emax: torch.Tensor
+    modelopt: torch.Tensor
+    top_exponent: torch.Tensor
+    modelopt_host: torch.Tensor
+    f: torch.Tensor
+    global_scale: torch.Tensor
+
+
+def _nvfp4_rule(exp: torch.Tensor, zero_block: torch.Tensor, amax: torch.Tensor, global_rule: str,
+                names: list[str]) -> _Nvfp4Rule:
+    """From the MX block exponents [G, out, in/32] (int32), which blocks are all zero and each tensor's amax [G]:
+    the rule and numbers of each tensor's conversion. The per-tensor arithmetic once done in Python floats (f, the
+    global) runs in float64 tensors on the host, the same IEEE double operations (round() and torch.round both
+    round half to even); one host read for the stack."""
     if global_rule not in NVFP4_GLOBAL_RULES:
         raise ValueError(f"unknown NVFP4 global-scale rule {global_rule!r}; expected one of {NVFP4_GLOBAL_RULES}")
-    vals = e2m1_decode(unpack_e2m1(codes))
-    exp = scale.to(torch.int32) - 127
     emax = exp.flatten(1).amax(1)[:, None, None]
-    # an all-zero block's scale multiplies only zeros: any exponent is exact, so it must not widen the span
-    exp = torch.where((vals == 0).unflatten(-1, (-1, 32)).all(-1), emax, exp)
+    exp = torch.where(zero_block, emax, exp)
     lowest = exp.flatten(1).amin(1)[:, None, None]
     modelopt = (lowest - emax + 7 >= -6) & (global_rule == "modelopt")
-    rel = exp - emax + 8  # the pow2 rule: in [-9, 8] when the span is <= 17 binades
-    lossy = ~modelopt & (lowest - emax + 8 < -9)
-    # amax of the dequantized tensor: each 32-block's largest |value| times its power-of-two scale (exact)
-    amax = (vals.abs().unflatten(-1, (-1, 32)).amax(-1) * e8m0_decode(scale)).flatten(1).amax(1)
+    lossy = ~modelopt & (lowest - emax + 8 < -9)  # the pow2 rule's block scales lie in [2^-9, 2^8]
     # the per-tensor numbers on the host, as the one-tensor code computed them in Python: one transfer
     is_modelopt, is_lossy, top_exp, amax = torch.stack([modelopt.flatten().double(), lossy.flatten().double(),
                                                         emax.flatten().double(), amax.double()]).cpu()
@@ -401,5 +449,21 @@ def _nvfp4_scales(codes: torch.Tensor, scale: torch.Tensor, global_rule: str, na
     top = torch.ldexp(torch.ones_like(amax), top_exp.long())  # 2^emax, exact
     f = torch.where(amax > 0, ((FP4_MAX * top / amax * 8).round() / 8).clamp(1.0, 1.875), 1.0)
     global_scale = torch.where(is_modelopt > 0, (top * 2.0**-7 / f).float(), pow2(top_exp.long() - 8))
-    block = torch.where(modelopt, pow2(exp - emax + 7) * f.float().to(exp.device)[:, None, None], pow2(rel))
-    return vals, block.repeat_interleave(2, dim=-1).to(torch.float8_e4m3fn), global_scale
+    return _Nvfp4Rule(exp, emax, modelopt, top_exp.long(), is_modelopt > 0, f, global_scale)
+
+
+def _nvfp4_scales(codes: torch.Tensor, scale: torch.Tensor, global_rule: str, names: list[str]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mx32_to_nvfp4 over a stack: packed e2m1 codes [G, out, in/2] and UE8M0 scales [G, out, in/32] -> the e2m1
+    values [G, out, in] (fp32, on the codes' device), the e4m3 block scales [G, out, in/16] (there too) and the fp32
+    global scales [G] (on the host, as the one-tensor code made them). Each tensor's rule and numbers are those of
+    mx32_to_nvfp4's docstring (_nvfp4_rule)."""
+    vals = e2m1_decode(unpack_e2m1(codes))
+    # amax of the dequantized tensor: each 32-block's largest |value| times its power-of-two scale (exact)
+    amax = (vals.abs().unflatten(-1, (-1, 32)).amax(-1) * e8m0_decode(scale)).flatten(1).amax(1)
+    rule = _nvfp4_rule(scale.to(torch.int32) - 127, (vals == 0).unflatten(-1, (-1, 32)).all(-1), amax, global_rule,
+                       names)
+    exp, emax = rule.exponent, rule.emax
+    block = torch.where(rule.modelopt, pow2(exp - emax + 7) * rule.f.float().to(exp.device)[:, None, None],
+                        pow2(exp - emax + 8))
+    return vals, block.repeat_interleave(2, dim=-1).to(torch.float8_e4m3fn), rule.global_scale

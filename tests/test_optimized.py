@@ -354,6 +354,37 @@ def test_an_nvfp4_group_that_cannot_convert_is_left_to_its_use():
         base_ops.load_weight(c, "w0", "nvfp4-pow2")
 
 
+def test_nvfp4_forms_come_from_the_cached_fp32_copies_when_the_cache_holds_them(monkeypatch):
+    """prepare_nvfp4_forms converts a group from the fp32 copies the layer's fill made (nvfp4_dense_from_mx) when the
+    cache holds all of the group's, else from the codes; the forms are the same bits either way."""
+    from types import SimpleNamespace
+
+    from optimized import base_ops
+    from reference.quant import quantize_fp4_mx32
+    from reference.weights.dense_cache import DenseCache
+
+    gen = torch.Generator().manual_seed(7)
+    stored = {f"w{i}": quantize_fp4_mx32(torch.randn(32, 64, generator=gen)) for i in range(2 * base_ops.NVFP4_GROUP)}
+    calls = {"from_mx": 0, "from_codes": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(base_ops, "nvfp4_dense_from_mx", counted("from_mx", base_ops.nvfp4_dense_from_mx))
+    monkeypatch.setattr(base_ops, "mx32_to_nvfp4_dense", counted("from_codes", base_ops.mx32_to_nvfp4_dense))
+    forms = []
+    for filled in (list(stored), list(stored)[:base_ops.NVFP4_GROUP]):  # every copy; the first group's only
+        c = SimpleNamespace(weights=SimpleNamespace(stored=stored.__getitem__), dense=DenseCache(1 << 30),
+                            device=torch.device("cpu"), table=SimpleNamespace(patched=lambda op: False))
+        assert c.dense.fill(filled, stored.__getitem__, c.device)
+        base_ops.prepare_nvfp4_forms(c, list(stored), "nvfp4")
+        forms.append([c.dense.get(f"{n}#nvfp4", None, c.device) for n in stored])
+    assert calls == {"from_mx": 3, "from_codes": 1}
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*forms))
+
+
 def test_per_chunk_probe_rows_are_padded_to_one_width_and_cut_into_blocks():
     """The engine joins every block's sampled queries for the indexer site and the attention rows (issue #14). An
     indexer_topk plugin may return fewer picks in an early block: those rows are padded as invalid picks (−1, False),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from reference.quant import (E2M1_VALUES, FP8_MAX, QuantizedTensor, ceil_log2, e2m1_decode, e2m1_encode,
-                             e8m0_decode, e8m0_encode, fp4_fake_quant, fp8_fake_quant, mx32_to_nvfp4, pack_e2m1,
-                             quantize_fp4_mx32, quantize_fp8_block128, round_to_e2m1, round_to_e4m3, unpack_e2m1)
+                             e8m0_decode, e8m0_encode, fp4_fake_quant, fp8_fake_quant, mx32_to_nvfp4,
+                             mx32_to_nvfp4_dense, nvfp4_dense_from_mx, pack_e2m1, quantize_fp4_mx32,
+                             quantize_fp8_block128, round_to_e2m1, round_to_e4m3, unpack_e2m1)
 
 
 def brute_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -90,6 +92,64 @@ def test_block_quantizers_dequantize_exactly_and_respect_their_ranges():
     # to 3 mantissa bits (≤ 1/16 of f ≥ 1)
     ratio = float(modelopt.global_scale) / (float(d4.abs().max()) / (6 * 448))
     assert abs(ratio / 3.5 - 1) <= 1 / 16
+
+
+def _fp4_stack_of_every_kind() -> list[QuantizedTensor]:
+    """FP4 tensors [32, 64] covering what an NVFP4 conversion branches on: plain values, all-zero 32-blocks (under
+    the quantizer's smallest scale and under UE8M0's smallest byte, e = −127), −0 codes, a span that sends modelopt
+    to the pow2 rule (14 binades), values near UE8M0's bottom, one all-zero tensor."""
+    g = torch.Generator().manual_seed(11)
+    plain = quantize_fp4_mx32(torch.randn(32, 64, generator=g) * torch.exp(torch.randn(32, 1, generator=g)))
+    zeros = torch.randn(32, 64, generator=g)
+    zeros[3] = 0.0
+    zeros[7, 32:] = 0.0
+    zero_blocks = quantize_fp4_mx32(zeros)
+    scale = zero_blocks.scale.clone()
+    scale[3] = 0  # an all-zero block stored under 2^-127, as a checkpoint may write it
+    zero_byte = QuantizedTensor("fp4_mx32", zero_blocks.codes.clone(), scale)
+    codes = plain.codes.clone()
+    codes[0, :4] = 0x88  # −0 in both nibbles
+    negative_zero = QuantizedTensor("fp4_mx32", codes, plain.scale.clone())
+    wide = torch.randn(32, 64, generator=g)
+    wide[0, :32] *= 2.0**8
+    wide[5, 32:] *= 2.0**-6
+    tiny = quantize_fp4_mx32(torch.randn(32, 64, generator=g) * 2.0**-100)
+    empty = quantize_fp4_mx32(torch.zeros(32, 64))
+    return [plain, zero_blocks, zero_byte, negative_zero, quantize_fp4_mx32(wide), tiny, empty]
+
+
+def test_nvfp4_forms_from_the_fp32_copies_are_the_conversions_bits():
+    """nvfp4_dense_from_mx derives the NVFP4 forms from the tensors' own fp32 values (what a layer's dense cache
+    holds) instead of their codes: every kind of stack, both rules, the same bits — −0 included — as
+    mx32_to_nvfp4_dense and as each tensor's mx32_to_nvfp4().dequantize()."""
+    qs = _fp4_stack_of_every_kind()
+    mx = torch.stack([q.dequantize() for q in qs])
+    for rule in ("modelopt", "pow2"):
+        expected = mx32_to_nvfp4_dense(qs, rule)
+        got = nvfp4_dense_from_mx(mx, qs, rule)
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), f"{rule}: the bits differ"
+        for i, q in enumerate(qs):
+            one = mx32_to_nvfp4(q, rule).dequantize()
+            assert torch.equal(got[i].view(torch.int32), one.view(torch.int32)), f"{rule}, tensor {i}"
+    assert torch.equal(nvfp4_dense_from_mx(mx, qs, "pow2"), mx), "pow2 forms are the MX values themselves"
+    assert (mx32_to_nvfp4_dense(qs[:1]) != mx[0]).any(), "modelopt's global scale moves some values (the test's teeth)"
+
+
+def test_nvfp4_from_fp32_copies_below_its_range_converts_from_the_codes():
+    """A tensor whose largest block exponent is below −119 has no normal per-tensor factor 2^(7−emax)·f: the stack
+    is converted from its codes instead, to the same bits."""
+    scale = torch.full((32, 2), 5, dtype=torch.uint8)  # every block 2^-122
+    q = QuantizedTensor("fp4_mx32", quantize_fp4_mx32(torch.randn(32, 64)).codes, scale)
+    mx = q.dequantize()[None]
+    assert torch.equal(nvfp4_dense_from_mx(mx, [q]).view(torch.int32), mx32_to_nvfp4_dense([q]).view(torch.int32))
+
+
+def test_nvfp4_stack_errors_name_the_tensor():
+    plain, other = quantize_fp4_mx32(torch.randn(32, 64)), quantize_fp4_mx32(torch.randn(64, 64))
+    with pytest.raises(ValueError, match="w3: shape \\(64, 64\\) differs from w1's \\(32, 64\\)"):
+        mx32_to_nvfp4_dense([plain, other], names=["w1", "w3"])
+    with pytest.raises(ValueError, match="mx is \\(1, 32, 64\\), expected \\(2, 32, 64\\) for w1"):
+        nvfp4_dense_from_mx(plain.dequantize()[None], [plain, plain], names=["w1", "w2"])
 
 
 def test_fake_quant_blocks_use_power_of_two_scales():
