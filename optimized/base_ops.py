@@ -9,7 +9,7 @@ Each function's docstring names the deployed numerics it emulates.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -387,19 +387,25 @@ and the cat holds the products twice for a moment — at most 64 rows × 4096 fp
 
 
 def _per_expert(ctx: OpContext, x: torch.Tensor, layout: "PairLayout", matrix: str) -> torch.Tensor:
-    """x's rows (laid out expert by expert) times their expert's `matrix`ᵀ, in the same row order. The products
-    are the same GEMMs either way; few rows (a decode step) are joined with one cat instead of a copy per expert
-    into a buffer; many (a prefill chunk) are written into one buffer, so that no two copies of all of them exist."""
+    """x's rows (laid out expert by expert) times their expert's `matrix`ᵀ, in the same row order."""
     def product(e: int, rows: slice) -> torch.Tensor:  # x: FP8 activations, bf16 values (numerics.exact_product)
         name = f"ffn.experts.{e}.{matrix}.weight"
         w = ctx.weight(name)
         return exact_product(x[rows], w, lambda: ctx.dense.bf16_exact(name, w))
 
+    width = ctx.cfg.moe_intermediate_size if matrix != "w2" else ctx.cfg.hidden_size
+    return joined_products(layout, product, width, x.device)
+
+
+def joined_products(layout: "PairLayout", product: Callable[[int, slice], torch.Tensor], width: int,
+                    device: torch.device) -> torch.Tensor:
+    """product(e, rows) of every expert's rows, in the layout's row order. The products are the same GEMMs either way;
+    few rows (a decode step) are joined with one cat instead of a copy per expert into a buffer; many (a prefill
+    chunk) are written into one buffer, so that no two copies of all of them exist."""
     if layout.spans and layout.order.numel() <= FEW_PAIRS:
         parts = [product(e, rows) for e, rows in layout.spans]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-    width = ctx.cfg.moe_intermediate_size if matrix != "w2" else ctx.cfg.hidden_size
-    out = torch.empty(layout.order.numel(), width, dtype=torch.float32, device=x.device)
+    out = torch.empty(layout.order.numel(), width, dtype=torch.float32, device=device)
     for e, rows in layout.spans:
         out[rows] = product(e, rows)
     return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from optimized.base_ops import PairLayout, prepare_nvfp4_forms, swiglu_fp32
+from optimized.base_ops import PairLayout, joined_products, prepare_nvfp4_forms, swiglu_fp32
 from optimized.numerics import bf16
 from optimized.ops import OpContext, Routing
 from optimized.patching import Patch
@@ -104,21 +104,28 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
     prepare_nvfp4_forms(ctx, [n for e in names for n in names[e]], _nvfp4_format(ctx))  # in groups, while they fit
     # weights are loaded inside the GEMM loops, one at a time: the NVFP4 forms the dense cache cannot hold (a GPU
     # shared by ranks, a CPU at Flash width) are dequantized on use, and a whole layer's at once is 25.8 GB
-    # the routed input is quantized per token, independent of the expert: once per global input_scale
+    # the routed input is quantized per token, independent of the expert: once per global input_scale, and gathered
+    # into pair rows once when every expert shares that scale (each expert's GEMM then reads a slice of them)
     quantized: dict[float | None, torch.Tensor] = {}
+
+    def rows_of(scale: float | None) -> torch.Tensor:
+        if scale not in quantized:
+            quantized[scale] = act(y, scale)
+        return quantized[scale]
+
     gate_up = []
     for which in (0, 1):  # w1, w3
-        x = torch.empty(layout.order.numel(), ctx.cfg.moe_intermediate_size, dtype=torch.float32, device=y.device)
-        for e, rows in layout.spans:
-            scale = scales[e][which]
-            if scale not in quantized:
-                quantized[scale] = act(y, scale)
-            x[rows] = quantized[scale][tokens[rows]] @ _nvfp4_weight(ctx, names[e][which]).T
-        gate_up.append(x)
+        distinct = {scales[e][which] for e in names}
+        pair_rows = rows_of(next(iter(distinct)))[tokens] if len(distinct) == 1 else None
+
+        def product(e: int, rows: slice, which: int = which, pair_rows: torch.Tensor | None = pair_rows
+                    ) -> torch.Tensor:
+            x = pair_rows[rows] if pair_rows is not None else rows_of(scales[e][which])[tokens[rows]]
+            return x @ _nvfp4_weight(ctx, names[e][which]).T
+
+        gate_up.append(joined_products(layout, product, ctx.cfg.moe_intermediate_size, y.device))
     h = bf16(swiglu_fp32(bf16(gate_up[0]), bf16(gate_up[1]), ctx.cfg.swiglu_limit)
              * routing.weights.flatten()[layout.order, None])
     h = _act_rows(act, h, [scales[e][2] for e, _ in layout.spans], [rows for _, rows in layout.spans])
-    out = torch.empty(layout.order.numel(), y.shape[-1], dtype=torch.float32, device=y.device)
-    for e, rows in layout.spans:
-        out[rows] = h[rows] @ _nvfp4_weight(ctx, names[e][2]).T
+    out = joined_products(layout, lambda e, rows: h[rows] @ _nvfp4_weight(ctx, names[e][2]).T, y.shape[-1], y.device)
     return layout.sum_slots(out, routing.expert_ids.shape[0])
