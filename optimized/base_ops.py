@@ -43,14 +43,31 @@ def linear(ctx: OpContext, x: torch.Tensor, site: str) -> torch.Tensor:
     precision = LINEAR_PRECISION.get(site)
     if precision is None:
         raise KeyError(f"unknown linear site '{site}'")
-    w = ctx.weight(site + ".weight")
     if site == "attn.wo_a":  # grouped: x [S, G, (H/G)·d], wo_a viewed [G, R_o, (H/G)·d] (spec §4.6)
-        return bf16(grouped_bf16_product(bf16(x), bf16(w).unflatten(0, (ctx.cfg.o_groups, -1))))
+        w = rounded_weight(ctx, site + ".weight")
+        return bf16(grouped_bf16_product(bf16(x), w.unflatten(0, (ctx.cfg.o_groups, -1))))
+    if precision == "bf16":
+        return bf16_linear(x, rounded_weight(ctx, site + ".weight"), weight_rounded=True)
+    w = ctx.weight(site + ".weight")
     if precision == "fp8":
         return fp8_linear(x, w, lambda: ctx.dense.bf16_exact(site + ".weight", w))
-    if precision == "bf16":
-        return bf16_linear(x, w)
     return fp32_product(ctx, x.float(), w)
+
+
+def rounded_weight(ctx: OpContext, name: str, rounding: Callable[[torch.Tensor], torch.Tensor] = bf16,
+                   label: str = "bf16") -> torch.Tensor:
+    """ctx.weight(name) rounded as a low-precision GEMM reads it (bf16 by default; `label` names another rounding),
+    made once per layer instead of at every call (a Flash attn.wo_a is 33 M values: ~0.4 GB of traffic and two
+    launches per decode step): the weight itself when every value is a bf16 already and the rounding is bf16 (FP8 and
+    bf16 checkpoint tensors: DenseCache.bf16_exact; rounding a bf16 value changes no bit), else its rounded copy kept
+    in the layer's dense cache while there is room. A weight other than the cached one (a patch's load_weight) is
+    rounded at every call, as it may change between calls."""
+    w = ctx.weight(name)
+    if label == "bf16" and ctx.dense.bf16_exact(name, w):
+        return w
+    if ctx.dense.holds(name, w):
+        return ctx.dense.get(f"{name}#{label}", lambda: rounding(w), ctx.device)
+    return rounding(w)
 
 
 def grouped_bf16_product(x: torch.Tensor, wg: torch.Tensor) -> torch.Tensor:

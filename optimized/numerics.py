@@ -96,9 +96,11 @@ def fp8_linear(x: torch.Tensor, weight_fp32: torch.Tensor,
     return bf16(exact_product(fp8_activation(x), weight_fp32, weight_is_bf16))
 
 
-def bf16_linear(x: torch.Tensor, weight_fp32: torch.Tensor, out_bf16: bool = True) -> torch.Tensor:
-    """bf16 tensor-core GEMM: bf16 operands, fp32 accumulation; output bf16 (or fp32 when asked)."""
-    y = exact_product(bf16(x), bf16(weight_fp32))
+def bf16_linear(x: torch.Tensor, weight_fp32: torch.Tensor, out_bf16: bool = True, weight_rounded: bool = False
+                ) -> torch.Tensor:
+    """bf16 tensor-core GEMM: bf16 operands, fp32 accumulation; output bf16 (or fp32 when asked). `weight_rounded`:
+    the weight's values are bf16 already (base_ops.rounded_weight), so it is not rounded again."""
+    y = exact_product(bf16(x), weight_fp32 if weight_rounded else bf16(weight_fp32))
     return bf16(y) if out_bf16 else y
 
 

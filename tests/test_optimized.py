@@ -385,6 +385,35 @@ def test_nvfp4_forms_come_from_the_cached_fp32_copies_when_the_cache_holds_them(
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*forms))
 
 
+def test_a_weight_is_rounded_for_a_low_precision_gemm_once_per_layer():
+    """base_ops.rounded_weight: a cached weight whose values are bf16 already is used as it is (rounding changes no
+    bit); another is rounded once and its rounded copy kept (bf16 and a second rounding kept apart); a weight that is
+    not the cached one (a load_weight patch's, which may change between calls) is rounded at every call."""
+    from types import SimpleNamespace
+
+    from optimized.base_ops import rounded_weight
+    from optimized.numerics import bf16
+    from optimized.patches.bf16_mhc_prelinear import round_tf32
+    from reference.weights.dense_cache import DenseCache
+
+    gen = torch.Generator().manual_seed(9)
+    exact = torch.randn(16, 32, generator=gen).bfloat16().float()
+    fp32 = torch.randn(16, 32, generator=gen)
+    dense = DenseCache()
+    dense.put("exact", exact)
+    dense.put("fp32", fp32)
+    weights = {"exact": exact, "fp32": fp32, "patched": fp32 * 3}
+    ctx = SimpleNamespace(weight=weights.__getitem__, dense=dense, device=torch.device("cpu"))
+    assert rounded_weight(ctx, "exact") is exact
+    once = rounded_weight(ctx, "fp32")
+    assert torch.equal(once, bf16(fp32)) and rounded_weight(ctx, "fp32") is once, "rounded once, then kept"
+    tf32 = rounded_weight(ctx, "fp32", round_tf32, "tf32")
+    assert torch.equal(tf32, round_tf32(fp32)) and not torch.equal(tf32, once)
+    patched = rounded_weight(ctx, "patched")
+    assert torch.equal(patched, bf16(fp32 * 3)) and rounded_weight(ctx, "patched") is not patched
+    assert "patched#bf16" not in dense
+
+
 def test_per_chunk_probe_rows_are_padded_to_one_width_and_cut_into_blocks():
     """The engine joins every block's sampled queries for the indexer site and the attention rows (issue #14). An
     indexer_topk plugin may return fewer picks in an early block: those rows are padded as invalid picks (−1, False),

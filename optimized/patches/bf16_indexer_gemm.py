@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from optimized.base_ops import rounded_weight
 from optimized.numerics import bf16_linear
 from optimized.ops import OpContext
 from optimized.patching import Patch
@@ -45,4 +46,5 @@ def _sites(option: str) -> set[str]:
 def linear(ctx: OpContext, x: torch.Tensor, site: str) -> torch.Tensor:
     if site not in _sites(ctx.options["sites"]):
         return ctx.base(x=x, site=site)
-    return bf16_linear(x, ctx.weight(site + ".weight"), out_bf16=ctx.options["output"] == "bf16")
+    return bf16_linear(x, rounded_weight(ctx, site + ".weight"), out_bf16=ctx.options["output"] == "bf16",
+                       weight_rounded=True)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from optimized.base_ops import rounded_weight
+from optimized.numerics import bf16
 from optimized.ops import OpContext
 from optimized.patching import Patch
 
@@ -38,9 +40,9 @@ def round_tf32(x: torch.Tensor) -> torch.Tensor:
 @PATCH.op("hc_prelinear")
 def hc_prelinear(ctx: OpContext, streams: torch.Tensor, site: str) -> torch.Tensor:
     precision, split_k = ctx.options["precision"], ctx.options["split_k"]
-    rnd = (lambda t: t.to(torch.bfloat16).float()) if precision == "bf16" else round_tf32
+    rnd = bf16 if precision == "bf16" else round_tf32
     flat = streams.float().flatten(-2)  # the streams are bf16 already
-    fn = rnd(ctx.weight(f"hc_{site}_fn"))
+    fn = rounded_weight(ctx, f"hc_{site}_fn", rnd, precision)
     x = rnd(flat)
     parts = [xp @ fp.T for xp, fp in zip(x.chunk(split_k, -1), fn.chunk(split_k, -1))]
     mixes = torch.stack(parts, 0).sum(0)

@@ -123,13 +123,17 @@ class DenseCache:
                 self._cache[name] = value
                 self.used_bytes += value.numel() * 4
 
+    def holds(self, name: str, value: torch.Tensor) -> bool:
+        """Whether `value` is the very tensor cached under `name` (not one a patch made from it or instead of it)."""
+        return self._cache.get(name) is value
+
     def bf16_exact(self, name: str, value: torch.Tensor) -> bool:
         """Whether `value` is the tensor cached under `name` and every value of it is a bf16: a product with it may
         then run on bf16 tensor cores (optimized.numerics.exact_product). Checked when first asked and remembered —
         the cache's tensors are shared by every stack and never changed in place — so only the weights a product
         asks about are read (the engine asks on a GPU only). False for any tensor other than the cached one: one a
         patch made, one past the budget (dequantized on every use); their products stay fp32 GEMMs."""
-        if self._cache.get(name) is not value:
+        if not self.holds(name, value):
             return False
         exact = self._bf16_exact.get(name)
         if exact is None:
