@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from optimized import numerics
-from optimized.numerics import bf16, bf16_linear, constant, exact_product, fp8_activation, fp8_linear, fp32_linear, \
-    rms_norm_bf16
+from optimized.numerics import bf16, bf16_linear, constant, exact_matmul, exact_product, fp8_activation, fp8_linear, \
+    fp32_linear, rms_norm_bf16, tensor_core_queries
 from optimized.ops import OpContext, Routing
 from optimized.paged_cache import quantize_fp8_per_row
 from reference.graphs import replay
@@ -236,7 +236,8 @@ def indexer_logits(ctx: OpContext, q: torch.Tensor, weights: torch.Tensor, posit
         k, k_scale = keys.dense(), torch.ones(keys.length, device=q.device)
     else:
         k, k_scale = keys.shared_dense_codes()  # read only
-    dots = q8.float() @ k.T
+    # FP8 (or FP4) codes both: exact products, on tensor cores for a prefill block (DeepGEMM's FP8 MMA likewise)
+    dots = exact_matmul(q8.float(), k.T, tensor_core_queries(q))
     weighted = w.unsqueeze(-1) * torch.relu(dots)  # [B, heads, R]: the fp32 weighted head-sum (optimized-stack §3.1)
     if reassociated(ctx):
         half = weighted.shape[1] // 2

@@ -196,6 +196,26 @@ def test_tensor_core_products_of_exact_operands_are_fp32_gemms_but_for_accumulat
     assert torch.equal(exact_product(x[:1], w), x[:1] @ w.T), "one row (a decode step) stays the fp32 GEMM"
 
 
+def test_tensor_core_indexer_dots_are_fp32_matmuls_but_for_accumulation_order():
+    """numerics.exact_matmul, the stock indexer's dots over a prefill block, on bf16 tensor cores against fp64: FP8
+    query and key codes multiply exactly, so the only error is the fp32 accumulation's, as the fp32 matmul's is (the
+    bound and the 4× of the GEMM test above). A decode step's single query stays the fp32 matmul."""
+    from optimized.numerics import exact_matmul, tensor_core_queries
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = (torch.randn(32, 64, 128, device="cuda", generator=g) * 40).to(torch.float8_e4m3fn).float()
+    keys = (torch.randn(2048, 128, device="cuda", generator=g) * 40).to(torch.float8_e4m3fn).float()
+    assert tensor_core_queries(q) and not tensor_core_queries(q[:1]) and not tensor_core_queries(q.cpu())
+    exact = q.double() @ keys.double().T
+    bound = 128 * 2.0 ** -24 * (q.double().abs() @ keys.double().abs().T)
+    tensor_core, simt = exact_matmul(q, keys.T, True), q @ keys.T
+    assert tensor_core.shape == simt.shape == (32, 64, 2048) and tensor_core.dtype == torch.float32
+    err_tc, err_simt = (tensor_core.double() - exact).abs(), (simt.double() - exact).abs()
+    assert bool((err_tc <= bound).all()) and bool((err_simt <= bound).all())
+    assert float(err_tc.max()) <= 4 * float(err_simt.max()) + 1e-30
+    assert torch.equal(exact_matmul(q[:1], keys.T, False), q[:1] @ keys.T)
+
+
 def test_tensor_core_gemms_move_an_engine_run_by_fp32_accumulation_noise_only(monkeypatch):
     """The engine on the GPU with its FP8/FP4/bf16 GEMMs on tensor cores against the same engine with them as fp32
     GEMMs (TENSOR_CORE_MIN_ROWS past any row count): the same exact products summed in another order, so the two
