@@ -56,17 +56,18 @@ def linear(ctx: OpContext, x: torch.Tensor, site: str) -> torch.Tensor:
 
 def rounded_weight(ctx: OpContext, name: str, rounding: Callable[[torch.Tensor], torch.Tensor] = bf16,
                    label: str = "bf16") -> torch.Tensor:
-    """ctx.weight(name) rounded as a low-precision GEMM reads it (bf16 by default; `label` names another rounding),
-    made once per layer instead of at every call (a Flash attn.wo_a is 33 M values: ~0.4 GB of traffic and two
-    launches per decode step): the weight itself when every value is a bf16 already and the rounding is bf16 (FP8 and
-    bf16 checkpoint tensors: DenseCache.bf16_exact; rounding a bf16 value changes no bit), else its rounded copy kept
-    in the layer's dense cache while there is room. A weight other than the cached one (a patch's load_weight) is
-    rounded at every call, as it may change between calls."""
+    """ctx.weight(name) rounded as a low-precision GEMM reads it (bf16 by default; `label` names another rounding,
+    one label per rounding function), made once per layer instead of at every call (a Flash attn.wo_a is 33 M
+    values: ~0.4 GB of traffic and two launches per decode step): the weight itself when every value is a bf16
+    already and the rounding is bf16 (FP8 and bf16 checkpoint tensors: DenseCache.bf16_exact, which on the CPU
+    scans the weight once per layer; rounding a bf16 value changes no bit), else its rounded copy kept in the
+    layer's dense cache while there is room. A weight other than the cached one (a patch's load_weight) is rounded at
+    every call, as it may change between calls."""
     w = ctx.weight(name)
     if label == "bf16" and ctx.dense.bf16_exact(name, w):
         return w
     if ctx.dense.holds(name, w):
-        return ctx.dense.get(f"{name}#{label}", lambda: rounding(w), ctx.device)
+        return ctx.dense.get(f"{name}#rounded:{label}", lambda: rounding(w), ctx.device)
     return rounding(w)
 
 

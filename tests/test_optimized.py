@@ -411,7 +411,7 @@ def test_a_weight_is_rounded_for_a_low_precision_gemm_once_per_layer():
     assert torch.equal(tf32, round_tf32(fp32)) and not torch.equal(tf32, once)
     patched = rounded_weight(ctx, "patched")
     assert torch.equal(patched, bf16(fp32 * 3)) and rounded_weight(ctx, "patched") is not patched
-    assert "patched#bf16" not in dense
+    assert "patched#rounded:bf16" not in dense and "fp32#rounded:bf16" in dense
 
 
 def test_per_chunk_probe_rows_are_padded_to_one_width_and_cut_into_blocks():

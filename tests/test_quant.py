@@ -97,7 +97,8 @@ def test_block_quantizers_dequantize_exactly_and_respect_their_ranges():
 def _fp4_stack_of_every_kind() -> list[QuantizedTensor]:
     """FP4 tensors [32, 64] covering what an NVFP4 conversion branches on: plain values, all-zero 32-blocks (under
     the quantizer's smallest scale and under UE8M0's smallest byte, e = −127), −0 codes, a span that sends modelopt
-    to the pow2 rule (14 binades), values near UE8M0's bottom, one all-zero tensor."""
+    to the pow2 rule (14 binades), small values (emax −100; an all-zero tensor's −122 would send the whole stack to
+    the codes: tested apart)."""
     g = torch.Generator().manual_seed(11)
     plain = quantize_fp4_mx32(torch.randn(32, 64, generator=g) * torch.exp(torch.randn(32, 1, generator=g)))
     zeros = torch.randn(32, 64, generator=g)
@@ -114,24 +115,31 @@ def _fp4_stack_of_every_kind() -> list[QuantizedTensor]:
     wide[0, :32] *= 2.0**8
     wide[5, 32:] *= 2.0**-6
     tiny = quantize_fp4_mx32(torch.randn(32, 64, generator=g) * 2.0**-100)
-    empty = quantize_fp4_mx32(torch.zeros(32, 64))
-    return [plain, zero_blocks, zero_byte, negative_zero, quantize_fp4_mx32(wide), tiny, empty]
+    return [plain, zero_blocks, zero_byte, negative_zero, quantize_fp4_mx32(wide), tiny]
 
 
-def test_nvfp4_forms_from_the_fp32_copies_are_the_conversions_bits():
+def test_nvfp4_forms_from_the_fp32_copies_are_the_conversions_bits(monkeypatch):
     """nvfp4_dense_from_mx derives the NVFP4 forms from the tensors' own fp32 values (what a layer's dense cache
     holds) instead of their codes: every kind of stack, both rules, the same bits — −0 included — as
-    mx32_to_nvfp4_dense and as each tensor's mx32_to_nvfp4().dequantize()."""
+    mx32_to_nvfp4_dense and as each tensor's mx32_to_nvfp4().dequantize(), without falling back to the codes."""
+    from reference import quant
+
     qs = _fp4_stack_of_every_kind()
     mx = torch.stack([q.dequantize() for q in qs])
     for rule in ("modelopt", "pow2"):
         expected = mx32_to_nvfp4_dense(qs, rule)
-        got = nvfp4_dense_from_mx(mx, qs, rule)
+        with monkeypatch.context() as patched:
+            patched.setattr(quant, "mx32_to_nvfp4_dense", lambda *a, **k: pytest.fail("fell back to the codes"))
+            got = nvfp4_dense_from_mx(mx, qs, rule)
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), f"{rule}: the bits differ"
         for i, q in enumerate(qs):
             one = mx32_to_nvfp4(q, rule).dequantize()
             assert torch.equal(got[i].view(torch.int32), one.view(torch.int32)), f"{rule}, tensor {i}"
     assert torch.equal(nvfp4_dense_from_mx(mx, qs, "pow2"), mx), "pow2 forms are the MX values themselves"
+    empty = quantize_fp4_mx32(torch.zeros(32, 64))  # emax −122: converted from its codes, to the same bits
+    stack = [qs[0], empty]
+    mx = torch.stack([q.dequantize() for q in stack])
+    assert torch.equal(nvfp4_dense_from_mx(mx, stack).view(torch.int32), mx32_to_nvfp4_dense(stack).view(torch.int32))
     assert (mx32_to_nvfp4_dense(qs[:1]) != mx[0]).any(), "modelopt's global scale moves some values (the test's teeth)"
 
 

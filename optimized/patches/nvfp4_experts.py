@@ -91,22 +91,27 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
     write its own contiguous rows, the shapes the per-expert loop gave them: the same bits, fewer kernel launches."""
     mode, opt_scale = ctx.options["activations"], ctx.options["input_scale"]
 
-    def act(x: torch.Tensor, stored_scale: float | None) -> torch.Tensor:
+    def scale_of(stored_scale: float | None) -> float | None:
+        """The global input_scale the activations are quantized with (None under w4a16: bf16 activations)."""
         if mode == "w4a16":
-            return bf16(x)
-        scale = (stored_scale if stored_scale is not None else 1.0) if opt_scale == "checkpoint" else float(opt_scale)
-        return nvfp4_activation(x, scale)
+            return None
+        return (stored_scale if stored_scale is not None else 1.0) if opt_scale == "checkpoint" else float(opt_scale)
+
+    def act(x: torch.Tensor, scale: float | None) -> torch.Tensor:
+        return bf16(x) if scale is None else nvfp4_activation(x, scale)
 
     layout = PairLayout.of(routing.expert_ids)
     tokens = layout.tokens
     names = {e: [f"ffn.experts.{e}.{p}.weight" for p in ("w1", "w3", "w2")] for e, _ in layout.spans}
-    scales = {e: [_input_scale(ctx, n) for n in names[e]] for e in names}
+    scales = {e: [scale_of(_input_scale(ctx, n)) for n in names[e]] for e in names}
     prepare_nvfp4_forms(ctx, [n for e in names for n in names[e]], _nvfp4_format(ctx))  # in groups, while they fit
     # weights are loaded inside the GEMM loops, one at a time: the NVFP4 forms the dense cache cannot hold (a GPU
     # shared by ranks, a CPU at Flash width) are dequantized on use, and a whole layer's at once is 25.8 GB
-    # the routed input is quantized per token, independent of the expert: once per global input_scale, and gathered
-    # into pair rows once when every expert shares that scale (each expert's GEMM then reads a slice of them)
+    # the routed input is quantized per token, independent of the expert: once per input scale, and gathered into
+    # pair rows once (for w1 and w3 together) when every expert shares that scale — each expert's GEMM then reads a
+    # slice of them, and the stock experts op's working set is not exceeded
     quantized: dict[float | None, torch.Tensor] = {}
+    pair_rows: dict[float | None, torch.Tensor] = {}
 
     def rows_of(scale: float | None) -> torch.Tensor:
         if scale not in quantized:
@@ -116,14 +121,19 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
     gate_up = []
     for which in (0, 1):  # w1, w3
         distinct = {scales[e][which] for e in names}
-        pair_rows = rows_of(next(iter(distinct)))[tokens] if len(distinct) == 1 else None
+        if len(distinct) == 1:
+            (scale,) = distinct
+            if scale not in pair_rows:
+                pair_rows[scale] = rows_of(scale)[tokens]
 
-        def product(e: int, rows: slice, which: int = which, pair_rows: torch.Tensor | None = pair_rows
-                    ) -> torch.Tensor:
-            x = pair_rows[rows] if pair_rows is not None else rows_of(scales[e][which])[tokens[rows]]
+        def product(e: int, rows: slice) -> torch.Tensor:  # called within this pass: `which` is this pass's
+            scale = scales[e][which]
+            x = pair_rows[scale][rows] if len(distinct) == 1 else rows_of(scale)[tokens[rows]]
             return x @ _nvfp4_weight(ctx, names[e][which]).T
 
         gate_up.append(joined_products(layout, product, ctx.cfg.moe_intermediate_size, y.device))
+    pair_rows.clear()  # free the gathered inputs before the W2 GEMMs
+    quantized.clear()
     h = bf16(swiglu_fp32(bf16(gate_up[0]), bf16(gate_up[1]), ctx.cfg.swiglu_limit)
              * routing.weights.flatten()[layout.order, None])
     h = _act_rows(act, h, [scales[e][2] for e, _ in layout.spans], [rows for _, rows in layout.spans])

@@ -129,10 +129,11 @@ class DenseCache:
 
     def bf16_exact(self, name: str, value: torch.Tensor) -> bool:
         """Whether `value` is the tensor cached under `name` and every value of it is a bf16: a product with it may
-        then run on bf16 tensor cores (optimized.numerics.exact_product). Checked when first asked and remembered —
-        the cache's tensors are shared by every stack and never changed in place — so only the weights a product
-        asks about are read (the engine asks on a GPU only). False for any tensor other than the cached one: one a
-        patch made, one past the budget (dequantized on every use); their products stay fp32 GEMMs."""
+        then run on bf16 tensor cores (optimized.numerics.exact_product), and a bf16 GEMM may read it without
+        rounding it (optimized.base_ops.rounded_weight). Checked when first asked and remembered — the cache's tensors
+        are shared by every stack and never changed in place — so only the weights asked about are read (on a CPU,
+        only a bf16 GEMM's weights: the products do not ask there). False for any tensor other than the cached one:
+        one a patch made, one past the budget (dequantized on every use); their products stay fp32 GEMMs."""
         if not self.holds(name, value):
             return False
         exact = self._bf16_exact.get(name)
