@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -199,8 +199,8 @@ class OptimizedLayer:
         sums re-associated (base_ops.fp32_product). Comparing a variant's fp32 decision sites with the stock
         op on the *same inputs* measures what the site itself changed; the twin measures what fp32 rounding
         alone changes there (DESIGN §5: decision floors at sites the official model keeps in fp32)."""
-        return replace(ctx, table=self.stock_tables[ctx.phase], engine_options={**ctx.engine_options,
-                                                                                 "reassociate": reassociate})
+        return ctx.with_fields(table=self.stock_tables[ctx.phase],
+                               engine_options={**ctx.engine_options, "reassociate": reassociate})
 
     def _emit_site(self, probes: ProbeSink, tap: str, ctx: OpContext, op: str, fields: Callable[[Any], dict],
                    positions: torch.Tensor, own: Any, own_is_stock: bool, **inputs: Any) -> None:

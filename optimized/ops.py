@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -59,6 +59,16 @@ class OpContext:
     options: dict[str, Any] = field(default_factory=dict)
     patch_id: str | None = None
     base: Callable[..., Any] | None = None
+
+    def with_fields(self, **changes: Any) -> "OpContext":
+        """dataclasses.replace(self, **changes) without its __init__ call: a shallow copy with the given fields
+        changed, made for every patched op call and every stock op a patch calls (~45 per decode step of `all`,
+        ~2 µs each through replace, ~0.7 µs this way on one CPU core). The same object replace would build:
+        OpContext has no __post_init__, no field init=False and no InitVar."""
+        new = object.__new__(OpContext)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
 
     def weight(self, name: str) -> torch.Tensor:
         """The fp32 value of a stored tensor of this layer, through the `load_weight` op (exact dequantization in
@@ -153,10 +163,10 @@ class OpTable:
         if choice is None:
             if not ctx.options and ctx.patch_id is None and ctx.base is None:  # already a stock op's view
                 return fn(ctx, **inputs)
-            return fn(replace(ctx, options={}, patch_id=None, base=None), **inputs)
+            return fn(ctx.with_fields(options={}, patch_id=None, base=None), **inputs)
         self.patched_calls += 1
-        sub = replace(ctx, options=choice.options, patch_id=choice.id,
-                      base=lambda **kw: self._invoke(name, level - 1, ctx, kw))
+        sub = ctx.with_fields(options=choice.options, patch_id=choice.id,
+                              base=lambda **kw: self._invoke(name, level - 1, ctx, kw))
         try:
             return fn(sub, **inputs)
         except PluginOpError:

@@ -414,6 +414,22 @@ def test_a_weight_is_rounded_for_a_low_precision_gemm_once_per_layer():
     assert "patched#rounded:bf16" not in dense and "fp32#rounded:bf16" in dense
 
 
+def test_an_op_contexts_copy_is_what_dataclasses_replace_builds():
+    """OpContext.with_fields (every patched op call makes one) must build what dataclasses.replace would: the same
+    field values, a new object, the original untouched — which holds while OpContext has no __post_init__ and every
+    field is an __init__ argument."""
+    from dataclasses import fields, replace
+
+    from optimized.ops import OpContext
+
+    assert not hasattr(OpContext, "__post_init__") and all(f.init for f in fields(OpContext))
+    ctx = OpContext(TINY, 0, "csa", "decode", 3, torch.arange(2), None, None, None, torch.device("cpu"), {}, None)
+    changes = {"options": {"k": 1}, "patch_id": "p", "base": print}
+    copied, replaced = ctx.with_fields(**changes), replace(ctx, **changes)
+    assert all(getattr(copied, f.name) is getattr(replaced, f.name) for f in fields(OpContext))
+    assert copied is not ctx and ctx.options == {} and ctx.patch_id is None and ctx.base is None
+
+
 def test_per_chunk_probe_rows_are_padded_to_one_width_and_cut_into_blocks():
     """The engine joins every block's sampled queries for the indexer site and the attention rows (issue #14). An
     indexer_topk plugin may return fewer picks in an early block: those rows are padded as invalid picks (−1, False),
