@@ -519,3 +519,60 @@ def test_ab_layer_alternates_old_and_new_and_reports_the_ratio_of_medians():
     # the same code twice: its runs differ by the machine's noise only (a tiny layer: ~0.1 s each on 2 CPU cores)
     assert 0.5 < ratio < 2.0, out
     assert "tiny layer 2 (csa), 120 + 2 tokens" in out
+
+
+def _first_bad_by_loops(emissions: list[tuple[int, str, list[int], dict[str, torch.Tensor]]]) -> tuple | None:
+    """The oracle: the lowest emission number with a NaN/Inf, then the first field in order, then its first row
+    (−inf allowed in indexer.scores' scores), by plain loops over every value."""
+    from harness.run.probes import MASKED_FIELDS
+
+    for number, tap, positions, values in sorted(emissions, key=lambda e: e[0]):
+        for name, v in values.items():
+            if not v.is_floating_point():
+                continue
+            rows = v.reshape(len(positions), -1) if v.dim() else v.reshape(1, 1)
+            for r, row in enumerate(rows.tolist()):
+                masked = (tap, name) in MASKED_FIELDS
+                if any(x != x or x == float("inf") or (x == float("-inf") and not masked) for x in row):
+                    return tap, name, positions[r]
+    return None
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_fused_finite_check_finds_the_first_bad_field_and_row_as_loops_over_every_value(seed):
+    """ComparingSink._check_finite joins every floating field's flags per emission and takes one `min`; the
+    finding it records must be the first (emission number, field, row) holding NaN/±Inf that plain loops find — over
+    batched and single emissions, emission numbers out of order, fields of several dtypes and widths, an integer
+    field, an empty field and the masked field where −inf is allowed."""
+    from harness.run.probes import ComparingSink
+
+    gen = torch.Generator().manual_seed(seed)
+    sink = ComparingSink(record=None, acc=None, ctx=None, variant="v", mode="global", layer=3,
+                         phase_of=torch.tensor([0] * 50 + [1] * 50), findings=[])
+    emissions, number = [], 0
+    for call in torch.randperm(6, generator=gen).tolist():
+        batch = call % 3 + 1  # 1, 2 or 3 emissions in one check
+        rows = 1 if batch > 1 else int(torch.randint(1, 4, (1,), generator=gen))
+        tap = "indexer.scores" if call % 2 else "attn.out"
+        n = batch * rows
+        values = {"a": torch.randn(n, 5, generator=gen), "ids": torch.arange(n),
+                  "b": torch.randn(n, 2, 3, generator=gen).bfloat16(), "empty": torch.zeros(n, 0),
+                  "scores": torch.randn(n, 7, generator=gen, dtype=torch.float64)}
+        for _ in range(int(torch.randint(0, 3, (1,), generator=gen))):  # a few bad values anywhere
+            name = ["a", "b", "scores"][int(torch.randint(0, 3, (1,), generator=gen))]
+            flat = values[name].view(-1)
+            flat[int(torch.randint(0, flat.numel(), (1,), generator=gen))] = \
+                [float("nan"), float("inf"), float("-inf")][int(torch.randint(0, 3, (1,), generator=gen))]
+        positions = torch.randint(0, 100, (n,), generator=gen)
+        numbers = [call * 10 + i for i in range(batch)]
+        sink._check_finite(tap, numbers, positions, values, rows_per_emission=rows if batch > 1 else None)
+        for i, num in enumerate(numbers):
+            emissions.append((num, tap, positions[i * rows:(i + 1) * rows].tolist(),
+                              {k: v[i * rows:(i + 1) * rows] for k, v in values.items()}))
+        number += batch
+    sink._record_first_non_finite()
+    expected = _first_bad_by_loops(emissions)
+    found = [(f.tap, f.field, f.position) for f in sink.findings]
+    assert found == ([] if expected is None else [expected])
+    if found:
+        assert sink.findings[0].phase == ("decode" if found[0][2] >= 50 else "prefill")
