@@ -56,6 +56,7 @@ class RunStore:
         self._manifest_lock = threading.Lock()  # the resume state's writer thread updates the manifest too
         self._state_writer: threading.Thread | None = None
         self._state_error: BaseException | None = None
+        self._host_buffers: dict[str, torch.Tensor] = {}  # page-locked snapshots of device streams, reused
 
     # --- manifest ---------------------------------------------------------------------------
     def exists(self) -> bool:
@@ -147,14 +148,33 @@ class RunStore:
         a quarter of the run's time when written in line); the next save, wait_for_state() and delete_state() wait
         for it. The file is replaced atomically and holds its own layer, so a run killed mid-write resumes from the
         state before."""
-        self.wait_for_state()
-        snapshot = {k: v.detach().to("cpu", copy=True) for k, v in streams.items()}  # the stacks go on with theirs
+        self.wait_for_state()  # the previous snapshot's buffers are free again once it is written
+        snapshot = {k: self._host_copy(k, v) for k, v in streams.items()}  # the stacks go on with theirs
         if not background:
             self._write_state(layer, snapshot)
             return
         self._state_writer = threading.Thread(target=self._write_state_noting_error, args=(layer, snapshot),
                                               name="dsv4-drift-resume-state")
         self._state_writer.start()
+
+    def _host_copy(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A host copy of one stream. From a GPU, into a page-locked buffer kept for the next save (the previous
+        write has finished: save_streams waits for it): measured on an H200 host, 5 GB of streams (Flash at 30K
+        tokens) took 3.6–4.4 s into fresh pageable memory — the run's thread waiting, once a minute, ~4 s of every
+        save layer (flash-30k: 17.1 against 13.9 s per CSA layer) — and 0.09 s into kept page-locked buffers. A
+        host that cannot lock that much memory gets the pageable copy, as before."""
+        value = value.detach()
+        if not value.is_cuda:
+            return value.to("cpu", copy=True)
+        buffer = self._host_buffers.get(name)
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+            self._host_buffers.pop(name, None)
+            try:
+                buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            except RuntimeError:  # page-locked memory refused: the ordinary copy
+                return value.to("cpu", copy=True)
+            self._host_buffers[name] = buffer
+        return buffer.copy_(value)  # a device-to-host copy returns once the bytes are on the host
 
     def _write_state(self, layer: int, snapshot: dict[str, torch.Tensor]) -> None:
         self.state_path.parent.mkdir(exist_ok=True)
@@ -185,6 +205,7 @@ class RunStore:
             self.wait_for_state()
         except Exception:  # noqa: BLE001 — a write that failed (OSError, torch's RuntimeError) leaves its .tmp
             pass
+        self._host_buffers.clear()
         self.state_path.with_suffix(".pt.tmp").unlink(missing_ok=True)
         self.state_path.unlink(missing_ok=True)
         if self.state_path.parent.is_dir() and not any(self.state_path.parent.iterdir()):
