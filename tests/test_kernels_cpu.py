@@ -379,3 +379,18 @@ def test_paged_latent_rows_of_cache_are_views():
     cache = LatentCache(64, 56, 8, "cpu")
     rows = PagedLatentRows.of(cache)
     assert rows.codes is cache.codes and rows.page_table is cache.page_table and rows.nope == 56
+
+
+@interpreter
+@pytest.mark.parametrize("key,offset,numel", [(0, 0, 1), (0xDEADBEEF, 0, 5000), (0x7FFFFFFF, 2**31 - 100, 2000),
+                                              (0xFFFFFFFF, 2**32 - 3000, 3000), (12345, 1 << 24, 1025)])
+def test_interpreter_fused_standard_normal_is_the_torch_streams_bits(key, offset, numel):
+    """reference.weights.hashing_triton against hashing.standard_normal's torch path (the definition): the same
+    fp32 bits for keys across the whole 32-bit range (below and above 2^31, where Triton types an int argument
+    differently), offsets up to the last index below 2^32, and a length that is not a multiple of the block."""
+    from reference.weights import hashing
+    from reference.weights.hashing_triton import standard_normal_triton
+
+    torch_path = hashing.standard_normal(key, numel, "cpu", offset)  # the CPU never takes the kernel
+    fused = standard_normal_triton(key, numel, "cpu", offset, hashing.INV_STD_IH4)
+    assert torch.equal(fused.view(torch.int32), torch_path.view(torch.int32))

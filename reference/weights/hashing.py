@@ -9,6 +9,7 @@ device-specific libm can change a bit.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import math
 
 import torch
@@ -58,6 +59,15 @@ def normal_of_hash(h: torch.Tensor) -> torch.Tensor:
     return s.to(torch.float32).mul_(INV_STD_IH4)
 
 
+FUSED = True
+"""On a GPU, standard_normal runs as one Triton kernel (reference.weights.hashing_triton: the same bits in one pass
+instead of ~22); tests switch it off to compare."""
+
+
+def _fused_available() -> bool:
+    return FUSED and importlib.util.find_spec("triton") is not None
+
+
 def standard_normal(key: int, numel: int, device: torch.device | str, offset: int = 0) -> torch.Tensor:
     """Elements [offset, offset+numel) of the key's stream of approximately N(0, 1) fp32 values.
 
@@ -66,6 +76,10 @@ def standard_normal(key: int, numel: int, device: torch.device | str, offset: in
     tails at ±3.45 and a resolution of 0.0068σ, far finer than the FP8/FP4/BF16 storage it feeds.
     The one float operation is a correctly-rounded multiply, so every device gives the same bits.
     """
+    if torch.device(device).type == "cuda" and _fused_available():
+        from reference.weights.hashing_triton import standard_normal_triton
+
+        return standard_normal_triton(key, numel, device, offset, INV_STD_IH4)
     out = torch.empty(numel, dtype=torch.float32, device=device)
     for start in range(0, numel, CHUNK):
         stop = min(numel, start + CHUNK)
