@@ -283,7 +283,8 @@ def test_router_comparison_on_the_device_gives_the_hosts_values_and_batches_deco
 def test_the_resume_state_of_device_streams_is_copied_through_kept_page_locked_buffers(tmp_path):
     """RunStore.save_streams copies device streams into page-locked host buffers it keeps for the next save (a
     fresh pageable copy of Flash's 5 GB took ~4 s of the run's thread): what is written is the streams' bits at each
-    save, the second save reuses the first's buffers (after its write finished), and delete_state lets them go."""
+    save, the second save reuses the first's buffers (after its write finished), and delete_state drops them (to
+    torch's page-locked cache)."""
     from harness.run.store import RunStore
 
     store = RunStore(tmp_path / "run")
@@ -303,3 +304,19 @@ def test_the_resume_state_of_device_streams_is_copied_through_kept_page_locked_b
                               for k in second)
     store.delete_state()
     assert not store._host_buffers and not store.state_path.exists()
+
+
+@pytest.mark.parametrize("key,offset,numel", [(0xDEADBEEF, 0, 3 * (1 << 20) + 7), (0x7FFFFFFF, 5, 1000),
+                                              (1, 2**32 - 4096, 4096), (7, 2**32 - 10, 20)])
+def test_the_fused_normal_kernel_gives_the_torch_paths_bits_on_the_device(key, offset, numel, monkeypatch):
+    """hashing.standard_normal on CUDA through the Triton kernel and through the torch int64 path (FUSED off) give
+    the same fp32 bits, and the CPU's: keys below and above 2^31, key 1 (which Triton would specialise), the last
+    indices below 2^32, and a range past 2^32 (the kernel hashes 32 bits, so hashing takes the torch path there)."""
+    from reference.weights import hashing
+
+    fused = hashing.standard_normal(key, numel, "cuda", offset)
+    monkeypatch.setattr(hashing, "FUSED", False)
+    unfused = hashing.standard_normal(key, numel, "cuda", offset)
+    cpu = hashing.standard_normal(key, numel, "cpu", offset)
+    assert torch.equal(fused.view(torch.int32), unfused.view(torch.int32))
+    assert torch.equal(fused.cpu().view(torch.int32), cpu.view(torch.int32))

@@ -542,34 +542,38 @@ def _first_bad_by_loops(emissions: list[tuple[int, str, list[int], dict[str, tor
 def test_the_fused_finite_check_finds_the_first_bad_field_and_row_as_loops_over_every_value(seed):
     """ComparingSink._check_finite joins every floating field's flags per emission and takes one `min`; the
     finding it records must be the first (emission number, field, row) holding NaN/±Inf that plain loops find — over
-    batched and single emissions, emission numbers out of order, fields of several dtypes and widths, an integer
-    field, an empty field and the masked field where −inf is allowed."""
+    batched and single emissions of one to three rows, emission numbers out of order, fields of several dtypes and
+    widths, a non-contiguous field, a 0-dim field, an integer field, an empty field and the masked field where −inf
+    is allowed."""
     from harness.run.probes import ComparingSink
 
     gen = torch.Generator().manual_seed(seed)
     sink = ComparingSink(record=None, acc=None, ctx=None, variant="v", mode="global", layer=3,
                          phase_of=torch.tensor([0] * 50 + [1] * 50), findings=[])
-    emissions, number = [], 0
+    emissions = []
     for call in torch.randperm(6, generator=gen).tolist():
-        batch = call % 3 + 1  # 1, 2 or 3 emissions in one check
-        rows = 1 if batch > 1 else int(torch.randint(1, 4, (1,), generator=gen))
+        batch = call % 3 + 1  # 1, 2 or 3 emissions in one check, each of 1-3 rows
+        rows = int(torch.randint(1, 4, (1,), generator=gen))
         tap = "indexer.scores" if call % 2 else "attn.out"
         n = batch * rows
         values = {"a": torch.randn(n, 5, generator=gen), "ids": torch.arange(n),
                   "b": torch.randn(n, 2, 3, generator=gen).bfloat16(), "empty": torch.zeros(n, 0),
+                  "t": torch.randn(3, n, generator=gen).T,  # not contiguous
                   "scores": torch.randn(n, 7, generator=gen, dtype=torch.float64)}
+        if batch == 1:
+            values["scalar"] = torch.tensor(0.5)  # a 0-dim field: one row
         for _ in range(int(torch.randint(0, 3, (1,), generator=gen))):  # a few bad values anywhere
-            name = ["a", "b", "scores"][int(torch.randint(0, 3, (1,), generator=gen))]
-            flat = values[name].view(-1)
-            flat[int(torch.randint(0, flat.numel(), (1,), generator=gen))] = \
-                [float("nan"), float("inf"), float("-inf")][int(torch.randint(0, 3, (1,), generator=gen))]
+            names = [k for k in values if k not in ("ids", "empty")]
+            name = names[int(torch.randint(0, len(names), (1,), generator=gen))]
+            bad = [float("nan"), float("inf"), float("-inf")][int(torch.randint(0, 3, (1,), generator=gen))]
+            index = tuple(int(torch.randint(0, d, (1,), generator=gen)) for d in values[name].shape)
+            values[name][index] = bad  # a 0-dim field: index ()
         positions = torch.randint(0, 100, (n,), generator=gen)
         numbers = [call * 10 + i for i in range(batch)]
         sink._check_finite(tap, numbers, positions, values, rows_per_emission=rows if batch > 1 else None)
         for i, num in enumerate(numbers):
             emissions.append((num, tap, positions[i * rows:(i + 1) * rows].tolist(),
-                              {k: v[i * rows:(i + 1) * rows] for k, v in values.items()}))
-        number += batch
+                              {k: v[i * rows:(i + 1) * rows] if v.dim() else v for k, v in values.items()}))
     sink._record_first_non_finite()
     expected = _first_bad_by_loops(emissions)
     found = [(f.tap, f.field, f.position) for f in sink.findings]

@@ -1,7 +1,8 @@
 """Counter-based randomness for synthetic weights: identical on every device, in any order of use.
 
 A 32-bit key from (seed, layer, tensor name) and murmur3's 32-bit finaliser over element indices, evaluated in
-int64 tensor arithmetic (which wraps identically on CPU and GPU); normal variates from an Irwin–Hall sum of four
+int64 tensor arithmetic (which wraps identically on CPU and GPU; on a GPU standard_normal runs the same integers as
+one Triton kernel in uint32, reference.weights.hashing_triton); normal variates from an Irwin–Hall sum of four
 uniform bytes whose integer sum is exact in fp32. No transcendental functions are involved, so no
 device-specific libm can change a bit.
 """
@@ -61,7 +62,7 @@ def normal_of_hash(h: torch.Tensor) -> torch.Tensor:
 
 FUSED = True
 """On a GPU, standard_normal runs as one Triton kernel (reference.weights.hashing_triton: the same bits in one pass
-instead of ~22); tests switch it off to compare."""
+instead of ~22); tests/test_gpu_engine.py switches it off to hold the two to each other on the device."""
 
 
 def _fused_available() -> bool:
@@ -76,7 +77,7 @@ def standard_normal(key: int, numel: int, device: torch.device | str, offset: in
     tails at ±3.45 and a resolution of 0.0068σ, far finer than the FP8/FP4/BF16 storage it feeds.
     The one float operation is a correctly-rounded multiply, so every device gives the same bits.
     """
-    if torch.device(device).type == "cuda" and _fused_available():
+    if torch.device(device).type == "cuda" and offset + numel <= 1 << 32 and _fused_available():
         from reference.weights.hashing_triton import standard_normal_triton
 
         return standard_normal_triton(key, numel, device, offset, INV_STD_IH4)

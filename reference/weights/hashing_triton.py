@@ -15,6 +15,8 @@ bit; tests/test_kernels_cpu.py runs this kernel in the Triton interpreter agains
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -39,9 +41,12 @@ def _standard_normal_kernel(out_ptr, key, offset, numel, inv_std, BLOCK: tl.cons
 
 def standard_normal_triton(key: int, numel: int, device: torch.device | str, offset: int, inv_std: float
                            ) -> torch.Tensor:
-    """hashing.standard_normal(key, numel, device, offset) in one kernel (CUDA, or CPU under TRITON_INTERPRET=1).
-    `inv_std`: the multiplier, passed from hashing so there is one constant (Triton passes it as fp32)."""
+    """hashing.standard_normal(key, numel, device, offset) in one kernel (CUDA, or CPU under TRITON_INTERPRET=1), for
+    indices offset … offset + numel − 1 below 2^32 (the kernel hashes their low 32 bits; hashing falls back to torch
+    past that). `inv_std`: the multiplier, passed from hashing so there is one constant (Triton passes it as fp32)."""
     out = torch.empty(numel, dtype=torch.float32, device=device)
     if numel:
-        _standard_normal_kernel[(triton.cdiv(numel, BLOCK),)](out, key, offset, numel, inv_std, BLOCK=BLOCK)
+        # Triton launches on the thread's current device, whatever the tensors' (torch follows the tensor)
+        with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+            _standard_normal_kernel[(triton.cdiv(numel, BLOCK),)](out, key, offset, numel, inv_std, BLOCK=BLOCK)
     return out
