@@ -9,6 +9,7 @@ device-specific libm can change a bit.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import math
@@ -66,7 +67,14 @@ instead of ~22); tests/test_gpu_engine.py switches it off to hold the two to eac
 
 
 def _fused_available() -> bool:
-    return FUSED and importlib.util.find_spec("triton") is not None
+    return FUSED and _triton_importable()
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    """Looked up once (a Flash layer asks ~800 times). optimized.kernels.triton_available answers the same, but the
+    reference may not import the optimized side (DESIGN §2)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def standard_normal(key: int, numel: int, device: torch.device | str, offset: int = 0) -> torch.Tensor:

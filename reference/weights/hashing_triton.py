@@ -22,6 +22,9 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024
+"""Elements per program: a choice for an element-wise kernel (each program writes 4 KB), not tuned. The kernel
+writes 34 MB per Flash expert matrix; the quantization after it writes ~0.5 GB (counted on the CPU), so the block
+size is not where a layer's 0.57–0.73 s of weights goes."""
 
 
 @triton.jit
