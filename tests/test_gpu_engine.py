@@ -320,3 +320,44 @@ def test_the_fused_normal_kernel_gives_the_torch_paths_bits_on_the_device(key, o
     cpu = hashing.standard_normal(key, numel, "cpu", offset)
     assert torch.equal(fused.view(torch.int32), unfused.view(torch.int32))
     assert torch.equal(fused.cpu().view(torch.int32), cpu.view(torch.int32))
+
+
+def test_device_busy_counts_the_kernels_and_not_the_host_time_between_them():
+    """harness.run.device_time: a region with a long GEMM is busy about as long as the GEMM takes; host sleep
+    between kernels is not busy time. Bounds: the busy time cannot exceed the region's wall time, and 8 products of
+    4096² fp32 (~1.1 TFLOP, ≥ 20 ms at an H200's ~51 TFLOP/s) must show as at least 10 ms."""
+    import time
+
+    from harness.run.device_time import device_busy
+
+    dev = torch.device("cuda")
+    a = torch.randn(4096, 4096, device=dev)
+    a @ a
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with device_busy(dev) as busy:
+        for _ in range(8):
+            a @ a
+        time.sleep(0.3)  # the host waits; the device has nothing to do
+        a.sum()
+    wall = time.perf_counter() - start
+    assert busy.events >= 9
+    assert 0.01 <= busy.seconds <= wall - 0.25
+    assert sum(busy.by_name.values()) >= busy.seconds * (1 - 1e-9)  # a sum per name ≥ the union (one stream: =)
+    assert busy.top(1)[0][1] >= 0.9 * busy.seconds  # the GEMM's kernel, not the sum, dominates
+
+
+def test_bench_on_a_gpu_reports_device_busy_seconds_below_the_wall_time(tmp_path):
+    from harness.cli.main import main
+    import json
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "tiny", "--tokens", "200", "--decode", "2", "--chunk-size", "128",
+                 "--layers", "1-3", "--device", "cuda", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    for row in record["layers"]:
+        busy = row["busy_s"]
+        assert set(busy) == {"weights", "reference", "yardstick", "base", "all", "run"}
+        assert 0 < busy["run"] < row["run_s"] and all(0 < busy[s] for s in row["alone_s"])
+        assert row["top_kernels"] and all(0 < seconds <= busy["run"] for _, seconds in row["top_kernels"])
+    assert 0 < record["projected_busy_s"] < record["projected_run_s"]

@@ -580,3 +580,26 @@ def test_the_fused_finite_check_finds_the_first_bad_field_and_row_as_loops_over_
     assert found == ([] if expected is None else [expected])
     if found:
         assert sink.findings[0].phase == ("decode" if found[0][2] >= 50 else "prefill")
+
+
+def test_busy_seconds_counts_each_instant_the_device_ran_something_once():
+    """harness.run.device_time.busy_seconds: the union of kernel intervals (ns) — overlapping kernels of two streams
+    count once, gaps not at all, empty intervals nothing, order does not matter."""
+    from harness.run.device_time import busy_seconds
+
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([(0, 1_000_000_000)]) == 1.0
+    assert busy_seconds([(0, 10), (20, 30)]) == 20e-9  # a gap of 10 ns is not busy
+    assert busy_seconds([(20, 30), (0, 25)]) == 30e-9  # overlap counted once, unsorted input
+    assert busy_seconds([(0, 100), (10, 20), (30, 40)]) == 100e-9  # contained intervals add nothing
+    assert busy_seconds([(5, 5), (7, 3), (0, 2)]) == 2e-9  # empty and reversed intervals add nothing
+    assert busy_seconds([(0, 10), (10, 20)]) == 20e-9  # touching intervals
+
+
+def test_bench_on_a_cpu_traces_nothing_and_says_so_with_nulls(tmp_path):
+    """The device-busy seconds are a GPU's (harness.run.device_time): on a CPU the JSON holds null, not a guess."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "tiny", "--tokens", "64", "--decode", "1", "--chunk-size", "64",
+                 "--layers", "2", "--threads", "1", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["layers"][0]["busy_s"] is None and record["projected_busy_s"] is None

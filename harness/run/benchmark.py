@@ -10,7 +10,11 @@ For each layer asked for, on deterministic synthetic weights and a synthetic pro
   yardstick, base and all, each global and local — so *probes* = runner time − the stack alone;
 - **store**: writing the layer's metrics;
 - peak device memory per layer, the process's peak host memory, tokens/s, and the reference's achieved FLOP/s
-  against the device's fp32 matmul rate measured in the same process (`measure_fp32_peak`).
+  against the device's fp32 matmul rate measured in the same process (`measure_fp32_peak`);
+- on a GPU, **device-busy seconds** (harness.run.device_time): the weights, each stack alone and the lockstep
+  layer run once more, traced, and the seconds the GPU computed are counted. Their sum over a run is the floor
+  that launching less cannot go under: a layer whose wall time is far above it is host-bound, one near it needs
+  faster kernels.
 
 Every timed region ends with a device synchronisation, so GPU work is charged to the region that queued it, and
 the engines first run untimed over a short prompt, so that compiling the patches' kernels (Triton) is not timed.
@@ -26,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from harness.run.device_time import DeviceBusy, device_busy
 from harness.run.memory import predict_memory
 from harness.run.runner import LockstepRunner, RunSpec, VariantSpec
 from harness.run.store import RunStore
@@ -39,6 +44,8 @@ from reference.weights.source import TensorBundle
 from reference.weights.synthetic import SyntheticWeights
 
 STACKS = ("reference", "yardstick", "base", "all")
+TOP_KERNELS = 12
+"""Kernels listed per layer (bench's JSON and its console): the lockstep's busiest by device seconds."""
 
 
 def sync(device: torch.device) -> None:
@@ -53,6 +60,13 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
     result = fn()
     sync(device)
     return result, time.perf_counter() - start
+
+
+def traced(device: torch.device, fn: Callable[[], Any]) -> DeviceBusy:
+    """What the device ran while fn ran (seconds None on a CPU: nothing is traced there)."""
+    with device_busy(device) as busy:
+        fn()
+    return busy
 
 
 def measure_fp32_peak(device: torch.device, size: int | None = None, repeats: int = 5) -> float:
@@ -113,6 +127,11 @@ class LayerBench:
     store_s: float
     reference_flop: float
     peak_device_gib: float | None
+    busy_s: dict[str, float] | None = None
+    """Device-busy seconds (a GPU only): 'weights', each stack alone by name, and 'run', the lockstep layer with
+    its probes and store — each from a traced pass of its own, apart from the timed one."""
+    top_kernels: list[tuple[str, float]] = field(default_factory=list)
+    """The lockstep layer's kernels (and copies) with the most device seconds, summed per name (a GPU only)."""
 
     @property
     def probes_s(self) -> float:
@@ -158,6 +177,20 @@ class BenchResult:
             return None
         return sum(sum(by_kind[k]) / len(by_kind[k]) for k in kinds) + self.layers[0].weights_s
 
+    def projected_busy_s(self, cfg: ModelConfig) -> float | None:
+        """The device-busy seconds of a whole run of this shape (as projected_run_s, with each layer's busy seconds
+        of the lockstep and of its weights, which a run makes on the same device): the floor under the run's wall
+        time that no host-side change can go below. None on a CPU or when some layer kind was not measured."""
+        by_kind: dict[str, list[float]] = {}
+        for lb in self.layers:
+            if lb.busy_s is None:
+                return None
+            by_kind.setdefault(lb.kind, []).append(lb.busy_s["run"] + lb.busy_s["weights"])
+        kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
+        if not self.layers or any(k not in by_kind for k in kinds):
+            return None
+        return sum(sum(by_kind[k]) / len(by_kind[k]) for k in kinds)
+
     def to_dict(self, cfg: ModelConfig) -> dict[str, Any]:
         out = asdict(self)
         for row, lb in zip(out["layers"], self.layers):
@@ -166,6 +199,7 @@ class BenchResult:
                        reference_flops_per_s=lb.reference_flop / lb.alone_s["reference"],
                        reference_share_of_peak=lb.reference_flop / lb.alone_s["reference"] / self.fp32_peak_flops)
         out["projected_run_s"] = self.projected_run_s(cfg)
+        out["projected_busy_s"] = self.projected_busy_s(cfg)
         out["layers_total"] = cfg.num_hidden_layers
         return out
 
@@ -173,20 +207,21 @@ class BenchResult:
 def _stacks_alone(cfg: ModelConfig, layer: int, weights: TensorBundle, dev: torch.device,
                   x: dict[str, torch.Tensor], ids: torch.Tensor, ref_segments: list[int], yard_segments: list[int],
                   segments: list[int], tokens: int, reference: ReferenceModel, yardstick: ReferenceModel,
-                  engines: dict[str, OptimizedModel]) -> dict[str, float]:
-    """Seconds of each stack over the layer without probes. They share one dequantized-weight cache, as in a run
-    (the first to read a weight pays for it), freed on return, before the lockstep pass makes its own."""
+                  engines: dict[str, OptimizedModel], measure: Callable[[Callable[[], Any]], Any]) -> dict[str, Any]:
+    """`measure` of each stack over the layer without probes (its wall seconds: timed; its device-busy seconds:
+    traced). They share one dequantized-weight cache, as in a run (the first to read a weight pays for it), freed
+    on return, before the lockstep pass makes its own."""
     dense = DenseCache.for_device(dev)
     alone = {
-        "reference": timed(dev, lambda: reference.run_layer(
-            ReferenceLayer(cfg, layer, weights, device=dev, dense=dense), x["reference"], ids, ref_segments))[1],
-        "yardstick": timed(dev, lambda: yardstick.run_layer(
+        "reference": measure(lambda: reference.run_layer(
+            ReferenceLayer(cfg, layer, weights, device=dev, dense=dense), x["reference"], ids, ref_segments)),
+        "yardstick": measure(lambda: yardstick.run_layer(
             ReferenceLayer(cfg, layer, weights, torch.bfloat16, device=dev, dense=dense), x["base"], ids,
-            yard_segments))[1],
+            yard_segments)),
     }
     for name, engine in engines.items():
-        alone[name] = timed(dev, lambda: engine.run_layer(engine.layer(layer, weights, dense), x["base"], ids,
-                                                          segments, tokens))[1]
+        alone[name] = measure(lambda: engine.run_layer(engine.layer(layer, weights, dense), x["base"], ids,
+                                                       segments, tokens))
     return alone
 
 
@@ -212,9 +247,10 @@ def bench_prompt(cfg: ModelConfig, tokens: int, decode: int) -> tuple[list[int],
 
 def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], device: str, chunk: int = 8192,
               progress: Callable[[str], None] = lambda line: None,
-              variants: list[VariantSpec] | None = None) -> BenchResult:
+              variants: list[VariantSpec] | None = None, busy: bool = True) -> BenchResult:
     """`variants`: the lockstep's (default base and all; `bench --attribution` gives `dsv4-drift attribute`'s: base,
-    each patch alone, all but one, all). Base and all are also timed alone."""
+    each patch alone, all but one, all). Base and all are also timed alone. `busy`: on a GPU, also trace each part
+    once more for its device-busy seconds (LayerBench.busy_s)."""
     dev = torch.device(device)
     source = SyntheticWeights(cfg, 0)
     prompt, decode_ids, turns = bench_prompt(cfg, tokens, decode)
@@ -233,10 +269,12 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
     ref_segments = segment_lengths(tokens, decode, None, together)
     segments = segment_lengths(tokens, decode, chunk)
     yard_segments = segment_lengths(tokens, decode, chunk, together)
-    warm = min(tokens, 256)  # compile the patches' kernels (Triton) before anything is timed: a short prefill, 2 steps
+    # compile the patches' kernels (Triton) before anything is timed: a short prefill and up to 2 decode steps (no
+    # more than the run has: a step past the ids would be empty)
+    warm, warm_steps = min(tokens, 256), min(decode, 2)
     for engine in engines.values():
-        engine.run_layer(engine.layer(layers[0]), engine.embed(ids[: warm + 2]), ids[: warm + 2],
-                         segment_lengths(warm, 2, chunk), warm)
+        engine.run_layer(engine.layer(layers[0]), engine.embed(ids[: warm + warm_steps]), ids[: warm + warm_steps],
+                         segment_lengths(warm, warm_steps, chunk), warm)
     with tempfile.TemporaryDirectory() as tmp:
         store = _TimedStore(tmp + "/run")
         store.create({})
@@ -257,8 +295,9 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             weights, weights_s = timed(dev, lambda: source.layer(layer, dev))
-            alone = _stacks_alone(cfg, layer, weights, dev, x, ids, ref_segments, yard_segments, segments, tokens,
-                                  reference, yardstick, engines)
+            stacks = (cfg, layer, weights, dev, x, ids, ref_segments, yard_segments, segments, tokens, reference,
+                      yardstick, engines)
+            alone = _stacks_alone(*stacks, lambda fn: timed(dev, fn)[1])
             runner_s.clear()
             store.seconds = 0.0
             mark[:] = [time.perf_counter(), None]
@@ -269,9 +308,31 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
             peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
             lb = LayerBench(layer, cfg.layer_kind(layer), weights_s, alone, dict(runner_s), store.seconds,
                             reference_flops(cfg, layer, tokens + decode), peak)
+            if busy and dev.type == "cuda":
+                lb.busy_s, lb.top_kernels = _busy_seconds(spec, f"{tmp}/traced-{layer}", layer, x, weights, source,
+                                                          stacks)
             result.layers.append(lb)
+            traced_note = "" if lb.busy_s is None else f", device busy {lb.busy_s['run']:.2f} s of the run"
             progress(f"layer {layer} ({lb.kind}): weights {weights_s:.2f} s, run {lb.run_s:.2f} s "
-                     f"(probes {lb.probes_s:.2f} s, store {lb.store_s:.2f} s)")
+                     f"(probes {lb.probes_s:.2f} s, store {lb.store_s:.2f} s){traced_note}")
     result.peak_host_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return result
 
+
+
+def _busy_seconds(spec: RunSpec, store_dir: str, layer: int, x: dict[str, torch.Tensor], weights: TensorBundle,
+                  source: SyntheticWeights, stacks: tuple[Any, ...], top: int = TOP_KERNELS
+                  ) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """The layer's parts once more, traced: the device-busy seconds of its weights, of each stack alone and of the
+    lockstep layer (a runner and store of its own, so the timed pass's rows and findings stay as they were), and the
+    lockstep's `top` kernels by device seconds."""
+    dev = torch.device(spec.device)
+    out: dict[str, Any] = {"weights": traced(dev, lambda: source.layer(layer, dev)).seconds}
+    out.update(_stacks_alone(*stacks, lambda fn: traced(dev, fn).seconds))
+    store = RunStore(store_dir)
+    store.create({})
+    runner = LockstepRunner(spec, store)
+    runner.HOST_LANES = False
+    run = traced(dev, lambda: runner.run_layer(layer, x, weights=weights))
+    out["run"] = run.seconds
+    return out, run.top(top)

@@ -41,6 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attribution", action="store_true",
                    help="run the lockstep with `attribute`'s variants of the built-in patches (base, each alone, all "
                         "but one, all) instead of base and all: what an attribution costs per layer")
+    p.add_argument("--no-trace", action="store_true",
+                   help="on a GPU, skip the traced passes that measure each part's device-busy seconds (the run's "
+                        "floor under its wall time); each layer then runs once less")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers as JSON")
     p.set_defaults(func=run)
 
@@ -75,14 +78,25 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"[bold]bench[/]: {cfg.name}, {args.tokens} prompt + {args.decode} decode tokens, chunk "
                   f"{args.chunk_size}, layers {layers}, {device}, {torch.get_num_threads()} thread(s)")
         variants = attribution_variants(default_registry().choose("all")) if args.attribution else None
-        result = run_bench(cfg, args.tokens, args.decode, layers, device, args.chunk_size, out.print, variants)
+        result = run_bench(cfg, args.tokens, args.decode, layers, device, args.chunk_size, out.print, variants,
+                           busy=not args.no_trace)
         environment = environment_record(device)  # inside: the thread count it ran with, not the caller's
     console().print(bench_table(result))
+    for lb in result.layers:
+        if lb.top_kernels:
+            console().print(f"layer {lb.layer}: the lockstep's busiest kernels (device seconds, summed per name): "
+                            + "; ".join(f"{seconds:.3f} {name[:90]}" for name, seconds in lb.top_kernels),
+                            soft_wrap=True, markup=False)
     record = {**result.to_dict(cfg), "environment": environment}
     projected = record["projected_run_s"]
     if projected is not None:
         console().print(f"projected run of all {cfg.num_hidden_layers} layers: {projected:.0f} s "
                         "(mean measured layer per layer kind; weights overlapped)")
+    floor = record["projected_busy_s"]
+    if floor is not None:
+        console().print(f"device busy over such a run: {floor:.0f} s (the lockstep's and the weights' kernels, "
+                        "traced): the floor that launching less cannot go under; only faster kernels or less work "
+                        "lower it")
     predicted = result.predicted["device_gib" if device.startswith("cuda") else "host_gib"]
     measured = max((lb.peak_device_gib or 0.0) for lb in result.layers) if device.startswith("cuda") \
         else result.peak_host_gib
@@ -95,24 +109,36 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_busy(seconds: float, busy: float | None) -> str:
+    """'wall' or, where the device's busy seconds were traced, 'wall (busy)'."""
+    return f"{seconds:.2f}" if busy is None else f"{seconds:.2f} ({busy:.2f})"
+
+
 def bench_table(result: BenchResult) -> Table:
     """One row per layer, seconds: weights, each stack alone (no probes), each stack and mode in the lockstep with
     its probes, what the probes add, the store; then tokens/s, peak device memory and the reference's achieved
-    share of the measured fp32 peak."""
+    share of the measured fp32 peak. On a GPU the weights, the stacks alone and the total also show the device's
+    busy seconds in parentheses, and 'GPU busy' their share of the lockstep's wall time."""
     modes = [("reference", "global")] + [(s, m) for s in ("yardstick", "base", "all") for m in ("global", "local")]
     short = {"reference": "ref", "yardstick": "yard", "base": "base", "all": "all"}
+    traced = any(lb.busy_s is not None for lb in result.layers)
     table = Table(title=f"{result.model}: {result.tokens}+{result.decode} tokens on {result.device_name} "
-                        f"({result.threads} thread(s)); seconds per layer; 'g'/'l' = global/local in the lockstep")
+                        f"({result.threads} thread(s)); seconds per layer; 'g'/'l' = global/local in the lockstep"
+                        + ("; (…) = the device's busy seconds, traced" if traced else ""))
     others = any(lb.other_variants_s for lb in result.layers)  # --attribution: the variants not timed alone
     for col in ["layer", "kind", "weights", *(f"{short[s]} alone" for s in STACKS),
                 *(short[s] + (" g" if m == "global" else " l") for s, m in modes), *(["others g+l"] if others else []),
-                "probes", "store", "total", "tok/s", "peak GiB", "ref/fp32 peak"]:
+                "probes", "store", "total", *(["GPU busy"] if traced else []), "tok/s", "peak GiB", "ref/fp32 peak"]:
         table.add_column(col, justify="right", overflow="fold")
     for lb in result.layers:
         share = lb.reference_flop / lb.alone_s["reference"] / result.fp32_peak_flops
-        table.add_row(str(lb.layer), lb.kind, f"{lb.weights_s:.2f}", *(f"{lb.alone_s[s]:.2f}" for s in STACKS),
+        busy = lb.busy_s or {}
+        table.add_row(str(lb.layer), lb.kind, _with_busy(lb.weights_s, busy.get("weights")),
+                      *(_with_busy(lb.alone_s[s], busy.get(s)) for s in STACKS),
                       *(f"{lb.runner_s.get(f'{s}/{m}', 0.0):.2f}" for s, m in modes),
                       *([f"{lb.other_variants_s:.2f}"] if others else []), f"{lb.probes_s:.2f}",
-                      f"{lb.store_s:.2f}", f"{lb.run_s:.2f}", f"{(result.tokens + result.decode) / lb.run_s:,.0f}",
+                      f"{lb.store_s:.2f}", _with_busy(lb.run_s, busy.get("run")),
+                      *([f"{100 * busy['run'] / lb.run_s:.0f}%" if busy else "—"] if traced else []),
+                      f"{(result.tokens + result.decode) / lb.run_s:,.0f}",
                       "—" if lb.peak_device_gib is None else f"{lb.peak_device_gib:.1f}", f"{100 * share:.0f}%")
     return table
