@@ -323,9 +323,10 @@ def test_the_fused_normal_kernel_gives_the_torch_paths_bits_on_the_device(key, o
 
 
 def test_device_busy_counts_the_kernels_and_not_the_host_time_between_them():
-    """harness.run.device_time: a region with a long GEMM is busy about as long as the GEMM takes; host sleep
-    between kernels is not busy time. Bounds: the busy time cannot exceed the region's wall time, and 8 products of
-    4096² fp32 (~1.1 TFLOP, ≥ 20 ms at an H200's ~51 TFLOP/s) must show as at least 10 ms."""
+    """harness.run.device_time: a region with 8 GEMMs is busy about as long as they take; host sleep between kernels
+    is not busy time. Bounds: 8 products of 4096² fp32 (~1.1 TFLOP, ~21 ms at an H200's ~51 TFLOP/s) must show as at
+    least 10 ms, and well under the 0.3 s sleep that follows them (0.2 s: a span from the first kernel to the last,
+    sleep included, would exceed it)."""
     import time
 
     from harness.run.device_time import device_busy
@@ -342,7 +343,7 @@ def test_device_busy_counts_the_kernels_and_not_the_host_time_between_them():
         a.sum()
     wall = time.perf_counter() - start
     assert busy.events >= 9
-    assert 0.01 <= busy.seconds <= wall - 0.25
+    assert 0.01 <= busy.seconds < 0.2 and busy.seconds < wall
     assert sum(busy.by_name.values()) >= busy.seconds * (1 - 1e-9)  # a sum per name ≥ the union (one stream: =)
     assert busy.top(1)[0][1] >= 0.9 * busy.seconds  # the GEMM's kernel, not the sum, dominates
 

@@ -603,3 +603,42 @@ def test_bench_on_a_cpu_traces_nothing_and_says_so_with_nulls(tmp_path):
                  "--layers", "2", "--threads", "1", "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["layers"][0]["busy_s"] is None and record["projected_busy_s"] is None
+
+
+def test_bench_traces_every_layer_after_timing_them_all(tmp_path, monkeypatch):
+    """The traced passes (a GPU's, here on the CPU with a stand-in tracer) run after every timed pass — tracing may
+    slow what runs after it — and fill each layer's busy seconds, its busiest kernels and the run's floor."""
+    import contextlib
+
+    from harness.run import benchmark
+    from harness.run.device_time import DeviceBusy
+
+    order: list[str] = []
+
+    @contextlib.contextmanager
+    def fake_busy(device):
+        order.append("traced")
+        yield DeviceBusy(seconds=0.5, events=3, by_name={"gemm": 0.4, "copy": 0.1})
+
+    real_run_layer = benchmark.LockstepRunner.run_layer
+
+    def run_layer(self, *args, **kwargs):
+        order.append("lockstep")
+        return real_run_layer(self, *args, **kwargs)
+
+    monkeypatch.setattr(benchmark, "TRACED_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(benchmark, "device_busy", fake_busy)
+    monkeypatch.setattr(benchmark.LockstepRunner, "run_layer", run_layer)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "tiny", "--tokens", "64", "--decode", "1", "--chunk-size", "64",
+                 "--layers", "1-3", "--threads", "1", "--json", str(out)]) == 0
+    first_traced = order.index("traced")
+    assert order[:first_traced] == ["lockstep"] * 3  # the three timed lockstep passes come first
+    record = json.loads(out.read_text())
+    for row in record["layers"]:
+        assert row["busy_s"] == {k: 0.5 for k in ("weights", "reference", "yardstick", "base", "all", "run")}
+        assert row["top_kernels"] == [["gemm", 0.4], ["copy", 0.1]]
+    assert record["projected_busy_s"] == pytest.approx(5 * (0.5 + 0.5))  # 5 layers, each lockstep + weights
+    assert main(["bench", "--model", "tiny", "--tokens", "64", "--decode", "1", "--chunk-size", "64",
+                 "--layers", "2", "--threads", "1", "--no-trace", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["layers"][0]["busy_s"] is None

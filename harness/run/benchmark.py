@@ -11,10 +11,10 @@ For each layer asked for, on deterministic synthetic weights and a synthetic pro
 - **store**: writing the layer's metrics;
 - peak device memory per layer, the process's peak host memory, tokens/s, and the reference's achieved FLOP/s
   against the device's fp32 matmul rate measured in the same process (`measure_fp32_peak`);
-- on a GPU, **device-busy seconds** (harness.run.device_time): the weights, each stack alone and the lockstep
-  layer run once more, traced, and the seconds the GPU computed are counted. Their sum over a run is the floor
-  that launching less cannot go under: a layer whose wall time is far above it is host-bound, one near it needs
-  faster kernels.
+- on a GPU, **device-busy seconds** (harness.run.device_time): once every layer is timed, each layer's weights,
+  stacks alone and lockstep run once more, traced, and the seconds the GPU computed are counted. Their sum over a
+  run is the floor that removing the launches' host cost cannot go under: a layer whose wall time is far above it is
+  host-bound; one near it needs faster or fewer kernels.
 
 Every timed region ends with a device synchronisation, so GPU work is charged to the region that queued it, and
 the engines first run untimed over a short prompt, so that compiling the patches' kernels (Triton) is not timed.
@@ -45,6 +45,8 @@ from reference.weights.synthetic import SyntheticWeights
 
 STACKS = ("reference", "yardstick", "base", "all")
 TOP_KERNELS = 12
+TRACED_DEVICE_TYPES = ("cuda",)
+"""Devices whose busy seconds are traced (harness.run.device_time: a CPU's wall time is its busy time)."""
 """Kernels listed per layer (bench's JSON and its console): the lockstep's busiest by device seconds."""
 
 
@@ -247,10 +249,10 @@ def bench_prompt(cfg: ModelConfig, tokens: int, decode: int) -> tuple[list[int],
 
 def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], device: str, chunk: int = 8192,
               progress: Callable[[str], None] = lambda line: None,
-              variants: list[VariantSpec] | None = None, busy: bool = True) -> BenchResult:
+              variants: list[VariantSpec] | None = None, trace: bool = True) -> BenchResult:
     """`variants`: the lockstep's (default base and all; `bench --attribution` gives `dsv4-drift attribute`'s: base,
-    each patch alone, all but one, all). Base and all are also timed alone. `busy`: on a GPU, also trace each part
-    once more for its device-busy seconds (LayerBench.busy_s)."""
+    each patch alone, all but one, all). Base and all are also timed alone. `trace`: on a GPU, once every layer is
+    timed, run each layer's parts once more, traced, for their device-busy seconds (LayerBench.busy_s)."""
     dev = torch.device(device)
     source = SyntheticWeights(cfg, 0)
     prompt, decode_ids, turns = bench_prompt(cfg, tokens, decode)
@@ -308,31 +310,37 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
             peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
             lb = LayerBench(layer, cfg.layer_kind(layer), weights_s, alone, dict(runner_s), store.seconds,
                             reference_flops(cfg, layer, tokens + decode), peak)
-            if busy and dev.type == "cuda":
-                lb.busy_s, lb.top_kernels = _busy_seconds(spec, f"{tmp}/traced-{layer}", layer, x, weights, source,
-                                                          stacks)
             result.layers.append(lb)
-            traced_note = "" if lb.busy_s is None else f", device busy {lb.busy_s['run']:.2f} s of the run"
             progress(f"layer {layer} ({lb.kind}): weights {weights_s:.2f} s, run {lb.run_s:.2f} s "
-                     f"(probes {lb.probes_s:.2f} s, store {lb.store_s:.2f} s){traced_note}")
+                     f"(probes {lb.probes_s:.2f} s, store {lb.store_s:.2f} s)")
+            del weights, stacks  # the next layer's are made next; a traced pass makes this one's again
+        if trace and dev.type in TRACED_DEVICE_TYPES:
+            # after every timed pass: a process keeps CUPTI set up once it has traced, which may slow what runs
+            # after (pytorch/pytorch#144455). The runner is reused (its LM head and caches are built), with a store
+            # of its own, so the traced layer does the timed one's work and no more
+            runner.store, runner.progress = RunStore(tmp + "/traced"), lambda event: None
+            runner.store.create({})
+            for lb in result.layers:
+                lb.busy_s, lb.top_kernels = _trace_layer(runner, lb.layer, x, source, (
+                    cfg, lb.layer, dev, x, ids, ref_segments, yard_segments, segments, tokens, reference, yardstick,
+                    engines))
+                progress(f"layer {lb.layer} ({lb.kind}), traced: the GPU busy {lb.busy_s['run']:.2f} s of the "
+                         f"lockstep's {lb.run_s:.2f} s")
     result.peak_host_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return result
 
 
-
-def _busy_seconds(spec: RunSpec, store_dir: str, layer: int, x: dict[str, torch.Tensor], weights: TensorBundle,
-                  source: SyntheticWeights, stacks: tuple[Any, ...], top: int = TOP_KERNELS
-                  ) -> tuple[dict[str, float], list[tuple[str, float]]]:
+def _trace_layer(runner: LockstepRunner, layer: int, x: dict[str, torch.Tensor], source: SyntheticWeights,
+                 stacks: tuple[Any, ...], top: int = TOP_KERNELS) -> tuple[dict[str, float], list[tuple[str, float]]]:
     """The layer's parts once more, traced: the device-busy seconds of its weights, of each stack alone and of the
-    lockstep layer (a runner and store of its own, so the timed pass's rows and findings stay as they were), and the
-    lockstep's `top` kernels by device seconds."""
-    dev = torch.device(spec.device)
-    out: dict[str, Any] = {"weights": traced(dev, lambda: source.layer(layer, dev)).seconds}
-    out.update(_stacks_alone(*stacks, lambda fn: traced(dev, fn).seconds))
-    store = RunStore(store_dir)
-    store.create({})
-    runner = LockstepRunner(spec, store)
-    runner.HOST_LANES = False
+    lockstep layer, and the lockstep's `top` kernels by device seconds. `stacks`: _stacks_alone's arguments but the
+    weights and `measure`."""
+    dev = runner.device
+    with device_busy(dev) as made:
+        weights = source.layer(layer, dev)
+    cfg, _, *rest = stacks
+    out: dict[str, float] = {"weights": made.seconds}
+    out.update(_stacks_alone(cfg, layer, weights, *rest, lambda fn: traced(dev, fn).seconds))
     run = traced(dev, lambda: runner.run_layer(layer, x, weights=weights))
     out["run"] = run.seconds
     return out, run.top(top)

@@ -1,13 +1,16 @@
-"""How long a GPU actually computed while a region ran: its busy seconds, the floor no host-side change can go under.
+"""How long a GPU actually computed while a region ran: its busy seconds, the floor under its wall time that removing
+the launches' host cost cannot go below (fewer or faster kernels can).
 
 A Flash layer of the lockstep is host-bound on an H200 (README, Benchmarks): its wall time is the host's, launching
-small kernels, and the GPU idles between them. Whether a run can still get faster by launching less, or only by
-faster kernels, is the ratio of the two. `device_busy` records the device's own activity (kernels, copies, fills)
-through the profiler's CUPTI tracing (torch.profiler, CUDA activity only: no host-side operator events) and measures
-the union of their intervals — busy time, counted once where kernels of two streams overlap.
+small kernels, and the GPU idles between them. Whether a run can still get faster by removing host work, or only
+with faster or fewer kernels, is the ratio of the two. `device_busy` records the device's own activity (kernels,
+copies, fills) through the profiler's CUPTI tracing (torch.profiler, CUDA activity only: host-side runtime calls are
+tagged CPU and left out, as are user annotations, whose spans cover the gaps between kernels) and measures the union
+of their intervals — busy time, counted once where kernels of two streams overlap. CUPTI's instrumentation lengthens
+each kernel a little, so the figure errs high, never low.
 
-Tracing costs host time per launch, so a region measured this way is not also timed for its wall seconds: the
-benchmark runs it once timed and once traced (harness.run.benchmark).
+Tracing costs host time per launch and may slow what a process runs after it (CUPTI stays set up; pytorch/pytorch
+#144455), so the benchmark times every layer first and traces them afterwards (harness.run.benchmark).
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ class DeviceBusy:
 def device_busy(device: torch.device) -> Iterator[DeviceBusy]:
     """Measure the device's busy seconds over the `with` block (filled in when it ends, after a synchronisation, so
     every kernel the block queued is counted). On a CPU nothing is traced and `seconds` stays None: there the host
-    is the device, and wall seconds are its busy time."""
+    is the device, and wall seconds are its busy time. None too when the trace holds no device activity at all
+    (CUPTI unavailable): an unmeasured region is not an idle one."""
     out = DeviceBusy()
     if device.type != "cuda":
         yield out
@@ -68,7 +72,10 @@ def device_busy(device: torch.device) -> Iterator[DeviceBusy]:
         yield out
         torch.cuda.synchronize(device)
     events = [e for e in prof.profiler.kineto_results.events()
-              if e.device_type() == torch.autograd.DeviceType.CUDA and e.device_index() == index]
+              if e.device_type() == torch.autograd.DeviceType.CUDA and e.device_index() == index
+              and not e.is_user_annotation()]
+    if not events:
+        return
     names: Counter[str] = Counter()
     for e in events:
         names[e.name()] += e.duration_ns() / 1e9

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{args.chunk_size}, layers {layers}, {device}, {torch.get_num_threads()} thread(s)")
         variants = attribution_variants(default_registry().choose("all")) if args.attribution else None
         result = run_bench(cfg, args.tokens, args.decode, layers, device, args.chunk_size, out.print, variants,
-                           busy=not args.no_trace)
+                           trace=not args.no_trace)
         environment = environment_record(device)  # inside: the thread count it ran with, not the caller's
     console().print(bench_table(result))
     for lb in result.layers:
@@ -95,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
     floor = record["projected_busy_s"]
     if floor is not None:
         console().print(f"device busy over such a run: {floor:.0f} s (the lockstep's and the weights' kernels, "
-                        "traced): the floor that launching less cannot go under; only faster kernels or less work "
-                        "lower it")
+                        "traced): the floor that removing the launches' host cost cannot go under; faster or "
+                        "fewer kernels lower it")
     predicted = result.predicted["device_gib" if device.startswith("cuda") else "host_gib"]
     measured = max((lb.peak_device_gib or 0.0) for lb in result.layers) if device.startswith("cuda") \
         else result.peak_host_gib
