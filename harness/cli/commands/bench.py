@@ -28,7 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "each stack alone (reference, yardstick, base, all), then the layer through the lockstep runner "
                     "with every probe (reference, then yardstick, base and all, global and local) and the store. "
                     "Prints a table and, with --json, writes every number with the device, threads and versions. "
-                    "The reference's achieved FLOP/s is set against the device's fp32 matmul rate, measured first.")
+                    "The reference's achieved FLOP/s is set against the device's fp32 matmul rate, measured first. "
+                    "On a GPU, once every layer is timed, each layer runs once more under the profiler for the "
+                    "seconds the GPU was busy: the floor under the run's wall time that removing host cost cannot "
+                    "go below.")
     p.add_argument("--model", default="flash-mini", choices=sorted(PRESETS), metavar="PRESET",
                    help="model preset (default flash-mini; flash is the full width)")
     p.add_argument("--tokens", type=int, default=8192, metavar="N", help="prompt tokens (default 8192)")
