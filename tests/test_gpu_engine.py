@@ -344,8 +344,11 @@ def test_device_busy_counts_the_kernels_and_not_the_host_time_between_them():
     wall = time.perf_counter() - start
     assert busy.events >= 9
     assert 0.01 <= busy.seconds < 0.2 and busy.seconds < wall
-    assert sum(busy.by_name.values()) >= busy.seconds * (1 - 1e-9)  # a sum per name ≥ the union (one stream: =)
-    assert busy.top(1)[0][1] >= 0.9 * busy.seconds  # the GEMM's kernel, not the sum, dominates
+    # a sum per name ≥ the union (one stream: equal, up to the rounding of summing ns/1e9 in another order: 1e-9)
+    assert sum(busy.by_name.values()) >= busy.seconds * (1 - 1e-9)
+    # the GEMM's kernel dominates: ~21 ms of GEMMs against ~20 µs for the sum of 16M elements at ~4.8 TB/s, so the
+    # GEMM's share is > 0.99; 0.9 is a margin, not a measured spread
+    assert busy.top(1)[0][1] >= 0.9 * busy.seconds
 
 
 def test_bench_on_a_gpu_reports_device_busy_seconds_below_the_wall_time(tmp_path):

@@ -45,9 +45,9 @@ from reference.weights.synthetic import SyntheticWeights
 
 STACKS = ("reference", "yardstick", "base", "all")
 TOP_KERNELS = 12
+"""Kernels listed per layer (bench's JSON and its console): the lockstep's busiest by device seconds."""
 TRACED_DEVICE_TYPES = ("cuda",)
 """Devices whose busy seconds are traced (harness.run.device_time: a CPU's wall time is its busy time)."""
-"""Kernels listed per layer (bench's JSON and its console): the lockstep's busiest by device seconds."""
 
 
 def sync(device: torch.device) -> None:
@@ -64,11 +64,11 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
-def traced(device: torch.device, fn: Callable[[], Any]) -> DeviceBusy:
-    """What the device ran while fn ran (seconds None on a CPU: nothing is traced there)."""
+def traced(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, DeviceBusy]:
+    """fn's result and what the device ran meanwhile (as `timed`; busy seconds None on a CPU: nothing is traced)."""
     with device_busy(device) as busy:
-        fn()
-    return busy
+        result = fn()
+    return result, busy
 
 
 def measure_fp32_peak(device: torch.device, size: int | None = None, repeats: int = 5) -> float:
@@ -167,31 +167,30 @@ class BenchResult:
     peak_host_gib: float = 0.0
     predicted: dict[str, Any] = field(default_factory=dict)  # harness.run.memory's estimate for this shape
 
-    def projected_run_s(self, cfg: ModelConfig) -> float | None:
-        """A whole run of this shape, all layers: the mean measured layer time of each layer kind times the number
-        of layers of that kind, plus the first layer's weights (later layers' are made in the background). None
-        when some kind was not measured."""
+    def _over_all_layers(self, cfg: ModelConfig, seconds: Callable[[LayerBench], float]) -> float | None:
+        """`seconds` of a measured layer, projected over every layer of the model: the mean of the measured layers
+        of each layer kind times the number of layers of that kind. None when some kind was not measured."""
         by_kind: dict[str, list[float]] = {}
         for lb in self.layers:
-            by_kind.setdefault(lb.kind, []).append(lb.run_s)
-        kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
-        if not self.layers or any(k not in by_kind for k in kinds):
-            return None
-        return sum(sum(by_kind[k]) / len(by_kind[k]) for k in kinds) + self.layers[0].weights_s
-
-    def projected_busy_s(self, cfg: ModelConfig) -> float | None:
-        """The device-busy seconds of a whole run of this shape (as projected_run_s, with each layer's busy seconds
-        of the lockstep and of its weights, which a run makes on the same device): the floor under the run's wall
-        time that no host-side change can go below. None on a CPU or when some layer kind was not measured."""
-        by_kind: dict[str, list[float]] = {}
-        for lb in self.layers:
-            if lb.busy_s is None:
-                return None
-            by_kind.setdefault(lb.kind, []).append(lb.busy_s["run"] + lb.busy_s["weights"])
+            by_kind.setdefault(lb.kind, []).append(seconds(lb))
         kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
         if not self.layers or any(k not in by_kind for k in kinds):
             return None
         return sum(sum(by_kind[k]) / len(by_kind[k]) for k in kinds)
+
+    def projected_run_s(self, cfg: ModelConfig) -> float | None:
+        """A whole run of this shape, all layers, plus the first layer's weights (later layers' are made in the
+        background). None when some kind was not measured."""
+        total = self._over_all_layers(cfg, lambda lb: lb.run_s)
+        return None if total is None else total + self.layers[0].weights_s
+
+    def projected_busy_s(self, cfg: ModelConfig) -> float | None:
+        """The device-busy seconds of a whole run of this shape: each layer's lockstep and its weights, which a run
+        makes on the same device — the floor under the run's wall time that removing host cost cannot go below.
+        None on a CPU or when some layer kind was not measured."""
+        if any(lb.busy_s is None for lb in self.layers):
+            return None
+        return self._over_all_layers(cfg, lambda lb: lb.busy_s["run"] + lb.busy_s["weights"])
 
     def to_dict(self, cfg: ModelConfig) -> dict[str, Any]:
         out = asdict(self)
@@ -293,13 +292,16 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
         runner = LockstepRunner(spec, store, on_event)
         runner.HOST_LANES = False  # one stack at a time, so that each column is one stack's (harness.run.host_lanes)
         x = runner.initial_streams()
+
+        def stacks_alone(layer: int, weights: TensorBundle, measure: Callable[[Callable[[], Any]], Any]
+                         ) -> dict[str, Any]:
+            return _stacks_alone(cfg, layer, weights, dev, x, ids, ref_segments, yard_segments, segments, tokens,
+                                 reference, yardstick, engines, measure)
         for layer in layers:
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             weights, weights_s = timed(dev, lambda: source.layer(layer, dev))
-            stacks = (cfg, layer, weights, dev, x, ids, ref_segments, yard_segments, segments, tokens, reference,
-                      yardstick, engines)
-            alone = _stacks_alone(*stacks, lambda fn: timed(dev, fn)[1])
+            alone = stacks_alone(layer, weights, lambda fn: timed(dev, fn)[1])
             runner_s.clear()
             store.seconds = 0.0
             mark[:] = [time.perf_counter(), None]
@@ -313,7 +315,7 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
             result.layers.append(lb)
             progress(f"layer {layer} ({lb.kind}): weights {weights_s:.2f} s, run {lb.run_s:.2f} s "
                      f"(probes {lb.probes_s:.2f} s, store {lb.store_s:.2f} s)")
-            del weights, stacks  # the next layer's are made next; a traced pass makes this one's again
+            del weights  # the next layer's are made next; a traced pass makes this one's again
         if trace and dev.type in TRACED_DEVICE_TYPES:
             # after every timed pass: a process keeps CUPTI set up once it has traced, which may slow what runs
             # after (pytorch/pytorch#144455). The runner is reused (its LM head and caches are built), with a store
@@ -321,9 +323,7 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
             runner.store, runner.progress = RunStore(tmp + "/traced"), lambda event: None
             runner.store.create({})
             for lb in result.layers:
-                lb.busy_s, lb.top_kernels = _trace_layer(runner, lb.layer, x, source, (
-                    cfg, lb.layer, dev, x, ids, ref_segments, yard_segments, segments, tokens, reference, yardstick,
-                    engines))
+                lb.busy_s, lb.top_kernels = _trace_layer(runner, lb.layer, x, source, stacks_alone)
                 progress(f"layer {lb.layer} ({lb.kind}), traced: the GPU busy {lb.busy_s['run']:.2f} s of the "
                          f"lockstep's {lb.run_s:.2f} s")
     result.peak_host_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -331,16 +331,14 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
 
 
 def _trace_layer(runner: LockstepRunner, layer: int, x: dict[str, torch.Tensor], source: SyntheticWeights,
-                 stacks: tuple[Any, ...], top: int = TOP_KERNELS) -> tuple[dict[str, float], list[tuple[str, float]]]:
-    """The layer's parts once more, traced: the device-busy seconds of its weights, of each stack alone and of the
-    lockstep layer, and the lockstep's `top` kernels by device seconds. `stacks`: _stacks_alone's arguments but the
-    weights and `measure`."""
+                 stacks_alone: Callable[..., dict[str, Any]], top: int = TOP_KERNELS
+                 ) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """The layer's parts once more, traced: the device-busy seconds of its weights, of each stack alone
+    (`stacks_alone(layer, weights, measure)`) and of the lockstep layer, and the lockstep's `top` kernels."""
     dev = runner.device
-    with device_busy(dev) as made:
-        weights = source.layer(layer, dev)
-    cfg, _, *rest = stacks
+    weights, made = traced(dev, lambda: source.layer(layer, dev))
     out: dict[str, float] = {"weights": made.seconds}
-    out.update(_stacks_alone(cfg, layer, weights, *rest, lambda fn: traced(dev, fn).seconds))
-    run = traced(dev, lambda: runner.run_layer(layer, x, weights=weights))
+    out.update(stacks_alone(layer, weights, lambda fn: traced(dev, fn)[1].seconds))
+    _, run = traced(dev, lambda: runner.run_layer(layer, x, weights=weights))
     out["run"] = run.seconds
     return out, run.top(top)

@@ -21,6 +21,11 @@ from optimized.registry import default_registry
 from reference.config import PRESETS, get_preset
 
 
+KERNEL_NAME_CHARS = 90
+"""Characters of a kernel's name printed: CUDA kernel names are whole C++ template instantiations (hundreds of
+characters); their first 90 name the library, operation and tile shape. The JSON keeps them whole."""
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench", help="per-layer time of weights, each stack and mode, probes and store; tokens/s, peak memory, FLOP/s",
@@ -88,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     for lb in result.layers:
         if lb.top_kernels:
             console().print(f"layer {lb.layer}: the lockstep's busiest kernels (device seconds, summed per name): "
-                            + "; ".join(f"{seconds:.3f} {name[:90]}" for name, seconds in lb.top_kernels),
+                            + "; ".join(f"{seconds:.3f} {name[:KERNEL_NAME_CHARS]}"
+                                        for name, seconds in lb.top_kernels),
                             soft_wrap=True, markup=False)
     record = {**result.to_dict(cfg), "environment": environment}
     projected = record["projected_run_s"]
