@@ -218,12 +218,14 @@ def main() -> None:
                     help="charge each tap's comparisons to a region of its own (STACK compare TAP), both phases; "
                          "their NaN/Inf checks stay with the emission or finish that makes them")
     ap.add_argument("--decode-steps", action="store_true",
-                    help="the reference and yardstick decode one pass per step, as on the CPU (default: as on a GPU)")
+                    help="the reference and yardstick decode one pass per step, and the engines compute their "
+                         "decode sites once per step, as on the CPU (default: as on a GPU)")
     args = ap.parse_args()
     probes.ComparingSink.DEFER_BLOCKS_ON_CPU = args.defer_blocks
     torch.set_num_threads(1)
     cfg, ids = bench_setup(args)
-    spec = bench_run_spec(args, cfg, ids, args.variants, reference_decode_together=not args.decode_steps)
+    spec = bench_run_spec(args, cfg, ids, args.variants, reference_decode_together=not args.decode_steps,
+                          decode_sites_together=not args.decode_steps)
     where = {"stack": "reference", "phase": "prefill"}
     if args.time:
         return time_regions(spec, args, where)

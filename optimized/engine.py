@@ -71,6 +71,10 @@ def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x if scale == 1.0 else x * scale
 
 
+def _lse_fields(result: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"lse": result[1]}
+
+
 def _mix_fields(result: tuple[torch.Tensor, Any]) -> dict[str, torch.Tensor]:
     _, mix = result
     return {"pre": mix.pre, "post": mix.post, "comb": mix.comb}
@@ -109,16 +113,34 @@ CACHE_OPS = ("kv_store", "kv_load", "chunk_state_carry")
 
 
 @dataclass
+class _HeldSite:
+    """One decode step's pure decision site (OptimizedLayer._emit_site) waiting for its stock and twin calls: the tap,
+    the op and how its result becomes fields, the step's positions, the variant's own fields, whether they are the
+    stock op's (no patch ran), and the op's inputs."""
+
+    tap: str
+    op: str
+    fields: Callable[[Any], dict[str, torch.Tensor]]
+    positions: torch.Tensor
+    own: dict[str, torch.Tensor]
+    own_is_stock: bool
+    inputs: dict[str, Any]
+
+
+@dataclass
 class _HeldSampled:
     """Per-query inputs of the sampled indexer site and attention rows not yet emitted, each with the key of the
     calls it may share (see OptimizedLayer._attention), and what emitting them needs: the context of the segment
-    that held them last (its state: the caches), its query block size and the attention sink logits."""
+    that held them last (its state: the caches), its query block size and the attention sink logits. Also the
+    decode steps' pure decision sites (`sites`), emitted with one stock and one twin call per tap."""
 
     site_rows: list[tuple[Any, tuple[torch.Tensor, ...]]] = field(default_factory=list)
     probs_rows: list[tuple[Any, tuple[torch.Tensor, ...]]] = field(default_factory=list)
     ctx: OpContext | None = None
     block: int = 1
     sink_logit: torch.Tensor | None = None
+    sites: list[_HeldSite] = field(default_factory=list)
+    sites_ctx: OpContext | None = None
 
 
 # The attention's element-wise glue around its linears, each a pure function of its inputs replayed from a CUDA graph
@@ -203,11 +225,16 @@ class OptimizedLayer:
                                engine_options={**ctx.engine_options, "reassociate": reassociate})
 
     def _emit_site(self, probes: ProbeSink, tap: str, ctx: OpContext, op: str, fields: Callable[[Any], dict],
-                   positions: torch.Tensor, own: Any, own_is_stock: bool, **inputs: Any) -> None:
+                   positions: torch.Tensor, own: Any, own_is_stock: bool, hold: bool = False, **inputs: Any) -> None:
         """Emit `tap` with the variant's result of `op` and the stock op's and its twin's on the same inputs.
         `own_is_stock`: no patch ran while `own` was computed, so `own` is the stock result (same code, same inputs)
-        and is not computed again."""
+        and is not computed again. `hold`: `op` is a pure function of its inputs, row by row (hc_pre, router), and
+        this is a decode step: keep the inputs and emit with the other held steps' (emit_held_sampled)."""
         if not probes.wants(tap):
+            return
+        if hold:
+            self._held_sampled.sites.append(_HeldSite(tap, op, fields, positions, fields(own), own_is_stock, inputs))
+            self._held_sampled.sites_ctx = ctx
             return
         values = {}
         stock = own if own_is_stock else self._stock(ctx, False).call(op, **inputs)
@@ -217,11 +244,14 @@ class OptimizedLayer:
 
     # ------------------------------------------------------------------------------------------
     def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, state: EngineState, phase: str,
-                segment: int = 0, sink: ProbeSink = NULL_SINK, hold_sampled: bool = False) -> torch.Tensor:
+                segment: int = 0, sink: ProbeSink = NULL_SINK, hold_sampled: bool = False,
+                hold_sites: bool = False) -> torch.Tensor:
         """Block_l over the segment's tokens; streams [S, n, D] bf16 in and out. Mutates `state`.
         `hold_sampled`: keep the sampled queries' indexer site and attention rows (recomputed from the caches) for
         `emit_held_sampled` instead of emitting them at the end of this segment — valid only while later segments
-        leave the rows these queries read as they are (`holds_decode_samples`)."""
+        leave the rows these queries read as they are (`holds_decode_samples`). `hold_sites`: keep the mHC and
+        router sites' inputs for `emit_held_sampled` too (valid in any case: those ops read no cache), and with
+        `hold_sampled` the sampled queries' attention site's."""
         cfg = self.cfg
         positions = torch.arange(state.position, state.position + streams.shape[0], device=self.device)
         ctx = self._context(phase, segment, positions, state)
@@ -236,9 +266,9 @@ class OptimizedLayer:
         if sink.wants("attn.hc"):
             sink.emit("attn.hc", positions, pre=mix.pre, post=mix.post, comb=mix.comb, mixed=a)
         self._emit_site(sink, "attn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix), stock_only,
-                        streams=streams, site="attn")
+                        hold_sites, streams=streams, site="attn")
         attn_out = self._attention(ctx, rms_norm_bf16(a, ctx.weight("attn_norm.weight"), cfg.rms_norm_eps), sink,
-                                   hold_sampled)
+                                   hold_sampled, hold_sites)
         if sink.wants("attn.out"):
             sink.emit("attn.out", positions, out=attn_out)
         streams = ctx.call("hc_post", f=attn_out, streams=streams, mix=mix)
@@ -247,8 +277,9 @@ class OptimizedLayer:
         if sink.wants("ffn.hc"):
             sink.emit("ffn.hc", positions, pre=mix.pre, post=mix.post, comb=mix.comb, mixed=a)
         self._emit_site(sink, "ffn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix), stock_only,
-                        streams=streams, site="ffn")
-        moe_out = self._moe(ctx, rms_norm_bf16(a, ctx.weight("ffn_norm.weight"), cfg.rms_norm_eps), token_ids, sink)
+                        hold_sites, streams=streams, site="ffn")
+        moe_out = self._moe(ctx, rms_norm_bf16(a, ctx.weight("ffn_norm.weight"), cfg.rms_norm_eps), token_ids, sink,
+                            hold_sites)
         if sink.wants("moe.out"):
             sink.emit("moe.out", positions, out=moe_out)
         streams = ctx.call("hc_post", f=moe_out, streams=streams, mix=mix)
@@ -260,7 +291,8 @@ class OptimizedLayer:
         return streams
 
     # ------------------------------------------------------------------------------------------
-    def _attention(self, ctx: OpContext, x: torch.Tensor, sink: ProbeSink, hold_sampled: bool) -> torch.Tensor:
+    def _attention(self, ctx: OpContext, x: torch.Tensor, sink: ProbeSink, hold_sampled: bool, hold_sites: bool
+                   ) -> torch.Tensor:
         cfg, state, positions = self.cfg, ctx.state, ctx.positions
         H, eps = cfg.num_attention_heads, cfg.rms_norm_eps
         cos, sin = cos_sin(state.inv_freq, positions, torch.float32)
@@ -333,8 +365,10 @@ class OptimizedLayer:
             if sink.wants("attn.lse"):
                 sink.emit("attn.lse", pos, lse=lse)
             if sink.wants("attn.site") and sampled.numel():
-                self._emit_site(sink, "attn.site", ctx, "sparse_attention", lambda r: {"lse": r[1]}, pick(pos),
-                                (pick(o), pick(lse)), stock_only, q=pick(q[blk]), window_slots=pick(window_slots),
+                # held only while the caches keep what this step read (hold_sampled), as the attention rows are
+                self._emit_site(sink, "attn.site", ctx, "sparse_attention", _lse_fields, pick(pos),
+                                (pick(o), pick(lse)), stock_only, hold_sampled and hold_sites, q=pick(q[blk]),
+                                window_slots=pick(window_slots),
                                 comp_slots=pick(comp_slots), sink=sink_logit, comp_lanes=pick(lanes),
                                 comp_length=pick(length))
             if sink.wants("attn.probs") and sampled.numel():
@@ -353,8 +387,10 @@ class OptimizedLayer:
         held.site_rows += [((index_rows, _widths(r)) if hold_sampled else None, r) for r in site_rows]
         held.probs_rows += [(_widths(r) if hold_sampled else None, r) for r in probs_rows]
         held.ctx, held.block, held.sink_logit = ctx, block, sink_logit
-        if not hold_sampled:
-            self.emit_held_sampled(sink)
+        if not hold_sampled:  # the sampled rows now (held sites wait for emit_held_sampled)
+            rows = _HeldSampled(held.site_rows, held.probs_rows, ctx, block, sink_logit)
+            held.site_rows, held.probs_rows = [], []
+            self._emit_sampled_rows(sink, rows)
 
         o = replay(_derotated_outputs, out, cos, sin)
         u = ctx.call("linear", x=o.flatten(-2).unflatten(-1, (cfg.o_groups, -1)), site="attn.wo_a")
@@ -366,10 +402,47 @@ class OptimizedLayer:
         share a key: a held decode step's fields are never padded to a width it never had, and its stock top-k runs
         over the index rows it had."""
         held = self.discard_held_sampled()
+        self._emit_held_sites(sink, held)
+        self._emit_sampled_rows(sink, held)
+
+    def _emit_sampled_rows(self, sink: ProbeSink, held: _HeldSampled) -> None:
+        """The indexer site and attention rows of the sampled queries in `held` (emit_held_sampled)."""
         for key, rows in _in_runs(held.site_rows, held.block):
             self._emit_indexer_site(held.ctx, sink, *rows, index_rows=None if key is None else key[0])
         for _, rows in _in_runs(held.probs_rows, held.block):
             self._emit_probs(held.ctx, sink, *rows, held.sink_logit)
+
+    def _routing_fields(self, routing: Any) -> dict[str, torch.Tensor]:
+        return _routing_fields(routing, self.cfg.n_shared_experts > 0)
+
+    def _emit_held_sites(self, sink: ProbeSink, held: _HeldSampled) -> None:
+        """The held decode steps' sites, per tap and input widths: the steps' inputs joined along the tokens, one
+        stock call (unless every step's own result was the stock op's) and one twin call over all of them, and one
+        emission — instead of one of each per step (on an H200, ~3–4 ms of host time per decode step per stack and
+        mode at Flash width). The mHC and router ops are pure and row by row; the attention reads the caches by the
+        step's slots, and is held only while they keep what it read (OptimizedLayer.holds_decode_samples) — so each
+        row is the op on that step's inputs, up to the summation order of a differently shaped call (fp32 rounding:
+        a GEMM over many rows, a softmax over the union of the steps' key rows with the others masked)."""
+        by_call: dict[tuple, list[_HeldSite]] = {}  # steps whose inputs can be joined: one tap, the same widths
+        for site in held.sites:
+            widths = _widths(tuple(v for v in site.inputs.values() if isinstance(v, torch.Tensor) and v.dim()))
+            by_call.setdefault((site.tap, widths), []).append(site)
+        for (tap, _), sites in by_call.items():
+            first = sites[0]
+            positions = torch.cat([site.positions for site in sites])
+            # per-token inputs joined; one every step passed as the same object (the attention's sink logits, a
+            # Python value) is the op's constant
+            inputs = {k: v if all(site.inputs[k] is v for site in sites) else torch.cat([site.inputs[k] for site in sites])
+                      for k, v in first.inputs.items()}
+            own = {k: torch.cat([site.own[k] for site in sites]) for k in first.own}
+            ctx = held.sites_ctx.with_fields(positions=positions)
+            # a step whose own result was the stock op's among steps whose were not (a patch acting on some steps
+            # only) gets the recomputed stock row: the same op on the same inputs, up to the joined call's rounding
+            stock = own if all(site.own_is_stock for site in sites) else \
+                first.fields(self._stock(ctx, False).call(first.op, **inputs))
+            twin = first.fields(self._stock(ctx, True).call(first.op, **inputs))
+            sink.emit(tap, positions, **own, **{"stock_" + k: v for k, v in stock.items()},
+                      **{"twin_" + k: v for k, v in twin.items()})
 
     def discard_held_sampled(self) -> _HeldSampled:
         """What is held, no longer held (run_layer starts from nothing: a run stopped by an error leaves no rows)."""
@@ -425,14 +498,15 @@ class OptimizedLayer:
             sink.emit(tap, ids * state.ratio, rows=rows, row_ids=ids)
 
     # ------------------------------------------------------------------------------------------
-    def _moe(self, ctx: OpContext, y: torch.Tensor, token_ids: torch.Tensor, sink: ProbeSink) -> torch.Tensor:
+    def _moe(self, ctx: OpContext, y: torch.Tensor, token_ids: torch.Tensor, sink: ProbeSink, hold_sites: bool
+             ) -> torch.Tensor:
         routing, stock_only = ctx.call_noting_patches("router", y=y, token_ids=token_ids)
         if sink.wants("moe.router"):
             sink.emit("moe.router", ctx.positions, scores=routing.scores, expert_ids=routing.expert_ids,
                       weights=_scaled(routing.weights, routing.output_scale))
         self._emit_site(sink, "moe.router.site", ctx, "router",
-                        lambda r: _routing_fields(r, self.cfg.n_shared_experts > 0), ctx.positions, routing,
-                        stock_only, y=y, token_ids=token_ids)
+                        self._routing_fields, ctx.positions, routing, stock_only, hold_sites, y=y,
+                        token_ids=token_ids)
         total = ctx.call("experts", y=y, routing=routing)
         if self.cfg.n_shared_experts:
             g = ctx.call("linear", x=y, site="ffn.shared_experts.w1")
@@ -470,12 +544,13 @@ class OptimizedModel:
 
     def run_layer(self, block: OptimizedLayer, streams: torch.Tensor, token_ids: torch.Tensor,
                   segments: Sequence[int], n_prompt: int, sink: ProbeSink = NULL_SINK, state: EngineState | None = None,
-                  at_decode: Callable[[EngineState], None] | None = None) -> torch.Tensor:
+                  at_decode: Callable[[EngineState], None] | None = None, hold_sites: bool = False) -> torch.Tensor:
         """Prefill chunks (positions < n_prompt) then decode steps, from a fresh state — or from `state`, another
         run's state after the segments before its position (a variant whose patches act in decode only continues
         from a copy of a variant's state after the same prefill: harness.run.prefill_sharing); those segments are
         skipped and the output holds the positions from state.position on. `at_decode(state)` is called before the
-        first decode step."""
+        first decode step. `hold_sites`: the decode steps' sites are computed once over all the steps
+        (OptimizedLayer.forward)."""
         state = state if state is not None else block.new_state(int(streams.shape[0]))
         block.discard_held_sampled()
         outs, start, counts = [], 0, {"prefill": 0, "decode": 0}
@@ -486,7 +561,8 @@ class OptimizedModel:
                     at_decode(state)
                 outs.append(block.forward(streams[start : start + n], token_ids[start : start + n], state, phase,
                                           counts[phase], sink,
-                                          hold_sampled=phase == "decode" and block.holds_decode_samples))
+                                          hold_sampled=phase == "decode" and block.holds_decode_samples,
+                                          hold_sites=hold_sites and phase == "decode"))
             counts[phase] += 1
             start += n
         block.emit_held_sampled(sink)  # the decode steps' sampled queries, over every step at once (if held)

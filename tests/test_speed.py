@@ -247,14 +247,16 @@ def test_run_refuses_before_any_compute_when_the_host_would_not_hold_it(tmp_path
     assert not (tmp_path / "run" / "metrics.parquet").exists()
 
 
-def _tiny_metrics(tmp_path, name: str, decode_together: bool | None = None):
+def _tiny_metrics(tmp_path, name: str, decode_together: bool | None = None, sites_together: bool | None = None):
     """Every metric row of tiny-smoke (4 decode steps, all patches, local on) through the lockstep, sorted.
-    `decode_together`: RunSpec.reference_decode_together (None: as the device decides)."""
+    `decode_together`: RunSpec.reference_decode_together, `sites_together`: RunSpec.decode_sites_together (None: as
+    the device decides)."""
     from harness.run.runner import LockstepRunner
     from harness.run.store import RunStore
 
     spec, _ = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))
     spec.reference_decode_together = decode_together
+    spec.decode_sites_together = sites_together
     store = RunStore(tmp_path / name)
     store.create({})
     LockstepRunner(spec, store).run()
@@ -291,19 +293,59 @@ def test_comparisons_deferred_in_batches_give_the_same_bits_as_one_by_one(tmp_pa
     assert batched.equals(one_by_one)
 
 
+METRIC_KEYS = ["variant", "mode", "layer", "phase", "chunk", "step", "turn", "pos_bin", "pos_end", "tap", "metric"]
+"""The columns that name a metric row."""
+
+
+def _one_step_at_a_time_and_together(tmp_path, switch: str):
+    """tiny-smoke's metric rows with `switch` (a _tiny_metrics keyword: the decode steps' work one step at a time, or
+    together as on a GPU) off and on, merged by METRIC_KEYS (columns suffixed _steps and _together); the off run is
+    checked to be the CPU's default, whose bits the metrics pin holds."""
+    torch.set_num_threads(1)
+    steps = _tiny_metrics(tmp_path, "steps", **{switch: False})
+    together = _tiny_metrics(tmp_path, "together", **{switch: True})
+    assert steps.equals(_tiny_metrics(tmp_path, "default"))
+    both = steps.merge(together, on=METRIC_KEYS, suffixes=("_steps", "_together"), validate="one_to_one")
+    assert len(both) == len(steps) == len(together)
+    return both
+
+
+def test_decode_sites_computed_together_move_the_site_metrics_by_fp32_rounding_only(tmp_path):
+    """On a GPU the engines compute their decode steps' mHC, router and attention sites once over all the steps
+    (LockstepRunner.sites_together), on the CPU once per step. The stock op and its twin give each step's row on that
+    step's inputs (the attention's from caches that only grew since), so: every row outside the decode site taps is
+    the same bits; the discrete site metrics (flips) do not move on tiny-smoke's margins; the continuous ones move by
+    the fp32 rounding of a differently shaped call only."""
+    both = _one_step_at_a_time_and_together(tmp_path, "sites_together")
+    site_taps = ["attn.hc.site", "ffn.hc.site", "moe.router.site", "attn.site"]
+    held = both[(both.phase == "decode") & both.tap.isin(site_taps)]
+    rest = both.drop(held.index)
+    assert len(held) > 100 and len(rest) > 10_000
+    same = lambda a, b: ((a == b) | (a.isna() & b.isna())).all()  # noqa: E731
+    assert same(rest.value_steps, rest.value_together) and same(rest.max_steps, rest.max_together)
+    assert (held.count_steps == held.count_together).all()
+    moved = held.value_steps != held.value_together
+    assert moved.any()  # the joined calls did round differently (else this test would prove nothing)
+    discrete = held.metric.str.contains("flip")
+    assert same(held[discrete].value_steps, held[discrete].value_together)
+    # The mHC and router site metrics are relative errors and residuals of fp32 results of order 1: a product shaped
+    # differently rounds each output within a few fp32 ulps (2^-24 ≈ 6e-8 relative), so a metric moves by ~1e-7
+    # (measured on this run: ≤ 1.04e-7); 1e-6 is ~16 ulps. The attention's are absolute errors of log-sum-exps of
+    # order 1–16 here (an ulp at 16: 1.9e-6; measured ≤ 4.8e-7, one ulp at 4–8): 4 ulps at 16, 7.6e-6. Twin rows
+    # paired with the wrong steps (rolled by one) moved twin_rel_err by 0.41, twin_weight_err by 1.6e-2 and
+    # twin_lse_err by 3.9 (measured).
+    bound = held.metric.str.startswith("attn.").map({True: 4 * 16 * 2.0**-23, False: 1e-6})
+    off = (held.value_steps - held.value_together).abs() > bound
+    assert not off.any(), held[off][METRIC_KEYS + ["value_steps", "value_together"]].head(10).to_string()
+
+
 def test_the_reference_and_yardstick_decoding_together_move_decode_metrics_by_their_rounding_only(tmp_path):
     """On a GPU the reference and the yardstick run the decode tokens as one segment (LockstepRunner.decodes_together),
     on the CPU one pass per step. Their graph gives the same values either way up to the rounding of differently
     shaped products, so: every prefill metric is the same bits (no prompt position reads a decode position); a
     variant's decode metrics move by the reference's fp32 rounding only; the yardstick's decode metrics are another
     draw of its bf16 rounding, the same noise floor on average."""
-    torch.set_num_threads(1)
-    steps = _tiny_metrics(tmp_path, "steps", decode_together=False)
-    together = _tiny_metrics(tmp_path, "together", decode_together=True)
-    assert steps.equals(_tiny_metrics(tmp_path, "default"))  # the CPU's default: one pass per step (the pin's bits)
-    keys = ["variant", "mode", "layer", "phase", "chunk", "step", "turn", "pos_bin", "pos_end", "tap", "metric"]
-    both = steps.merge(together, on=keys, suffixes=("_steps", "_together"), validate="one_to_one")
-    assert len(both) == len(steps) == len(together)
+    both = _one_step_at_a_time_and_together(tmp_path, "decode_together")
     prefill, decode = both[both.phase == "prefill"], both[both.phase == "decode"]
     assert len(prefill) > 1000 and (prefill.value_steps.values == prefill.value_together.values).all()
     variants = decode[decode.variant != "yardstick"]
@@ -315,7 +357,7 @@ def test_the_reference_and_yardstick_decoding_together_move_decode_metrics_by_th
     # (recall, flips, agreement) compare counts and must not move at all on tiny-smoke's margins.
     scale = variants[["value_steps", "value_together"]].abs().max(axis=1).clip(lower=1.0)
     off = (variants.value_steps - variants.value_together).abs() > 1e-5 * scale
-    assert not off.any(), variants[off][keys + ["value_steps", "value_together"]].head(10).to_string()
+    assert not off.any(), variants[off][METRIC_KEYS + ["value_steps", "value_together"]].head(10).to_string()
     # The yardstick's decode metrics per position are other draws of the same bf16 rounding: means over tiny-smoke's
     # decode positions measured 0.03–1.4% apart for the relative errors below (5% for the signed bias, left out);
     # 10% is ~7× that and well inside the 2× by which a gate scales the yardstick.

@@ -78,6 +78,9 @@ class RunSpec:
     reference_decode_together: bool | None = None
     """The reference and the yardstick run the decode tokens as one segment (None: on a GPU only); see
     LockstepRunner.decodes_together."""
+    decode_sites_together: bool | None = None
+    """The engines compute their decode steps' sites (the stock op and its twin on each step's inputs) once over all
+    the steps (None: on a GPU only); see LockstepRunner.sites_together."""
     reference_dtype: torch.dtype = torch.float32
     parity: ParityOptions = ParityOptions()
     yardstick: bool = True
@@ -184,6 +187,7 @@ class LockstepRunner:
         self.reference_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.reference_chunk_size,
                                                   together)
         self.yardstick_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size, together)
+        self.hold_sites = self.sites_together(spec)
         self.plan = BinPlan(spec.n_prompt, len(spec.decode_ids), spec.chunk_size, spec.turn_of_position, spec.bin_size)
         self.sampled = sampled_positions(spec, spec.attn_sample_every)
         self.phase_of = torch.zeros(spec.n_total, dtype=torch.bool)
@@ -212,6 +216,19 @@ class LockstepRunner:
         step costs its arithmetic."""
         if spec.reference_decode_together is not None:
             return spec.reference_decode_together
+        return torch.device(spec.device).type != "cpu"
+
+    @staticmethod
+    def sites_together(spec: RunSpec) -> bool:
+        """Whether the engines compute their decode steps' sites — the mHC mix, the router and the sampled steps'
+        attention, the stock op and its twin on the step's inputs — once over all the steps (spec.decode_sites_together;
+        None: on a GPU only; OptimizedLayer._emit_held_sites). Each step's row is the op on that step's inputs up to
+        the rounding of a differently shaped call, so the site metrics move by that fp32 rounding and no other metric
+        moves (tests/test_speed.py). On an H200 a step's sites were ~3–4 ms of host time per stack and mode (Flash CSA
+        layer, 30,720 + 64 tokens): ~1 s of an ~11 s layer over the four engine stacks and modes. The CPU keeps one
+        call per step: its metrics stay the pinned bits (tests/test_metrics_pin.py)."""
+        if spec.decode_sites_together is not None:
+            return spec.decode_sites_together
         return torch.device(spec.device).type != "cpu"
 
     # ------------------------------------------------------------------------------------------
@@ -459,10 +476,12 @@ class LockstepRunner:
         share = shares.get(key)
         if share is not None and share.fits(x_in, sink, spec.n_prompt):
             state, sink = share.continue_as(name)
-            decode = engine.run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink, state=state)
+            decode = engine.run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink, state=state,
+                                      hold_sites=self.hold_sites)
             return torch.cat([share.prefill_out, decode]), sink
         keep = shares.keeper(key, sink)
-        out = engine.run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink, at_decode=keep)
+        out = engine.run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink, at_decode=keep,
+                               hold_sites=self.hold_sites)
         shares.finish(key, out[: spec.n_prompt], x_in[: spec.n_prompt] if mode == "global" else None)
         return out, sink
 
