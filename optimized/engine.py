@@ -24,7 +24,7 @@ from optimized.paged_cache import IndexKeyCache, LatentCache
 from optimized.patching import PHASES, PatchChoice
 from optimized.state import EngineState
 from reference.config import ModelConfig
-from reference.graphs import replay
+from reference.graphs import clone_together, replay
 from reference.layer import query_block_size
 from reference.model import ForwardResult, segment_lengths
 from reference.ops.attention import KeySet, sparse_attention_with_sink
@@ -114,9 +114,9 @@ CACHE_OPS = ("kv_store", "kv_load", "chunk_state_carry")
 
 @dataclass
 class _HeldSite:
-    """One decode step's pure decision site (OptimizedLayer._emit_site) waiting for its stock and twin calls: the tap,
-    the op and how its result becomes fields, the step's positions, the variant's own fields, whether they are the
-    stock op's (no patch ran), and the op's inputs."""
+    """One decode step's decision site (OptimizedLayer._emit_site) waiting for its stock and twin calls: the tap, the
+    op and how its result becomes fields, the step's positions, the variant's own fields, whether they are the stock
+    op's (no patch ran), the op's per-token inputs (first dim: the step's tokens) and its other inputs."""
 
     tap: str
     op: str
@@ -124,7 +124,21 @@ class _HeldSite:
     positions: torch.Tensor
     own: dict[str, torch.Tensor]
     own_is_stock: bool
-    inputs: dict[str, Any]
+    per_token: dict[str, torch.Tensor]
+    constants: dict[str, Any]
+
+    @classmethod
+    def kept(cls, tap: str, op: str, fields: Callable[[Any], dict[str, torch.Tensor]], positions: torch.Tensor,
+             own: Any, own_is_stock: bool, inputs: dict[str, Any]) -> "_HeldSite":
+        """The site with copies of its own fields and per-token inputs (one packed copy: clone_together): they are
+        read at the end of the decode, and a patch may return a buffer it writes again at the next step (a kernel
+        replayed from a CUDA graph returns its static output), as the sink's own deferred emissions assume too."""
+        n = positions.numel()
+        own_fields = fields(own)
+        per_token = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n}
+        copies = iter(clone_together([*own_fields.values(), *per_token.values()]))
+        return cls(tap, op, fields, positions, {k: next(copies) for k in own_fields}, own_is_stock,
+                   {k: next(copies) for k in per_token}, {k: v for k, v in inputs.items() if k not in per_token})
 
 
 @dataclass
@@ -233,7 +247,7 @@ class OptimizedLayer:
         if not probes.wants(tap):
             return
         if hold:
-            self._held_sampled.sites.append(_HeldSite(tap, op, fields, positions, fields(own), own_is_stock, inputs))
+            self._held_sampled.sites.append(_HeldSite.kept(tap, op, fields, positions, own, own_is_stock, inputs))
             self._held_sampled.sites_ctx = ctx
             return
         values = {}
@@ -425,15 +439,13 @@ class OptimizedLayer:
         a GEMM over many rows, a softmax over the union of the steps' key rows with the others masked)."""
         by_call: dict[tuple, list[_HeldSite]] = {}  # steps whose inputs can be joined: one tap, the same widths
         for site in held.sites:
-            widths = _widths(tuple(v for v in site.inputs.values() if isinstance(v, torch.Tensor) and v.dim()))
-            by_call.setdefault((site.tap, widths), []).append(site)
+            by_call.setdefault((site.tap, _widths(tuple(site.per_token.values()))), []).append(site)
         for (tap, _), sites in by_call.items():
             first = sites[0]
             positions = torch.cat([site.positions for site in sites])
-            # per-token inputs joined; one every step passed as the same object (the attention's sink logits, a
-            # Python value) is the op's constant
-            inputs = {k: v if all(site.inputs[k] is v for site in sites) else torch.cat([site.inputs[k] for site in sites])
-                      for k, v in first.inputs.items()}
+            # the per-token inputs joined; the others (the attention's sink logits, the mHC site's name) are the
+            # op's own, the same at every step
+            inputs = {**first.constants, **{k: torch.cat([site.per_token[k] for site in sites]) for k in first.per_token}}
             own = {k: torch.cat([site.own[k] for site in sites]) for k in first.own}
             ctx = held.sites_ctx.with_fields(positions=positions)
             # a step whose own result was the stock op's among steps whose were not (a patch acting on some steps
