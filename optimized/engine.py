@@ -104,6 +104,20 @@ def _in_runs(parts: list[tuple[Any, tuple[torch.Tensor, ...]]], block: int
             for rows in _in_blocks([r for _, r in run], block)]
 
 
+def _at_most(sites: list["_HeldSite"], tokens: int) -> list[list["_HeldSite"]]:
+    """`sites` cut, in order, into runs of at most `tokens` tokens (a site holds at least one run of its own)."""
+    runs: list[list[_HeldSite]] = [[]]
+    count = 0
+    for site in sites:
+        n = site.positions.numel()
+        if runs[-1] and count + n > tokens:
+            runs.append([])
+            count = 0
+        runs[-1].append(site)
+        count += n
+    return runs
+
+
 def _widths(rows: tuple[torch.Tensor, ...]) -> tuple[torch.Size, ...]:
     return tuple(f.shape[1:] for f in rows)
 
@@ -112,11 +126,17 @@ CACHE_OPS = ("kv_store", "kv_load", "chunk_state_carry")
 """The ops that write, read or replace the engine's caches between decode steps."""
 
 
+PER_TOKEN_INPUTS = {"hc_pre": ("streams",), "router": ("y", "token_ids"),
+                    "sparse_attention": ("q", "window_slots", "comp_slots", "comp_lanes", "comp_length")}
+"""The inputs of each op whose site a decode step may hold that have one row per token: joined along the tokens over
+the held steps. The others are the op's own at every step (hc_pre's site name, the attention's per-head sink)."""
+
+
 @dataclass
 class _HeldSite:
     """One decode step's decision site (OptimizedLayer._emit_site) waiting for its stock and twin calls: the tap, the
     op and how its result becomes fields, the step's positions, the variant's own fields, whether they are the stock
-    op's (no patch ran), the op's per-token inputs (first dim: the step's tokens) and its other inputs."""
+    op's (no patch ran), the op's per-token inputs (PER_TOKEN_INPUTS) and its other inputs."""
 
     tap: str
     op: str
@@ -133,9 +153,8 @@ class _HeldSite:
         """The site with copies of its own fields and per-token inputs (one packed copy: clone_together): they are
         read at the end of the decode, and a patch may return a buffer it writes again at the next step (a kernel
         replayed from a CUDA graph returns its static output), as the sink's own deferred emissions assume too."""
-        n = positions.numel()
         own_fields = fields(own)
-        per_token = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n}
+        per_token = {k: inputs[k] for k in PER_TOKEN_INPUTS[op] if k in inputs}
         copies = iter(clone_together([*own_fields.values(), *per_token.values()]))
         return cls(tap, op, fields, positions, {k: next(copies) for k in own_fields}, own_is_stock,
                    {k: next(copies) for k in per_token}, {k: v for k, v in inputs.items() if k not in per_token})
@@ -146,7 +165,8 @@ class _HeldSampled:
     """Per-query inputs of the sampled indexer site and attention rows not yet emitted, each with the key of the
     calls it may share (see OptimizedLayer._attention), and what emitting them needs: the context of the segment
     that held them last (its state: the caches), its query block size and the attention sink logits. Also the
-    decode steps' pure decision sites (`sites`), emitted with one stock and one twin call per tap."""
+    decode steps' decision sites (`sites`), emitted with one stock and one twin call per tap and input widths
+    (OptimizedLayer._emit_held_sites), in the context `ctx`."""
 
     site_rows: list[tuple[Any, tuple[torch.Tensor, ...]]] = field(default_factory=list)
     probs_rows: list[tuple[Any, tuple[torch.Tensor, ...]]] = field(default_factory=list)
@@ -154,7 +174,6 @@ class _HeldSampled:
     block: int = 1
     sink_logit: torch.Tensor | None = None
     sites: list[_HeldSite] = field(default_factory=list)
-    sites_ctx: OpContext | None = None
 
 
 # The attention's element-wise glue around its linears, each a pure function of its inputs replayed from a CUDA graph
@@ -242,13 +261,13 @@ class OptimizedLayer:
                    positions: torch.Tensor, own: Any, own_is_stock: bool, hold: bool = False, **inputs: Any) -> None:
         """Emit `tap` with the variant's result of `op` and the stock op's and its twin's on the same inputs.
         `own_is_stock`: no patch ran while `own` was computed, so `own` is the stock result (same code, same inputs)
-        and is not computed again. `hold`: `op` is a pure function of its inputs, row by row (hc_pre, router), and
-        this is a decode step: keep the inputs and emit with the other held steps' (emit_held_sampled)."""
+        and is not computed again. `hold`: this is a decode step whose `op` gives each token's row from that token's
+        inputs alone — hc_pre and router always, sparse_attention while the caches keep the rows it read — so the
+        site waits to be emitted with the other held steps' (emit_held_sampled)."""
         if not probes.wants(tap):
             return
         if hold:
             self._held_sampled.sites.append(_HeldSite.kept(tap, op, fields, positions, own, own_is_stock, inputs))
-            self._held_sampled.sites_ctx = ctx
             return
         values = {}
         stock = own if own_is_stock else self._stock(ctx, False).call(op, **inputs)
@@ -282,7 +301,7 @@ class OptimizedLayer:
         self._emit_site(sink, "attn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix), stock_only,
                         hold_sites, streams=streams, site="attn")
         attn_out = self._attention(ctx, rms_norm_bf16(a, ctx.weight("attn_norm.weight"), cfg.rms_norm_eps), sink,
-                                   hold_sampled, hold_sites)
+                                   hold_sampled, hold_sampled and hold_sites)
         if sink.wants("attn.out"):
             sink.emit("attn.out", positions, out=attn_out)
         streams = ctx.call("hc_post", f=attn_out, streams=streams, mix=mix)
@@ -305,8 +324,10 @@ class OptimizedLayer:
         return streams
 
     # ------------------------------------------------------------------------------------------
-    def _attention(self, ctx: OpContext, x: torch.Tensor, sink: ProbeSink, hold_sampled: bool, hold_sites: bool
+    def _attention(self, ctx: OpContext, x: torch.Tensor, sink: ProbeSink, hold_sampled: bool, hold_site: bool
                    ) -> torch.Tensor:
+        """`hold_sampled`: forward's; `hold_site`: hold the sampled queries' attention site as well (forward's
+        hold_sites, valid only with hold_sampled: the site reads the caches by the step's slots)."""
         cfg, state, positions = self.cfg, ctx.state, ctx.positions
         H, eps = cfg.num_attention_heads, cfg.rms_norm_eps
         cos, sin = cos_sin(state.inv_freq, positions, torch.float32)
@@ -379,9 +400,8 @@ class OptimizedLayer:
             if sink.wants("attn.lse"):
                 sink.emit("attn.lse", pos, lse=lse)
             if sink.wants("attn.site") and sampled.numel():
-                # held only while the caches keep what this step read (hold_sampled), as the attention rows are
                 self._emit_site(sink, "attn.site", ctx, "sparse_attention", _lse_fields, pick(pos),
-                                (pick(o), pick(lse)), stock_only, hold_sampled and hold_sites, q=pick(q[blk]),
+                                (pick(o), pick(lse)), stock_only, hold_site, q=pick(q[blk]),
                                 window_slots=pick(window_slots),
                                 comp_slots=pick(comp_slots), sink=sink_logit, comp_lanes=pick(lanes),
                                 comp_length=pick(length))
@@ -402,9 +422,7 @@ class OptimizedLayer:
         held.probs_rows += [(_widths(r) if hold_sampled else None, r) for r in probs_rows]
         held.ctx, held.block, held.sink_logit = ctx, block, sink_logit
         if not hold_sampled:  # the sampled rows now (held sites wait for emit_held_sampled)
-            rows = _HeldSampled(held.site_rows, held.probs_rows, ctx, block, sink_logit)
-            held.site_rows, held.probs_rows = [], []
-            self._emit_sampled_rows(sink, rows)
+            self._emit_sampled_rows(sink, held)
 
         o = replay(_derotated_outputs, out, cos, sin)
         u = ctx.call("linear", x=o.flatten(-2).unflatten(-1, (cfg.o_groups, -1)), site="attn.wo_a")
@@ -420,41 +438,44 @@ class OptimizedLayer:
         self._emit_sampled_rows(sink, held)
 
     def _emit_sampled_rows(self, sink: ProbeSink, held: _HeldSampled) -> None:
-        """The indexer site and attention rows of the sampled queries in `held` (emit_held_sampled)."""
-        for key, rows in _in_runs(held.site_rows, held.block):
+        """The indexer site and attention rows of the sampled queries in `held`, which then holds none."""
+        site_rows, probs_rows, held.site_rows, held.probs_rows = held.site_rows, held.probs_rows, [], []
+        for key, rows in _in_runs(site_rows, held.block):
             self._emit_indexer_site(held.ctx, sink, *rows, index_rows=None if key is None else key[0])
-        for _, rows in _in_runs(held.probs_rows, held.block):
+        for _, rows in _in_runs(probs_rows, held.block):
             self._emit_probs(held.ctx, sink, *rows, held.sink_logit)
 
     def _routing_fields(self, routing: Any) -> dict[str, torch.Tensor]:
         return _routing_fields(routing, self.cfg.n_shared_experts > 0)
 
     def _emit_held_sites(self, sink: ProbeSink, held: _HeldSampled) -> None:
-        """The held decode steps' sites, per tap and input widths: the steps' inputs joined along the tokens, one
-        stock call (unless every step's own result was the stock op's) and one twin call over all of them, and one
-        emission — instead of one of each per step (on an H200, ~3–4 ms of host time per decode step per stack and
-        mode at Flash width). The mHC and router ops are pure and row by row; the attention reads the caches by the
-        step's slots, and is held only while they keep what it read (OptimizedLayer.holds_decode_samples) — so each
-        row is the op on that step's inputs, up to the summation order of a differently shaped call (fp32 rounding:
-        a GEMM over many rows, a softmax over the union of the steps' key rows with the others masked)."""
+        """The held decode steps' sites, per tap and input widths, in calls of at most `held.block` tokens (the query
+        budget the decode steps' blocks were sized by): the steps' inputs joined along the tokens, one stock call
+        (unless every step's own result was the stock op's) and one twin call, and one emission — instead of one of
+        each per step (on an H200, ~3–4 ms of host time per decode step per stack and mode at Flash width). Each row
+        is the op on that step's inputs (_emit_site's `hold`), up to the summation order of a differently shaped call
+        (fp32 rounding: a GEMM over many rows, a softmax over the union of the steps' key rows with the others
+        masked). The stock and twin fields are checked for NaN/Inf with this emission, after the decode steps' other
+        taps: a non-finite value in the variant's own fields is found at its step by attn.hc, moe.router or attn.lse,
+        which carry the same values."""
         by_call: dict[tuple, list[_HeldSite]] = {}  # steps whose inputs can be joined: one tap, the same widths
         for site in held.sites:
             by_call.setdefault((site.tap, _widths(tuple(site.per_token.values()))), []).append(site)
-        for (tap, _), sites in by_call.items():
-            first = sites[0]
-            positions = torch.cat([site.positions for site in sites])
-            # the per-token inputs joined; the others (the attention's sink logits, the mHC site's name) are the
-            # op's own, the same at every step
-            inputs = {**first.constants, **{k: torch.cat([site.per_token[k] for site in sites]) for k in first.per_token}}
-            own = {k: torch.cat([site.own[k] for site in sites]) for k in first.own}
-            ctx = held.sites_ctx.with_fields(positions=positions)
-            # a step whose own result was the stock op's among steps whose were not (a patch acting on some steps
-            # only) gets the recomputed stock row: the same op on the same inputs, up to the joined call's rounding
-            stock = own if all(site.own_is_stock for site in sites) else \
-                first.fields(self._stock(ctx, False).call(first.op, **inputs))
-            twin = first.fields(self._stock(ctx, True).call(first.op, **inputs))
-            sink.emit(tap, positions, **own, **{"stock_" + k: v for k, v in stock.items()},
-                      **{"twin_" + k: v for k, v in twin.items()})
+        for (tap, _), group in by_call.items():
+            for sites in _at_most(group, max(held.block, 1)):
+                first = sites[0]
+                positions = torch.cat([site.positions for site in sites])
+                inputs = {**first.constants,
+                          **{k: torch.cat([site.per_token[k] for site in sites]) for k in first.per_token}}
+                own = {k: torch.cat([site.own[k] for site in sites]) for k in first.own}
+                ctx = held.ctx.with_fields(positions=positions)  # the last step's: the caches as they are now
+                # a step whose own result was the stock op's among steps whose were not (a patch acting on some
+                # steps only) gets the recomputed stock row: the same op on the same inputs, up to the rounding
+                stock = own if all(site.own_is_stock for site in sites) else \
+                    first.fields(self._stock(ctx, False).call(first.op, **inputs))
+                twin = first.fields(self._stock(ctx, True).call(first.op, **inputs))
+                sink.emit(tap, positions, **own, **{"stock_" + k: v for k, v in stock.items()},
+                          **{"twin_" + k: v for k, v in twin.items()})
 
     def discard_held_sampled(self) -> _HeldSampled:
         """What is held, no longer held (run_layer starts from nothing: a run stopped by an error leaves no rows)."""

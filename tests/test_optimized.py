@@ -620,3 +620,54 @@ def test_a_patched_cache_store_keeps_the_decode_samples_per_step():
             assert torch.equal(runs["engine"].rows["attn.probs"][p][name], value), (p, name)
     assert any(not torch.equal(runs["held anyway"].rows["attn.probs"][p]["probs"],
                                runs["stepwise"].rows["attn.probs"][p]["probs"]) for p in decode)
+
+
+class _SiteSink(_SampledRowsSink):
+    """Samples every position and keeps what the decision sites emit, per tap and position, and how often."""
+
+    SITES = ("attn.hc.site", "ffn.hc.site", "moe.router.site", "attn.site")
+
+    def __init__(self) -> None:
+        self.rows = {tap: {} for tap in self.SITES}
+        self.calls = {tap: 0 for tap in self.SITES}
+
+
+def test_held_decode_sites_give_each_step_its_own_row_with_a_reassociated_twin():
+    """run_layer(hold_sites=True) holds the decode steps' sites and emits each once per layer (GPU default,
+    LockstepRunner.sites_together). Per decode position: the variant's own fields are the per-step run's bits (they
+    are the step's own results, copied); the stock and twin fields are those of the joined calls — equal to the
+    per-step ones up to fp32 rounding — and the twin is still the re-associated op (whether its bits differ from the
+    stock op's depends on how the BLAS splits its sums, so the calls are checked)."""
+    source = SyntheticWeights(TINY, 0)
+    model = OptimizedModel(source, REGISTRY.choose("bf16-mhc-prelinear,mma-sparse-decode"))
+    n_prompt, n_decode = 50, 6
+    ids = torch.randint(0, TINY.vocab_size, (n_prompt + n_decode,), generator=torch.Generator().manual_seed(9))
+    segments = segment_lengths(n_prompt, n_decode, 32)
+    x = model.embed(ids)
+    runs, joined_calls = {}, []
+    for held in (False, True):
+        sink, block = _SiteSink(), model.layer(2)
+        stock = block._stock
+
+        def noting(ctx, reassociate, stock=stock):  # the decode calls over more than one step: the joined ones
+            if ctx.phase == "decode" and ctx.positions.numel() > 1:
+                joined_calls.append(reassociate)
+            return stock(ctx, reassociate)
+        block._stock = noting
+        model.run_layer(block, x, ids, segments, n_prompt, sink, hold_sites=held)
+        runs[held] = sink
+    decode = range(n_prompt, n_prompt + n_decode)
+    for tap in _SiteSink.SITES:
+        assert runs[False].calls[tap] == 2 + n_decode, tap  # two prefill chunks, then one emission per step
+        assert 2 < runs[True].calls[tap] < 2 + n_decode, tap  # the steps joined (attn.site: by compressed widths)
+        for p in decode:
+            step, joined = runs[False].rows[tap][p], runs[True].rows[tap][p]
+            assert step.keys() == joined.keys()
+            for name, value in step.items():
+                if name.startswith(("stock_", "twin_")) and value.is_floating_point():
+                    # fp32 values of order 1–10: a differently shaped call moves them by a few ulps
+                    assert torch.allclose(joined[name], value, rtol=1e-5, atol=1e-5), (tap, p, name)
+                elif not name.startswith(("stock_", "twin_")):
+                    assert torch.equal(joined[name], value), (tap, p, name)
+    # one twin call (re-associated) per joined group, and a stock call only where a patch ran in the op (hc_pre)
+    assert joined_calls.count(True) >= len(_SiteSink.SITES) and False in joined_calls, joined_calls
