@@ -71,10 +71,6 @@ def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x if scale == 1.0 else x * scale
 
 
-def _lse_fields(result: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {"lse": result[1]}
-
-
 def _mix_fields(result: tuple[torch.Tensor, Any]) -> dict[str, torch.Tensor]:
     _, mix = result
     return {"pre": mix.pre, "post": mix.post, "comb": mix.comb}
@@ -400,7 +396,7 @@ class OptimizedLayer:
             if sink.wants("attn.lse"):
                 sink.emit("attn.lse", pos, lse=lse)
             if sink.wants("attn.site") and sampled.numel():
-                self._emit_site(sink, "attn.site", ctx, "sparse_attention", _lse_fields, pick(pos),
+                self._emit_site(sink, "attn.site", ctx, "sparse_attention", lambda r: {"lse": r[1]}, pick(pos),
                                 (pick(o), pick(lse)), stock_only, hold_site, q=pick(q[blk]),
                                 window_slots=pick(window_slots),
                                 comp_slots=pick(comp_slots), sink=sink_logit, comp_lanes=pick(lanes),
@@ -429,10 +425,10 @@ class OptimizedLayer:
         return ctx.call("linear", x=u.flatten(-2), site="attn.wo_b")
 
     def emit_held_sampled(self, sink: ProbeSink) -> None:
-        """Emit the held sampled queries' indexer site and attention rows, computed from the caches as they are now,
-        in calls of at most `block` queries (the budget the last segment's blocks were sized by) over queries that
-        share a key: a held decode step's fields are never padded to a width it never had, and its stock top-k runs
-        over the index rows it had."""
+        """Emit the held decode sites (_emit_held_sites), then the held sampled queries' indexer site and attention
+        rows, computed from the caches as they are now, in calls of at most `block` queries (the budget the last
+        segment's blocks were sized by) over queries that share a key: a held decode step's fields are never padded
+        to a width it never had, and its stock top-k runs over the index rows it had."""
         held = self.discard_held_sampled()
         self._emit_held_sites(sink, held)
         self._emit_sampled_rows(sink, held)
@@ -444,9 +440,6 @@ class OptimizedLayer:
             self._emit_indexer_site(held.ctx, sink, *rows, index_rows=None if key is None else key[0])
         for _, rows in _in_runs(probs_rows, held.block):
             self._emit_probs(held.ctx, sink, *rows, held.sink_logit)
-
-    def _routing_fields(self, routing: Any) -> dict[str, torch.Tensor]:
-        return _routing_fields(routing, self.cfg.n_shared_experts > 0)
 
     def _emit_held_sites(self, sink: ProbeSink, held: _HeldSampled) -> None:
         """The held decode steps' sites, per tap and input widths, in calls of at most `held.block` tokens (the query
@@ -538,8 +531,8 @@ class OptimizedLayer:
             sink.emit("moe.router", ctx.positions, scores=routing.scores, expert_ids=routing.expert_ids,
                       weights=_scaled(routing.weights, routing.output_scale))
         self._emit_site(sink, "moe.router.site", ctx, "router",
-                        self._routing_fields, ctx.positions, routing, stock_only, hold_sites, y=y,
-                        token_ids=token_ids)
+                        lambda r: _routing_fields(r, self.cfg.n_shared_experts > 0), ctx.positions, routing,
+                        stock_only, hold_sites, y=y, token_ids=token_ids)
         total = ctx.call("experts", y=y, routing=routing)
         if self.cfg.n_shared_experts:
             g = ctx.call("linear", x=y, site="ffn.shared_experts.w1")

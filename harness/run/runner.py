@@ -174,6 +174,12 @@ SIGNAL_POLL_S = 0.1
 main thread only, and a SIGINT the kernel hands to another thread does not wake a blocked wait."""
 
 
+def _on_a_gpu_unless_set(setting: bool | None, device: str) -> bool:
+    """A decode-step batching switch of the spec: its value when set, else on any device but the CPU (whose metrics
+    are the pinned bits, tests/test_metrics_pin.py)."""
+    return setting if setting is not None else torch.device(device).type != "cpu"
+
+
 class LockstepRunner:
     def __init__(self, spec: RunSpec, store: RunStore, progress: ProgressFn | None = None) -> None:
         self.spec, self.store = spec, store
@@ -214,9 +220,7 @@ class LockstepRunner:
         reference's 64 steps and the yardstick's two modes' took 1.08 s, one segment each 0.18 s. The CPU keeps one
         pass per step so that its metrics stay bit-identical to the pinned ones (tests/test_metrics_pin.py); there a
         step costs its arithmetic."""
-        if spec.reference_decode_together is not None:
-            return spec.reference_decode_together
-        return torch.device(spec.device).type != "cpu"
+        return _on_a_gpu_unless_set(spec.reference_decode_together, spec.device)
 
     @staticmethod
     def sites_together(spec: RunSpec) -> bool:
@@ -227,9 +231,7 @@ class LockstepRunner:
         moves (tests/test_speed.py). On an H200 a step's sites were ~3–4 ms of host time per stack and mode (Flash CSA
         layer, 30,720 + 64 tokens): ~1 s of an ~11 s layer over the four engine stacks and modes. The CPU keeps one
         call per step: its metrics stay the pinned bits (tests/test_metrics_pin.py)."""
-        if spec.decode_sites_together is not None:
-            return spec.decode_sites_together
-        return torch.device(spec.device).type != "cpu"
+        return _on_a_gpu_unless_set(spec.decode_sites_together, spec.device)
 
     # ------------------------------------------------------------------------------------------
     def run(self, start_layer: int = 0, streams: dict[str, torch.Tensor] | None = None,
