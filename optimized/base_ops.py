@@ -20,7 +20,7 @@ from optimized.numerics import bf16, bf16_linear, constant, exact_matmul, exact_
 from optimized.ops import OpContext, Routing
 from optimized.paged_cache import quantize_fp8_per_row
 from reference.graphs import replay
-from reference.quant import QuantizedTensor, mx32_to_nvfp4, mx32_to_nvfp4_dense, nvfp4_dense_from_mx
+from reference.quant import QuantizedTensor, mx32_to_nvfp4, mx32_to_nvfp4_forms, nvfp4_forms_from_mx
 from reference.layer import share_rows
 from reference.ops.attention import KeySet
 from reference.ops.compressor import pool_new_windows, visible_rows
@@ -153,6 +153,30 @@ def _nvfp4_key(name: str, fmt: str) -> str:
     return f"{name}#{fmt}"
 
 
+def _nvfp4_global_key(name: str, fmt: str) -> str:
+    """The dense cache's name for the fp32 global scale of a weight's NVFP4 form (a 0-dim tensor on the device)."""
+    return f"{name}#{fmt}#global"
+
+
+def nvfp4_form_kept(ctx: OpContext, name: str, fmt: str) -> bool:
+    """Whether the layer's dense cache holds the NVFP4 form of `name` (load_weight would convert nothing)."""
+    return _nvfp4_key(name, fmt) in ctx.dense
+
+
+def nvfp4_global_scale(ctx: OpContext, name: str, fmt: str, value: torch.Tensor) -> torch.Tensor | None:
+    """The global scale g of `value` when it is the cache's own NVFP4 form of `name` (what load_weight converted, not
+    a tensor a load_weight patch returned) and g was kept with it: then value = fl(code·b · g) with code·b exact in
+    ≤ 6 significant bits, so bf16(value / g) is code·b (numerics.scaled_bf16_products). None otherwise."""
+    if not ctx.dense.holds(_nvfp4_key(name, fmt), value):
+        return None
+    key = _nvfp4_global_key(name, fmt)
+    return ctx.dense.get(key, None, ctx.device) if key in ctx.dense else None
+
+
+def _keep_global_scale(ctx: OpContext, name: str, fmt: str, global_scale: torch.Tensor) -> None:
+    ctx.dense.put(_nvfp4_global_key(name, fmt), global_scale.reshape(()).float().to(ctx.device))
+
+
 def load_weight(ctx: OpContext, name: str, fmt: str) -> torch.Tensor:
     """Exact fp32 dequantization of the stored tensor (cached for the layer); 'nvfp4' / 'nvfp4-pow2' give the NVFP4
     form of an FP4 expert weight (the checkpoint's own when it is stored as NVFP4), reference.quant.mx32_to_nvfp4."""
@@ -164,7 +188,11 @@ def load_weight(ctx: OpContext, name: str, fmt: str) -> torch.Tensor:
     if not isinstance(stored, QuantizedTensor) or stored.format not in ("fp4_mx32", "nvfp4"):
         raise ValueError(f"'{name}' is not an FP4 or NVFP4 weight; it has no NVFP4 form")
     rule = NVFP4_FORMATS[fmt]
-    as_nvfp4 = (lambda: stored) if stored.format == "nvfp4" else (lambda: mx32_to_nvfp4(stored, rule, name))
+
+    def as_nvfp4() -> QuantizedTensor:  # on a miss only; its global scale kept beside the form
+        q = stored if stored.format == "nvfp4" else mx32_to_nvfp4(stored, rule, name)
+        _keep_global_scale(ctx, name, fmt, q.global_scale)
+        return q
     return ctx.dense.get(_nvfp4_key(name, fmt), as_nvfp4, ctx.device)
 
 
@@ -203,13 +231,15 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
             try:
                 if all(n in ctx.dense for n in group):  # their fp32 copies (the layer's fill): ~2x faster from those
                     mx = torch.stack([ctx.dense.get(n, q, ctx.device) for n, q in zip(group, qs)])
-                    dense = nvfp4_dense_from_mx(mx, qs, NVFP4_FORMATS[fmt], group)
+                    dense, global_scales = nvfp4_forms_from_mx(mx, qs, NVFP4_FORMATS[fmt], group)
                 else:
-                    dense = mx32_to_nvfp4_dense(qs, NVFP4_FORMATS[fmt], group)
+                    dense, global_scales = mx32_to_nvfp4_forms(qs, NVFP4_FORMATS[fmt], group)
             except ValueError:
                 continue
-            for name, value in zip(group, dense.to(ctx.device)):
+            global_scales = global_scales.float().to(ctx.device)  # one copy for the group
+            for name, value, global_scale in zip(group, dense.to(ctx.device), global_scales):
                 ctx.dense.put(_nvfp4_key(name, fmt), value)
+                ctx.dense.put(_nvfp4_global_key(name, fmt), global_scale)
 
 
 def kv_store(ctx: OpContext, cache: str, rows: torch.Tensor) -> None:
@@ -406,13 +436,21 @@ and the cat holds the products twice for a moment — at most 64 rows × 4096 fp
 
 
 def _per_expert(ctx: OpContext, x: torch.Tensor, layout: "PairLayout", matrix: str) -> torch.Tensor:
-    """x's rows (laid out expert by expert) times their expert's `matrix`ᵀ, in the same row order."""
-    def product(e: int, rows: slice) -> torch.Tensor:  # x: FP8 activations, bf16 values (numerics.exact_product)
-        name = f"ffn.experts.{e}.{matrix}.weight"
-        w = ctx.weight(name)
-        return exact_product(x[rows], w, lambda: ctx.dense.bf16_exact(name, w))
-
+    """x's rows (laid out expert by expert) times their expert's `matrix`ᵀ, in the same row order, for callers that
+    round them to bf16 next (the experts' GEMM outputs are bf16, spec §7.1). On a GPU over a prefill chunk's rows,
+    when every expert's weight is bf16-valued, as grouped GEMMs (numerics.grouped_bf16_products: the same exact
+    products, rounded to bf16 already); else one GEMM per expert (numerics.exact_product), as on the CPU."""
+    names = {e: f"ffn.experts.{e}.{matrix}.weight" for e, _ in layout.spans}
     width = ctx.cfg.moe_intermediate_size if matrix != "w2" else ctx.cfg.hidden_size
+    if layout.order.numel() > FEW_PAIRS and numerics.grouped_products_apply(x, width):
+        weights = [ctx.weight(names[e]) for e, _ in layout.spans]
+        if all(ctx.dense.bf16_exact(names[e], w) for (e, _), w in zip(layout.spans, weights)):
+            return numerics.grouped_bf16_products(x, weights, [rows for _, rows in layout.spans])
+
+    def product(e: int, rows: slice) -> torch.Tensor:  # x: FP8 activations, bf16 values (numerics.exact_product)
+        w = ctx.weight(names[e])
+        return exact_product(x[rows], w, lambda: ctx.dense.bf16_exact(names[e], w))
+
     return joined_products(layout, product, width, x.device)
 
 

@@ -115,6 +115,88 @@ def exact_product(x: torch.Tensor, w: torch.Tensor, weight_is_bf16: Callable[[],
     return bf16_mm(x.reshape(_rows(x), x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
 
 
+GROUPED_EXPERTS = 32
+"""Experts whose weights one grouped GEMM reads (grouped_bf16_products): their bf16 copies, made for the call, are
+32 × 2048 × 4096 × 2 B = 0.5 GB at Flash width (harness.run.memory counts them), and a prefill chunk's 256 experts
+take 8 grouped GEMMs per matrix instead of 256 GEMMs."""
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_gemm_device(device: torch.device) -> bool:
+    """Whether torch's grouped GEMM runs as one CUTLASS kernel on `device` (sm90 and sm100 only; elsewhere torch
+    falls back to a loop that reads the group sizes on the host)."""
+    return device.type == "cuda" and hasattr(torch, "_grouped_mm") \
+        and torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def grouped_products_apply(x: torch.Tensor, width: int) -> bool:
+    """Whether grouped_bf16_products may compute x's rows' products: on a GPU with a grouped GEMM kernel, from
+    TENSOR_CORE_MIN_ROWS rows (a decode step's few rows stay per-expert fp32 GEMMs), with both inner and output
+    widths multiples of 8 (the kernel's 16-byte alignment of bf16 rows)."""
+    return on_tensor_cores(x) and x.shape[-1] % 8 == 0 and width % 8 == 0 and _grouped_gemm_device(x.device)
+
+
+def grouped_bf16_products(x: torch.Tensor, weights: list[torch.Tensor], rows: list[slice]) -> torch.Tensor:
+    """[P, K] x, whose every value is a bf16, times weights[i]ᵀ ([N, K], every value a bf16) over rows[i] (consecutive
+    slices covering x, one per weight): grouped bf16 GEMMs with fp32 accumulation, **rounded to bf16** (returned as
+    fp32) — the value bf16(exact_product(...)) has but for the accumulation order, for callers that round the
+    products to bf16 next (the experts' GEMM outputs, spec §7.1).
+
+    A per-expert loop launches four kernels per expert (the weight's and the rows' bf16 casts, the GEMM, the copy into
+    the output), 3,072 per prefill chunk at Flash width, and was host-bound at 11.4 ms per matrix and chunk on an
+    H200; the grouped form casts GROUPED_EXPERTS weights with one multi-tensor copy and runs one grouped GEMM for them
+    (6.4 ms per matrix and chunk, bound by the casts' reads, with 1 ms of host time)."""
+    xb = x.bfloat16()
+    out = torch.empty(x.shape[0], weights[0].shape[0], dtype=torch.bfloat16, device=x.device)
+    for g in range(0, len(weights), GROUPED_EXPERTS):
+        ws, spans = weights[g:g + GROUPED_EXPERTS], rows[g:g + GROUPED_EXPERTS]
+        stack = torch.empty(len(ws), *ws[0].shape, dtype=torch.bfloat16, device=x.device)
+        torch._foreach_copy_(list(stack.unbind(0)), ws)
+        start, stop = spans[0].start, spans[-1].stop
+        # group ends from page-locked memory: a copy from pageable memory would wait for the queue
+        ends = torch.tensor([s.stop - start for s in spans], dtype=torch.int32, pin_memory=x.is_cuda)
+        out[start:stop] = torch._grouped_mm(xb[start:stop], stack.transpose(1, 2),
+                                            offs=ends.to(x.device, non_blocking=True), out_dtype=torch.bfloat16)
+    return out.float()
+
+
+def _bf16_product_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x @ wᵀ for bf16 x and w with fp32 accumulation: on a GPU on tensor cores with fp32 output; on a CPU (whose
+    torch has no bf16 GEMM with fp32 output) as the fp32 GEMM of their values, whose products are exact as well."""
+    if x.is_cuda:
+        torch.mm(x, w.T, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(x.float(), w.float().T, out=out)
+
+
+def scaled_bf16_products(x: torch.Tensor, weights: list[torch.Tensor], rows: list[slice], x_scales: list[float],
+                         w_scales: list[torch.Tensor]) -> torch.Tensor:
+    """[P, N] fp32: x[rows[i]] @ weights[i]ᵀ for NVFP4 operands — x = fl(x̃·s) with s = x_scales[i] (the activations'
+    global input scale, 1.0 for bf16 activations), w = fl(w̃·g) with g = w_scales[i] (the weight's fp32 global scale,
+    0-dim on the device) — where x̃ (e2m1 code × e4m3 block scale) and w̃ (likewise) have ≤ 6 significant bits: then
+    fl(x / s) and fl(w / g) lie within 2^-22 of them and round to them exactly in bf16, so x̃·w̃ products are exact on
+    bf16 tensor cores, and the result is fl(Σ x̃·w̃ · fl(s·g)) — the deployed NVFP4 GEMM's own form (block products on
+    tensor cores, one fp32 alpha at the end), which the fp32 GEMM of fl(x·w) products equals but for fp32 rounding.
+
+    One weight conversion and one GEMM per expert, as the fp32 loop has one GEMM and one copy: on an H200 a prefill
+    chunk's 256 Flash expert matrices took 25 ms as fp32 SIMT GEMMs (host 8 ms)."""
+    out = torch.empty(x.shape[0], weights[0].shape[0], dtype=torch.float32, device=x.device)
+    xt = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    if len(set(x_scales)) == 1:
+        torch.div(x, x_scales[0], out=xt)
+    else:
+        for span, s in zip(rows, x_scales):
+            torch.div(x[span], s, out=xt[span])
+    wt = torch.empty(weights[0].shape, dtype=torch.bfloat16, device=x.device)  # reused: the stream orders each
+    for w, span, g in zip(weights, rows, w_scales):  # GEMM's read before the next expert's conversion writes it
+        torch.div(w, g, out=wt)
+        _bf16_product_into(xt[span], wt, out[span])
+    counts = torch.tensor([span.stop - span.start for span in rows], pin_memory=x.is_cuda).to(x.device, non_blocking=True)
+    scales = torch.tensor(x_scales, dtype=torch.float32, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
+    alpha = torch.repeat_interleave(torch.stack(w_scales) * scales, counts, output_size=x.shape[0])  # fl(g·s) per row
+    return out.mul_(alpha[:, None])
+
+
 def fp8_linear(x: torch.Tensor, weight_fp32: torch.Tensor,
                weight_is_bf16: Callable[[], bool] = lambda: False) -> torch.Tensor:
     """FP8 GEMM: FP8 activations (1×128, UE8M0) × FP8 block-scaled weights, fp32 accumulation, bf16 output; on

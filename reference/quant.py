@@ -358,11 +358,20 @@ def mx32_to_nvfp4_dense(qs: list[QuantizedTensor], global_rule: str = "modelopt"
     """[G, out, in] fp32: `mx32_to_nvfp4(q, global_rule).dequantize()` of G same-shaped FP4 tensors, the same bits,
     computed over the stack at once (a Flash layer converts 768 expert matrices: a few dozen launches and one host
     read per stack instead of per matrix)."""
+    return mx32_to_nvfp4_forms(qs, global_rule, names)[0]
+
+
+def mx32_to_nvfp4_forms(qs: list[QuantizedTensor], global_rule: str = "modelopt", names: list[str] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mx32_to_nvfp4_dense(qs, global_rule, names), the tensors' fp32 global scales [G] on the host): each dense
+    value is fl(code·b · global) with code·b exact in ≤ 6 significant bits, so dense / global rounds to code·b in bf16
+    (optimized.numerics.scaled_bf16_products reads the NVFP4 forms on tensor cores so)."""
     names = _checked_fp4_names(qs, names, "mx32_to_nvfp4_dense")
     vals, block16, global_scale = _nvfp4_scales(torch.stack([q.codes for q in qs]), torch.stack([q.scale for q in qs]),
                                                 global_rule, names)
     s = block16.float().repeat_interleave(16, -1)[..., : vals.shape[-1]]
-    return vals * s * global_scale.to(vals.device)[:, None, None]  # QuantizedTensor.dequantize's arithmetic, in order
+    # QuantizedTensor.dequantize's arithmetic, in order
+    return vals * s * global_scale.to(vals.device)[:, None, None], global_scale
 
 
 def nvfp4_dense_from_mx(mx: torch.Tensor, qs: list[QuantizedTensor], global_rule: str = "modelopt",
@@ -380,6 +389,13 @@ def nvfp4_dense_from_mx(mx: torch.Tensor, qs: list[QuantizedTensor], global_rule
     smaller values is converted from its codes.
     Measured on an H200 (8 Flash expert matrices): 2.9 ms from the codes (decode, a repeat_interleave'd block scale,
     two reductions), ~1.5 ms from mx (one reduction pass, two products)."""
+    return nvfp4_forms_from_mx(mx, qs, global_rule, names)[0]
+
+
+def nvfp4_forms_from_mx(mx: torch.Tensor, qs: list[QuantizedTensor], global_rule: str = "modelopt",
+                        names: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nvfp4_dense_from_mx(mx, qs, global_rule, names), the tensors' fp32 global scales [G] on the host), as
+    mx32_to_nvfp4_forms gives them."""
     names = _checked_fp4_names(qs, names, "nvfp4_dense_from_mx")
     if tuple(mx.shape) != (len(qs), *qs[0].shape):
         raise ValueError(f"nvfp4_dense_from_mx: mx is {tuple(mx.shape)}, expected {(len(qs), *qs[0].shape)} for "
@@ -389,10 +405,12 @@ def nvfp4_dense_from_mx(mx: torch.Tensor, qs: list[QuantizedTensor], global_rule
     block_amax = torch.maximum(hi, -lo)  # max |mx| per 32-block: exact (negation and max)
     rule = _nvfp4_rule(scale.to(torch.int32) - 127, block_amax == 0, block_amax.flatten(1).amax(1), global_rule, names)
     if rule.top_exponent.min() < -119:
-        return mx32_to_nvfp4_dense(qs, global_rule, names).to(mx.device)
+        dense, global_scale = mx32_to_nvfp4_forms(qs, global_rule, names)
+        return dense.to(mx.device), global_scale
     c = torch.where(rule.modelopt_host, torch.ldexp(torch.ones_like(rule.f), 7 - rule.top_exponent) * rule.f,
                     torch.ldexp(torch.ones_like(rule.f), 8 - rule.top_exponent)).float()
-    return (mx * c.to(mx.device)[:, None, None]).mul_(rule.global_scale.to(mx.device)[:, None, None])
+    return (mx * c.to(mx.device)[:, None, None]).mul_(rule.global_scale.to(mx.device)[:, None, None]), \
+        rule.global_scale
 
 
 def _checked_fp4_names(qs: list[QuantizedTensor], names: list[str] | None, caller: str) -> list[str]:

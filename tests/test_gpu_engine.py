@@ -196,6 +196,64 @@ def test_tensor_core_products_of_exact_operands_are_fp32_gemms_but_for_accumulat
     assert torch.equal(exact_product(x[:1], w), x[:1] @ w.T), "one row (a decode step) stays the fp32 GEMM"
 
 
+def test_grouped_expert_gemms_are_the_per_expert_gemms_but_for_accumulation_order():
+    """numerics.grouped_bf16_products on the H200 (one CUTLASS grouped GEMM per GROUPED_EXPERTS experts) against the
+    per-expert tensor-core GEMMs it replaces, both rounded to bf16 as the experts op does next: over a prefill
+    chunk's skewed routing at Flash's expert shapes, each output within half a bf16 ulp (≤ 2^-8 of the value) of the
+    fp64 product plus the fp32 accumulation's worst case (K·2^-24·Σ|xw|); the two paths' bf16 values differ by at
+    most one ulp plus both accumulations' worst cases (an output near zero, where the sum cancels, may differ by
+    several of its own ulps), and in under 1% of the outputs."""
+    from optimized import numerics
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    rows = torch.multinomial(torch.softmax(torch.randn(40, generator=torch.Generator().manual_seed(2)), 0), 1536,
+                             replacement=True).bincount(minlength=40)
+    rows = [int(r) for r in rows if r > 0]
+    x = torch.randn(sum(rows), 4096, device="cuda", generator=g).to(torch.float8_e4m3fn).float()
+    ws = [(torch.randn(512, 4096, device="cuda", generator=g) * 3).to(torch.float8_e4m3fn).float() * 2.0 ** -8
+          for _ in rows]
+    ends = torch.tensor(rows).cumsum(0).tolist()
+    spans = [slice(e - r, e) for e, r in zip(ends, rows)]
+    assert numerics.grouped_products_apply(x, 512)
+    grouped = numerics.grouped_bf16_products(x, ws, spans)
+    loop = torch.cat([numerics.exact_product(x[s], w).bfloat16().float() for s, w in zip(spans, ws)])
+    exact = torch.cat([x[s].double() @ w.double().T for s, w in zip(spans, ws)])
+    size = torch.cat([x[s].double().abs() @ w.double().abs().T for s, w in zip(spans, ws)])
+    accumulation = 4096 * 2.0 ** -24 * size
+    assert bool(((grouped.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + accumulation).all())
+    ulp = 2.0 ** (torch.floor(torch.log2(loop.abs().clamp_min(1e-30))) - 7)
+    assert bool(((grouped - loop).abs().double() <= ulp.double() + 2 * accumulation).all())
+    assert (grouped == loop).float().mean() > 0.99, "another order flips a rounding now and then, not often"
+
+
+def test_nvfp4_tensor_core_products_are_the_fp32_gemms_but_for_rounding():
+    """numerics.scaled_bf16_products on the H200 at Flash's expert shapes (K = 4096) with NVFP4 operands — activations
+    quantized under per-expert input scales, the weights' NVFP4 forms with their global scales — against fp64: inside
+    the fp32 accumulation's worst case plus four roundings (K·2^-24 + 4·2^-24)·Σ|xw|, as the fp32 SIMT GEMM it
+    replaces is, and within 4× of that GEMM's largest error."""
+    from optimized import numerics
+    from optimized.patches.nvfp4_experts import nvfp4_activation
+    from reference.quant import mx32_to_nvfp4_forms, quantize_fp4_mx32
+
+    g = torch.Generator().manual_seed(6)
+    rows, K, N = [200, 3, 57, 120], 4096, 512
+    qs = [quantize_fp4_mx32(torch.randn(N, K, generator=g) * 0.02) for _ in rows]
+    forms, w_scales = mx32_to_nvfp4_forms(qs, "modelopt")
+    forms, w_scales = [f.cuda() for f in forms], [s.cuda() for s in w_scales]
+    x_scales = [0.41, 0.41, 1.3, 0.027]
+    ends = torch.tensor(rows).cumsum(0).tolist()
+    spans = [slice(e - r, e) for e, r in zip(ends, rows)]
+    y = torch.randn(sum(rows), K, generator=g).cuda() * 3
+    x = torch.cat([nvfp4_activation(y[sp], s) for sp, s in zip(spans, x_scales)])
+    got = numerics.scaled_bf16_products(x, forms, spans, x_scales, w_scales).double()
+    fp32 = torch.cat([x[sp] @ w.T for sp, w in zip(spans, forms)]).double()
+    exact = torch.cat([x[sp].double() @ w.double().T for sp, w in zip(spans, forms)])
+    bound = (K + 4) * 2.0 ** -24 * torch.cat([x[sp].double().abs() @ w.double().abs().T for sp, w in zip(spans, forms)])
+    err_tc, err_fp32 = (got - exact).abs(), (fp32 - exact).abs()
+    assert bool((err_tc <= bound).all()) and bool((err_fp32 <= bound).all())
+    assert float(err_tc.max()) <= 4 * float(err_fp32.max()) + 1e-30
+
+
 def test_tensor_core_indexer_dots_are_fp32_matmuls_but_for_accumulation_order():
     """numerics.exact_matmul, the stock indexer's dots over a prefill block, on bf16 tensor cores against fp64: FP8
     query and key codes multiply exactly, so the only error is the fp32 accumulation's, as the fp32 matmul's is (the

@@ -355,8 +355,9 @@ def test_an_nvfp4_group_that_cannot_convert_is_left_to_its_use():
 
 
 def test_nvfp4_forms_come_from_the_cached_fp32_copies_when_the_cache_holds_them(monkeypatch):
-    """prepare_nvfp4_forms converts a group from the fp32 copies the layer's fill made (nvfp4_dense_from_mx) when the
-    cache holds all of the group's, else from the codes; the forms are the same bits either way."""
+    """prepare_nvfp4_forms converts a group from the fp32 copies the layer's fill made (nvfp4_forms_from_mx) when the
+    cache holds all of the group's, else from the codes; the forms are the same bits either way, and so are the
+    global scales kept beside them."""
     from types import SimpleNamespace
 
     from optimized import base_ops
@@ -372,15 +373,15 @@ def test_nvfp4_forms_come_from_the_cached_fp32_copies_when_the_cache_holds_them(
             calls[name] += 1
             return fn(*args, **kwargs)
         return wrapper
-    monkeypatch.setattr(base_ops, "nvfp4_dense_from_mx", counted("from_mx", base_ops.nvfp4_dense_from_mx))
-    monkeypatch.setattr(base_ops, "mx32_to_nvfp4_dense", counted("from_codes", base_ops.mx32_to_nvfp4_dense))
+    monkeypatch.setattr(base_ops, "nvfp4_forms_from_mx", counted("from_mx", base_ops.nvfp4_forms_from_mx))
+    monkeypatch.setattr(base_ops, "mx32_to_nvfp4_forms", counted("from_codes", base_ops.mx32_to_nvfp4_forms))
     forms = []
     for filled in (list(stored), list(stored)[:base_ops.NVFP4_GROUP]):  # every copy; the first group's only
         c = SimpleNamespace(weights=SimpleNamespace(stored=stored.__getitem__), dense=DenseCache(1 << 30),
                             device=torch.device("cpu"), table=SimpleNamespace(patched=lambda op: False))
         assert c.dense.fill(filled, stored.__getitem__, c.device)
         base_ops.prepare_nvfp4_forms(c, list(stored), "nvfp4")
-        forms.append([c.dense.get(f"{n}#nvfp4", None, c.device) for n in stored])
+        forms.append([c.dense.get(f"{n}#nvfp4{part}", None, c.device) for n in stored for part in ("", "#global")])
     assert calls == {"from_mx": 3, "from_codes": 1}
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*forms))
 
@@ -478,6 +479,138 @@ def test_exact_product_is_the_fp32_gemm_on_the_cpu():
     w = torch.randn(96, 256, generator=g).to(torch.float8_e4m3fn).float() * 2.0 ** -6
     assert not on_tensor_cores(x)
     assert torch.equal(exact_product(x, w), x @ w.T)
+
+
+def _experts_operands(rows: list[int], k: int, n: int, integers: bool, seed: int = 0):
+    """x [Σrows, k] of FP8 values and one [n, k] weight of FP4-like values per entry of rows, their row slices; with
+    `integers` every value is a small integer, so every product and every fp32 partial sum is exact (|Σ| < 2^24)."""
+    g = torch.Generator().manual_seed(seed)
+    if integers:
+        x = torch.randint(-8, 9, (sum(rows), k), generator=g).float()
+        ws = [torch.randint(-6, 7, (n, k), generator=g).float() for _ in rows]
+    else:
+        x = torch.randn(sum(rows), k, generator=g).to(torch.float8_e4m3fn).float()
+        ws = [(torch.randn(n, k, generator=g) * 3).to(torch.float8_e4m3fn).float() * 2.0 ** -8 for _ in rows]
+    ends = torch.tensor(rows).cumsum(0).tolist()
+    return x, ws, [slice(e - r, e) for e, r in zip(ends, rows)]
+
+
+@pytest.mark.parametrize("group", [32, 3])
+def test_grouped_expert_products_are_the_per_expert_gemms_rounded_to_bf16(monkeypatch, group):
+    """numerics.grouped_bf16_products (the GPU's grouped expert GEMMs; torch runs the same operator on the CPU) against
+    a GEMM per expert: with exact sums the very bits of bf16(x_e @ w_eᵀ), in every group (group 3: seven experts in
+    three grouped calls, a one-row expert among them); with FP8 × FP4-like values within half a bf16 ulp (at most
+    2^-8 of the value, at the bottom of a binade) of the fp64 product plus the fp32 accumulation's worst case
+    (K·2^-24·Σ|xw|)."""
+    from optimized import numerics
+
+    monkeypatch.setattr(numerics, "GROUPED_EXPERTS", group)
+    rows = [5, 1, 17, 2, 9, 30, 4]
+    x, ws, spans = _experts_operands(rows, 64, 24, integers=True)
+    expected = torch.cat([(x[s] @ w.T).bfloat16().float() for s, w in zip(spans, ws)])
+    assert torch.equal(numerics.grouped_bf16_products(x, ws, spans), expected)
+    x, ws, spans = _experts_operands(rows, 256, 40, integers=False)
+    got = numerics.grouped_bf16_products(x, ws, spans).double()
+    exact = torch.cat([x[s].double() @ w.double().T for s, w in zip(spans, ws)])
+    size = torch.cat([x[s].double().abs() @ w.double().abs().T for s, w in zip(spans, ws)])
+    assert bool(((got - exact).abs() <= 2.0 ** -8 * exact.abs() + 256 * 2.0 ** -24 * size).all())
+
+
+def test_stock_experts_take_grouped_products_over_a_prefill_chunk_only(monkeypatch):
+    """The stock experts op computes a prefill chunk's expert GEMMs grouped where grouped_products_apply says so (a
+    GPU; forced here) and a decode step's per expert (≤ FEW_PAIRS pairs); the engine's logits move by the rounding of
+    the same exact sums only (on the CPU not at all), an order of magnitude under its drift from the reference (as
+    in the test below; the GPU's figure in tests/test_gpu_engine.py)."""
+    from optimized import numerics
+
+    src = SyntheticWeights(TINY, 0)
+    ids = torch.randint(0, TINY.vocab_size, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = ReferenceModel(src).forward(ids[:296], ids[296:], chunk_size=128).logits
+    plain = OptimizedModel(src, []).forward(ids[:296], ids[296:], 128).logits
+    grouped_rows = []
+    products = numerics.grouped_bf16_products
+
+    def spy(x, weights, rows):
+        grouped_rows.append(x.shape[0])
+        return products(x, weights, rows)
+
+    monkeypatch.setattr(numerics, "grouped_products_apply", lambda x, width: True)
+    monkeypatch.setattr(numerics, "grouped_bf16_products", spy)
+    grouped = OptimizedModel(src, []).forward(ids[:296], ids[296:], 128).logits
+    assert grouped_rows and min(grouped_rows) > 64, grouped_rows  # prefill chunks' pairs only, never a decode step's
+    assert len(grouped_rows) == 3 * 3 * TINY.num_hidden_layers, "w1, w3, w2 of 3 chunks (128, 128, 40) per layer"
+    moved = float((grouped - plain).norm() / plain.norm())  # 0 here: the CPU's grouped operator sums as its GEMM
+    drift = float((plain - ref).norm() / ref.norm())
+    assert torch.isfinite(grouped).all() and moved < 0.1 * drift, (moved, drift)
+
+
+def test_nvfp4_products_factored_into_block_products_and_one_alpha_are_the_fp32_gemms_but_for_rounding():
+    """numerics.scaled_bf16_products against fp64 on real NVFP4 operands: activations quantized with a global input
+    scale per expert (two experts share one, so both ways of dividing it out run) and weights' NVFP4 forms with their
+    global scales. The block products x̃·w̃ are exact, so the only errors are the fp32 accumulation's (K·2^-24·Σ|xw|
+    at worst), the alpha fl(s·g)'s and the final product's roundings (2^-24 each) and the operands' own roundings to
+    fp32 (x and w: 2^-24 each); the fp32 GEMM of x and w stays inside the same bound."""
+    from optimized import numerics
+    from optimized.patches.nvfp4_experts import nvfp4_activation
+    from reference.quant import mx32_to_nvfp4_forms, quantize_fp4_mx32
+
+    g = torch.Generator().manual_seed(5)
+    rows, K, N = [9, 1, 30, 17], 128, 48
+    qs = [quantize_fp4_mx32(torch.randn(N, K, generator=g) * 0.05) for _ in rows]
+    forms, w_scales = mx32_to_nvfp4_forms(qs, "modelopt")
+    x_scales = [0.37, 0.37, 1.9, 0.0061]
+    ends = torch.tensor(rows).cumsum(0).tolist()
+    spans = [slice(e - r, e) for e, r in zip(ends, rows)]
+    y = torch.randn(sum(rows), K, generator=g) * 4
+    x = torch.cat([nvfp4_activation(y[sp], s) for sp, s in zip(spans, x_scales)])
+    got = numerics.scaled_bf16_products(x, list(forms), spans, x_scales, list(w_scales.unbind()))
+    exact = torch.cat([x[sp].double() @ w.double().T for sp, w in zip(spans, forms)])
+    size = torch.cat([x[sp].double().abs() @ w.double().abs().T for sp, w in zip(spans, forms)])
+    bound = (K * 2.0 ** -24 + 4 * 2.0 ** -24) * size
+    fp32 = torch.cat([x[sp] @ w.T for sp, w in zip(spans, forms)])
+    assert bool(((got.double() - exact).abs() <= bound).all()) and bool(((fp32.double() - exact).abs() <= bound).all())
+    assert not torch.equal(got, fp32), "another rounding of the same sums: other bits somewhere (the test's teeth)"
+
+
+def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_only_with_the_caches_own_forms(monkeypatch):
+    """With tensor cores (forced here; bf16_mm emulated as exact products summed once, since the CPU's torch has no bf16
+    GEMM with fp32 output) the nvfp4-experts op runs a prefill chunk's three expert GEMMs through
+    scaled_bf16_products, and the run's logits move as much as one fp32 ulp of noise on the fp32 GEMMs' products moves
+    them — no more: W4A4 re-quantizes the SwiGLU output to e2m1, so an fp32-rounding change that flips one bf16 or
+    e2m1 rounding moves that element by up to a third, and tiny's routing amplifies it (measured over seeds 3–5:
+    6.4–8.6e-2 of the logits' norm against 7.9–8.6e-2 for the ulp noise; the engine's drift from the reference is
+    0.10–0.12). A load_weight patch's forms are never read so: the op then keeps its fp32 GEMMs."""
+    from types import SimpleNamespace
+
+    from optimized import numerics
+    from optimized.patches import nvfp4_experts as nv
+
+    src = SyntheticWeights(TINY, 0)
+    ids = torch.randint(0, TINY.vocab_size, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    choices = default_registry().choose("nvfp4-experts")
+    plain = OptimizedModel(src, choices).forward(ids[:296], ids[296:], 128).logits
+    joined, noise = nv.joined_products, torch.Generator().manual_seed(3)
+
+    def one_ulp_off(layout, product, width, device):  # each fp32 product moved by one ulp, up or down
+        out = joined(layout, product, width, device)
+        return out * (1 + (torch.randint(0, 2, out.shape, generator=noise).float() * 2 - 1) * 2.0 ** -23)
+
+    monkeypatch.setattr(nv, "joined_products", one_ulp_off)
+    ulp_noise = OptimizedModel(src, choices).forward(ids[:296], ids[296:], 128).logits
+    monkeypatch.setattr(nv, "joined_products", joined)
+    calls = []
+    scaled = numerics.scaled_bf16_products
+    monkeypatch.setattr(numerics, "scaled_bf16_products", lambda *a: calls.append(a[0].shape[0]) or scaled(*a))
+    monkeypatch.setattr(numerics, "on_tensor_cores", lambda x: numerics._rows(x) >= numerics.TENSOR_CORE_MIN_ROWS)
+    monkeypatch.setattr(numerics, "bf16_mm", lambda x, w: (x.double() @ w.double().T).float())
+    fast = OptimizedModel(src, choices).forward(ids[:296], ids[296:], 128).logits
+    assert len(calls) == 3 * 3 * TINY.num_hidden_layers and min(calls) > 64, calls  # w1, w3, w2 of 3 chunks
+    moved = float((fast - plain).norm() / plain.norm())
+    by_noise = float((ulp_noise - plain).norm() / plain.norm())
+    assert torch.isfinite(fast).all() and 0 < moved < 1.5 * by_noise, (moved, by_noise)
+    ctx = SimpleNamespace(table=SimpleNamespace(patched=lambda op: op == "load_weight"),
+                          options={"global_scale": "modelopt"})
+    assert nv._tensor_core_forms(ctx, ["ffn.experts.0.w1.weight"]) is None, "a patched load_weight: fp32 GEMMs"
 
 
 def test_on_tensor_cores_the_engine_sends_only_bf16_valued_operands_and_moves_by_rounding_only(monkeypatch):

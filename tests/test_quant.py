@@ -129,7 +129,7 @@ def test_nvfp4_forms_from_the_fp32_copies_are_the_conversions_bits(monkeypatch):
     for rule in ("modelopt", "pow2"):
         expected = mx32_to_nvfp4_dense(qs, rule)
         with monkeypatch.context() as patched:
-            patched.setattr(quant, "mx32_to_nvfp4_dense", lambda *a, **k: pytest.fail("fell back to the codes"))
+            patched.setattr(quant, "mx32_to_nvfp4_forms", lambda *a, **k: pytest.fail("fell back to the codes"))
             got = nvfp4_dense_from_mx(mx, qs, rule)
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), f"{rule}: the bits differ"
         for i, q in enumerate(qs):
@@ -141,6 +141,30 @@ def test_nvfp4_forms_from_the_fp32_copies_are_the_conversions_bits(monkeypatch):
     mx = torch.stack([q.dequantize() for q in stack])
     assert torch.equal(nvfp4_dense_from_mx(mx, stack).view(torch.int32), mx32_to_nvfp4_dense(stack).view(torch.int32))
     assert (mx32_to_nvfp4_dense(qs[:1]) != mx[0]).any(), "modelopt's global scale moves some values (the test's teeth)"
+
+
+def test_nvfp4_forms_over_their_global_scale_are_bf16_block_products():
+    """The global scales returned beside the NVFP4 forms (mx32_to_nvfp4_forms, nvfp4_forms_from_mx: the same numbers,
+    each tensor's mx32_to_nvfp4().global_scale) make the tensor-core path of optimized.numerics.scaled_bf16_products
+    exact: dense = fl(code·b · g) with code·b of ≤ 6 significant bits, so fl(dense / g) rounds in bf16 to code·b —
+    which times g rounds back to dense, every bit (−0 included) — and code·b is the decoded codes times the block
+    scales. Every kind of stack, both rules."""
+    from reference.quant import mx32_to_nvfp4_forms, nvfp4_forms_from_mx
+
+    qs = _fp4_stack_of_every_kind()
+    mx = torch.stack([q.dequantize() for q in qs])
+    for rule in ("modelopt", "pow2"):
+        dense, g = mx32_to_nvfp4_forms(qs, rule)
+        dense_mx, g_mx = nvfp4_forms_from_mx(mx, qs, rule)
+        assert torch.equal(g, g_mx) and g.dtype == torch.float32
+        assert torch.equal(dense.view(torch.int32), dense_mx.view(torch.int32))
+        for i, q in enumerate(qs):
+            one = mx32_to_nvfp4(q, rule)
+            assert float(one.global_scale) == float(g[i]), f"{rule}, tensor {i}"
+            blocks = e2m1_decode(unpack_e2m1(one.codes)) * one.scale.float().repeat_interleave(16, -1)
+            unscaled = (dense[i] / g[i]).bfloat16().float()
+            assert torch.equal(unscaled, blocks), f"{rule}, tensor {i}: dense / g is not code·b in bf16"
+            assert torch.equal((unscaled * g[i]).view(torch.int32), dense[i].view(torch.int32)), f"{rule}, tensor {i}"
 
 
 def test_nvfp4_from_fp32_copies_below_its_range_converts_from_the_codes():

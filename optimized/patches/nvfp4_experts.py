@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from optimized.base_ops import PairLayout, joined_products, prepare_nvfp4_forms, swiglu_fp32
+from optimized import numerics
+from optimized.base_ops import FEW_PAIRS, PairLayout, joined_products, nvfp4_form_kept, nvfp4_global_scale, \
+    prepare_nvfp4_forms, swiglu_fp32
 from optimized.numerics import bf16
 from optimized.ops import OpContext, Routing
 from optimized.patching import Patch
@@ -84,6 +86,18 @@ def _act_rows(act, x: torch.Tensor, scales: list[float | None], spans: list[slic
     return out
 
 
+def _tensor_core_forms(ctx: OpContext, names: list[str]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """The NVFP4 forms of `names` and their global scales, when every form is the dense cache's own (load_weight not
+    patched, every form converted and kept: none is converted here) — what numerics.scaled_bf16_products needs to put
+    the products on tensor cores; else None (the products stay fp32 GEMMs of the forms load_weight gives)."""
+    fmt = _nvfp4_format(ctx)
+    if ctx.table.patched("load_weight") or not all(nvfp4_form_kept(ctx, n, fmt) for n in names):
+        return None
+    forms = [_nvfp4_weight(ctx, n) for n in names]
+    scales = [nvfp4_global_scale(ctx, n, fmt, w) for n, w in zip(names, forms)]
+    return None if any(g is None for g in scales) else (forms, scales)
+
+
 @PATCH.op("experts")
 def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
     """The pairs are laid out expert by expert once (PairLayout, as the stock experts op does), so the quantizers,
@@ -118,6 +132,10 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
             quantized[scale] = act(y, scale)
         return quantized[scale]
 
+    if layout.order.numel() > FEW_PAIRS and numerics.on_tensor_cores(y):  # a prefill chunk on a GPU
+        out = _on_tensor_cores(ctx, y, routing, layout, names, scales, act)
+        if out is not None:
+            return out
     gate_up = []
     for which in (0, 1):  # w1, w3
         distinct = {scales[e][which] for e in names}
@@ -139,3 +157,28 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
     h = _act_rows(act, h, [scales[e][2] for e, _ in layout.spans], [rows for _, rows in layout.spans])
     out = joined_products(layout, lambda e, rows: h[rows] @ _nvfp4_weight(ctx, names[e][2]).T, y.shape[-1], y.device)
     return layout.sum_slots(out, routing.expert_ids.shape[0])
+
+
+def _on_tensor_cores(ctx: OpContext, y: torch.Tensor, routing: Routing, layout: PairLayout,
+                     names: dict[int, list[str]], scales: dict[int, list[float | None]], act) -> torch.Tensor | None:
+    """The experts op over a prefill chunk with its GEMMs on bf16 tensor cores (numerics.scaled_bf16_products: the
+    NVFP4 operands' exact block products, one fp32 alpha per expert), when every form is the cache's own
+    (_tensor_core_forms); None otherwise. The same quantizers, SwiGLU, routing weight and roundings as the fp32 path,
+    over the same pair rows; only the GEMMs' fp32 rounding differs."""
+    experts_in_order = [e for e, _ in layout.spans]
+    spans = [rows for _, rows in layout.spans]
+    forms = [_tensor_core_forms(ctx, [names[e][m] for e in experts_in_order]) for m in range(3)]
+    if any(f is None for f in forms):
+        return None
+
+    def products(x: torch.Tensor, m: int) -> torch.Tensor:
+        x_scales = [1.0 if scales[e][m] is None else scales[e][m] for e in experts_in_order]
+        return numerics.scaled_bf16_products(x, forms[m][0], spans, x_scales, forms[m][1])
+
+    pairs = y[layout.tokens]
+    g = products(_act_rows(act, pairs, [scales[e][0] for e in experts_in_order], spans), 0)
+    u = products(_act_rows(act, pairs, [scales[e][1] for e in experts_in_order], spans), 1)
+    del pairs
+    h = bf16(swiglu_fp32(bf16(g), bf16(u), ctx.cfg.swiglu_limit) * routing.weights.flatten()[layout.order, None])
+    h = _act_rows(act, h, [scales[e][2] for e in experts_in_order], spans)
+    return layout.sum_slots(products(h, 2), routing.expert_ids.shape[0])
