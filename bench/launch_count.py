@@ -14,7 +14,8 @@ CUDA graph on a GPU counts as its input copies, one launch and its output copies
 as the CPU runs them); the comparisons of prefill query blocks are batched on a GPU only (`--defer-blocks` batches
 them here too: probes.ComparingSink.DEFER_BLOCKS_ON_CPU). It still differs in the query block size (a GPU's from
 its memory). Regions: `reference` / `yardstick/MODE` / `VARIANT/MODE`, then `prefill` or `decode`,
-then what ran — `stack` (the layer's own computation), `sites` (the stock op and its twin beside a variant's),
+then what ran — `stack` (the layer's own computation), `sites` (the stock op and its twin beside a variant's,
+held sites' joined calls included),
 `compare` (the comparing sink, as taps arrive), `finish compare` (what the sink held until the stack finished: the
 deferred and sampled comparisons, of both phases), `record` (the reference's taps).
 """
@@ -135,13 +136,16 @@ def count_replays_as_graphs(counter: LaunchCounter) -> None:
 class RegionTimer:
     """Wall seconds per region, each charged to the innermost label running (`--time`): no dispatch mode, so the
     stacks run at their own speed (on a GPU, host-bound, the host's time in a region is the region's cost; a host
-    read charges its wait for the queue to the region that reads). `labels` as LaunchCounter's."""
+    read charges its wait for the queue to the region that reads). `labels` as LaunchCounter's. `marked`: each region
+    also opens a profiler range named REGION_MARK + its label (`--kernels`: kernels_by_region charges them)."""
 
     def __init__(self, sync: Callable[[], None] = lambda: None) -> None:
         self.labels = ["(outside)"]
         self.seconds: collections.Counter[str] = collections.Counter()
         self._since = time.perf_counter()
         self._sync = sync
+        self.marked = False
+        self._ranges: list[Any] = []
 
     def _charge(self) -> None:
         self._sync()
@@ -152,10 +156,37 @@ class RegionTimer:
     def enter_region(self, label: str) -> None:
         self._charge()
         self.labels.append(label)
+        if self.marked:
+            self._ranges.append(torch.profiler.record_function(REGION_MARK + label))
+            self._ranges[-1].__enter__()
 
     def leave_region(self) -> None:
+        if self.marked and self._ranges:
+            self._ranges.pop().__exit__(None, None, None)
         self._charge()
         self.labels.pop()
+
+
+REGION_MARK = "region|"
+"""Prefix of the profiler ranges RegionTimer opens per region (`--kernels`)."""
+
+
+def kernels_by_region(events: list[Any]) -> tuple[collections.Counter[str], dict[str, collections.Counter[str]]]:
+    """Device seconds of the kernels each region launched, and per region per kernel name, from a profile's events
+    (torch.profiler's FunctionEvent trees: a kernel belongs to the CPU event that launched it): each kernel is charged
+    to the innermost REGION_MARK range around its launch, "(outside)" when none."""
+    busy: collections.Counter[str] = collections.Counter()
+    by_name: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    todo = [(e, "(outside)") for e in events if e.cpu_parent is None]
+    while todo:
+        event, region = todo.pop()
+        if event.name.startswith(REGION_MARK):
+            region = event.name[len(REGION_MARK):]
+        for kernel in event.kernels:
+            busy[region] += kernel.duration / 1e6
+            by_name[region][kernel.name] += kernel.duration / 1e6
+        todo += [(child, region) for child in event.cpu_children]
+    return busy, by_name
 
 
 def labelled(counter: LaunchCounter | RegionTimer, fn: Callable[..., Any], label: Callable[..., str]
@@ -185,7 +216,7 @@ def instrument(counter: LaunchCounter | RegionTimer, where: dict[str, str], n_pr
 
     engine.OptimizedLayer.forward = labelled(counter, engine.OptimizedLayer.forward, stack_label)
     reference_layer.ReferenceLayer.forward = labelled(counter, reference_layer.ReferenceLayer.forward, stack_label)
-    for method in ("_emit_site", "_emit_indexer_site", "_emit_probs"):
+    for method in ("_emit_site", "_emit_held_sites", "_emit_indexer_site", "_emit_probs"):
         setattr(engine.OptimizedLayer, method, labelled(counter, getattr(engine.OptimizedLayer, method),
                                                         lambda *_: f"{where['stack']} {where['phase']} sites"))
     probes.ComparingSink.emit = labelled(counter, probes.ComparingSink.emit,
@@ -214,6 +245,10 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true",
                     help="with --time, wait for the GPU at every region's edge: each region's seconds include the "
                          "kernels it queued (and the syncs' own cost)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="with --time on a GPU, also trace the timed run (torch.profiler) and list each region's "
+                         "device-busy seconds and busiest kernels (tracing slows the host: its wall seconds are "
+                         "not the untraced run's)")
     ap.add_argument("--by-tap", action="store_true",
                     help="charge each tap's comparisons to a region of its own (STACK compare TAP), both phases; "
                          "their NaN/Inf checks stay with the emission or finish that makes them")
@@ -221,6 +256,8 @@ def main() -> None:
                     help="the reference and yardstick decode one pass per step, and the engines compute their "
                          "decode sites once per step, as on the CPU (default: as on a GPU)")
     args = ap.parse_args()
+    if args.kernels and not args.time:
+        ap.error("--kernels traces the timed run: give --time too")
     probes.ComparingSink.DEFER_BLOCKS_ON_CPU = args.defer_blocks
     torch.set_num_threads(1)
     cfg, ids = bench_setup(args)
@@ -267,6 +304,8 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
     device = torch.device(args.device)
     timer = RegionTimer(lambda: torch.cuda.synchronize(device)) if args.sync and device.type == "cuda" \
         else RegionTimer()
+    if args.kernels and device.type != "cuda":
+        raise SystemExit("--kernels: device-busy seconds need a CUDA device (--device cuda)")
     instrument(timer, where, args.tokens, args.by_tap)
 
     def progress(event: dict) -> None:
@@ -286,6 +325,12 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             timer.seconds.clear()
+            traced = args.kernels and run == "timed"
+            profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                         torch.profiler.ProfilerActivity.CUDA]) if traced else None
+            if profile is not None:
+                profile.__enter__()
+                timer.marked = True
             start = timer._since = time.perf_counter()
             runner.run_layer(args.layer, streams, weights=weights)
             if device.type == "cuda":
@@ -293,6 +338,9 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
             timer.enter_region("(end)")
             timer.leave_region()
             wall = time.perf_counter() - start
+            if profile is not None:
+                timer.marked = False
+                profile.__exit__(None, None, None)
     print(f"{args.model} layer {args.layer} ({spec.source.config.layer_kind(args.layer)}), {args.tokens} + "
           f"{args.decode} tokens, variants {args.variants}, {args.device}, {torch.get_num_threads()} threads: "
           f"{wall:.2f} s wall (second run of the layer), host seconds per region:")
@@ -300,6 +348,13 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
         steps = " decode " in region and args.decode
         per_step = f"  ({1e3 * seconds / args.decode:,.2f} ms per decode step)" if steps else ""
         print(f"  {seconds:8.3f} s  {region}{per_step}")
+    if args.kernels:
+        busy, by_name = kernels_by_region(list(profile.events()))
+        print(f"device-busy seconds per region (traced run: {sum(busy.values()):.3f} s of kernels), busiest kernels:")
+        for region, seconds in busy.most_common(args.top):
+            print(f"  {seconds:8.3f} s  {region}")
+            for name, k in by_name[region].most_common(3):
+                print(f"               {k:7.3f} s  {name[:100]}")
 
 
 if __name__ == "__main__":

@@ -254,16 +254,18 @@ class OptimizedLayer:
                                engine_options={**ctx.engine_options, "reassociate": reassociate})
 
     def _emit_site(self, probes: ProbeSink, tap: str, ctx: OpContext, op: str, fields: Callable[[Any], dict],
-                   positions: torch.Tensor, own: Any, own_is_stock: bool, hold: bool = False, **inputs: Any) -> None:
+                   positions: torch.Tensor, own: Any, own_is_stock: bool, hold: list[_HeldSite] | None = None,
+                   **inputs: Any) -> None:
         """Emit `tap` with the variant's result of `op` and the stock op's and its twin's on the same inputs.
         `own_is_stock`: no patch ran while `own` was computed, so `own` is the stock result (same code, same inputs)
-        and is not computed again. `hold`: this is a decode step whose `op` gives each token's row from that token's
-        inputs alone — hc_pre and router always, sparse_attention while the caches keep the rows it read — so the
-        site waits to be emitted with the other held steps' (emit_held_sampled)."""
+        and is not computed again. `hold`: a list the site waits in, to be emitted with the others there
+        (_emit_held_sites) — a decode step's (emit_held_sampled), whose `op` gives each token's row from that
+        token's inputs alone (hc_pre and router always, sparse_attention while the caches keep the rows it read), or
+        a prefill block's attention site, emitted with the chunk's other blocks' (_attention)."""
         if not probes.wants(tap):
             return
-        if hold:
-            self._held_sampled.sites.append(_HeldSite.kept(tap, op, fields, positions, own, own_is_stock, inputs))
+        if hold is not None:
+            hold.append(_HeldSite.kept(tap, op, fields, positions, own, own_is_stock, inputs))
             return
         values = {}
         stock = own if own_is_stock else self._stock(ctx, False).call(op, **inputs)
@@ -274,13 +276,16 @@ class OptimizedLayer:
     # ------------------------------------------------------------------------------------------
     def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, state: EngineState, phase: str,
                 segment: int = 0, sink: ProbeSink = NULL_SINK, hold_sampled: bool = False,
-                hold_sites: bool = False) -> torch.Tensor:
+                hold_sites: bool = False, join_sites: bool = False) -> torch.Tensor:
         """Block_l over the segment's tokens; streams [S, n, D] bf16 in and out. Mutates `state`.
         `hold_sampled`: keep the sampled queries' indexer site and attention rows (recomputed from the caches) for
         `emit_held_sampled` instead of emitting them at the end of this segment — valid only while later segments
         leave the rows these queries read as they are (`holds_decode_samples`). `hold_sites`: keep the mHC and
         router sites' inputs for `emit_held_sampled` too (valid in any case: those ops read no cache), and with
-        `hold_sampled` the sampled queries' attention site's."""
+        `hold_sampled` the sampled queries' attention site's. `join_sites` (a prefill chunk): the attention site's
+        stock and twin calls once over the chunk's sampled queries, after its last block, instead of once per block
+        (the caches hold the whole chunk before its first block, so every block's queries read the same rows then)."""
+        held = self._held_sampled.sites if hold_sites else None
         cfg = self.cfg
         positions = torch.arange(state.position, state.position + streams.shape[0], device=self.device)
         ctx = self._context(phase, segment, positions, state)
@@ -295,9 +300,9 @@ class OptimizedLayer:
         if sink.wants("attn.hc"):
             sink.emit("attn.hc", positions, pre=mix.pre, post=mix.post, comb=mix.comb, mixed=a)
         self._emit_site(sink, "attn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix), stock_only,
-                        hold_sites, streams=streams, site="attn")
+                        held, streams=streams, site="attn")
         attn_out = self._attention(ctx, rms_norm_bf16(a, ctx.weight("attn_norm.weight"), cfg.rms_norm_eps), sink,
-                                   hold_sampled, hold_sampled and hold_sites)
+                                   hold_sampled, hold_sampled and hold_sites, join_sites)
         if sink.wants("attn.out"):
             sink.emit("attn.out", positions, out=attn_out)
         streams = ctx.call("hc_post", f=attn_out, streams=streams, mix=mix)
@@ -306,9 +311,9 @@ class OptimizedLayer:
         if sink.wants("ffn.hc"):
             sink.emit("ffn.hc", positions, pre=mix.pre, post=mix.post, comb=mix.comb, mixed=a)
         self._emit_site(sink, "ffn.hc.site", ctx, "hc_pre", _mix_fields, positions, (a, mix), stock_only,
-                        hold_sites, streams=streams, site="ffn")
+                        held, streams=streams, site="ffn")
         moe_out = self._moe(ctx, rms_norm_bf16(a, ctx.weight("ffn_norm.weight"), cfg.rms_norm_eps), token_ids, sink,
-                            hold_sites)
+                            held)
         if sink.wants("moe.out"):
             sink.emit("moe.out", positions, out=moe_out)
         streams = ctx.call("hc_post", f=moe_out, streams=streams, mix=mix)
@@ -320,10 +325,11 @@ class OptimizedLayer:
         return streams
 
     # ------------------------------------------------------------------------------------------
-    def _attention(self, ctx: OpContext, x: torch.Tensor, sink: ProbeSink, hold_sampled: bool, hold_site: bool
-                   ) -> torch.Tensor:
+    def _attention(self, ctx: OpContext, x: torch.Tensor, sink: ProbeSink, hold_sampled: bool, hold_site: bool,
+                   join_sites: bool = False) -> torch.Tensor:
         """`hold_sampled`: forward's; `hold_site`: hold the sampled queries' attention site as well (forward's
-        hold_sites, valid only with hold_sampled: the site reads the caches by the step's slots)."""
+        hold_sites, valid only with hold_sampled: the site reads the caches by the step's slots); `join_sites`:
+        forward's (the chunk's blocks' attention sites emitted together after the last block)."""
         cfg, state, positions = self.cfg, ctx.state, ctx.positions
         H, eps = cfg.num_attention_heads, cfg.rms_norm_eps
         cos, sin = cos_sin(state.inv_freq, positions, torch.float32)
@@ -358,6 +364,7 @@ class OptimizedLayer:
         block = query_block_size(cfg, self.kind, state.compressor.n_rows if state.compressor else 0,
                                  state.index_keys.length if state.index_keys else 0, self.device)
         site_rows, probs_rows = [], []  # per block, the sampled queries' inputs of the chunk's indexer site and probs
+        attn_sites = self._held_sampled.sites if hold_site else [] if join_sites else None
         for start in range(0, positions.numel(), block):
             blk = slice(start, start + block)
             pos = positions[blk]
@@ -397,13 +404,19 @@ class OptimizedLayer:
                 sink.emit("attn.lse", pos, lse=lse)
             if sink.wants("attn.site") and sampled.numel():
                 self._emit_site(sink, "attn.site", ctx, "sparse_attention", lambda r: {"lse": r[1]}, pick(pos),
-                                (pick(o), pick(lse)), stock_only, hold_site, q=pick(q[blk]),
+                                (pick(o), pick(lse)), stock_only, attn_sites, q=pick(q[blk]),
                                 window_slots=pick(window_slots),
                                 comp_slots=pick(comp_slots), sink=sink_logit, comp_lanes=pick(lanes),
                                 comp_length=pick(length))
             if sink.wants("attn.probs") and sampled.numel():
                 probs_rows.append((pick(pos), pick(q[blk]), pick(window_slots), pick(comp_slots)))
             out[blk] = o
+        if join_sites and attn_sites:  # the chunk's attention sites: a stock and a twin call per budget of queries,
+            # whose window band is the chunk's (the sampled queries lie across it), so sized for that band
+            joined = query_block_size(cfg, self.kind, state.compressor.n_rows if state.compressor else 0,
+                                      state.index_keys.length if state.index_keys else 0, self.device,
+                                      band=positions.numel() + cfg.sliding_window)
+            self._emit_held_sites(sink, _HeldSampled(ctx=ctx, block=joined, sites=attn_sites))
         # The indexer site and the attention rows are recomputed per query from the caches, which hold the whole
         # chunk before its first block: once per chunk over every block's sampled queries, not once per block
         # (120 blocks per stack and mode at 30K tokens, each a few dozen small kernels) — and, held, once over a
@@ -524,15 +537,15 @@ class OptimizedLayer:
             sink.emit(tap, ids * state.ratio, rows=rows, row_ids=ids)
 
     # ------------------------------------------------------------------------------------------
-    def _moe(self, ctx: OpContext, y: torch.Tensor, token_ids: torch.Tensor, sink: ProbeSink, hold_sites: bool
-             ) -> torch.Tensor:
+    def _moe(self, ctx: OpContext, y: torch.Tensor, token_ids: torch.Tensor, sink: ProbeSink,
+             held: list[_HeldSite] | None) -> torch.Tensor:
         routing, stock_only = ctx.call_noting_patches("router", y=y, token_ids=token_ids)
         if sink.wants("moe.router"):
             sink.emit("moe.router", ctx.positions, scores=routing.scores, expert_ids=routing.expert_ids,
                       weights=_scaled(routing.weights, routing.output_scale))
         self._emit_site(sink, "moe.router.site", ctx, "router",
                         lambda r: _routing_fields(r, self.cfg.n_shared_experts > 0), ctx.positions, routing,
-                        stock_only, hold_sites, y=y, token_ids=token_ids)
+                        stock_only, held, y=y, token_ids=token_ids)
         total = ctx.call("experts", y=y, routing=routing)
         if self.cfg.n_shared_experts:
             g = ctx.call("linear", x=y, site="ffn.shared_experts.w1")
@@ -575,8 +588,8 @@ class OptimizedModel:
         run's state after the segments before its position (a variant whose patches act in decode only continues
         from a copy of a variant's state after the same prefill: harness.run.prefill_sharing); those segments are
         skipped and the output holds the positions from state.position on. `at_decode(state)` is called before the
-        first decode step. `hold_sites`: the decode steps' sites are computed once over all the steps
-        (OptimizedLayer.forward)."""
+        first decode step. `hold_sites`: the decode steps' sites are computed once over all the steps, and each
+        prefill chunk's attention sites once over its blocks (OptimizedLayer.forward's hold_sites, join_sites)."""
         state = state if state is not None else block.new_state(int(streams.shape[0]))
         block.discard_held_sampled()
         outs, start, counts = [], 0, {"prefill": 0, "decode": 0}
@@ -588,7 +601,8 @@ class OptimizedModel:
                 outs.append(block.forward(streams[start : start + n], token_ids[start : start + n], state, phase,
                                           counts[phase], sink,
                                           hold_sampled=phase == "decode" and block.holds_decode_samples,
-                                          hold_sites=hold_sites and phase == "decode"))
+                                          hold_sites=hold_sites and phase == "decode",
+                                          join_sites=hold_sites and phase == "prefill"))
             counts[phase] += 1
             start += n
         block.emit_held_sampled(sink)  # the decode steps' sampled queries, over every step at once (if held)

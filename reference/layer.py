@@ -46,10 +46,12 @@ window waste work on masked band entries; 256 keeps the band under 3× the windo
 30K tokens: 1024-query blocks made the yardstick ~1.8× slower and the attention probes ~2.6× slower, the band's
 masked entries travelling into every sampled attention row.)"""
 
-def query_block_size(cfg: ModelConfig, kind: str, main_rows: int, index_rows: int, device: torch.device) -> int:
+def query_block_size(cfg: ModelConfig, kind: str, main_rows: int, index_rows: int, device: torch.device,
+                     band: int | None = None) -> int:
     """Queries per block so that a block's temporaries stay within the device's budget: a fixed element budget
-    on the CPU, a share of the device's memory on a GPU."""
-    n_keys = cfg.sliding_window + MAX_QUERY_BLOCK
+    on the CPU, a share of the device's memory on a GPU. `band`: the window rows a block's queries share (default
+    W + MAX_QUERY_BLOCK, a block of consecutive queries; queries spread over a chunk share the chunk's)."""
+    n_keys = (cfg.sliding_window + MAX_QUERY_BLOCK) if band is None else band
     per_query = 0
     if kind == "csa":
         n_keys += cfg.index_topk

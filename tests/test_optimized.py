@@ -805,3 +805,49 @@ def test_held_decode_sites_give_each_step_its_own_row_with_a_reassociated_twin()
                     assert torch.equal(joined[name], value), (tap, p, name)
     # one twin call (re-associated) per joined group, and a stock call only where a patch ran in the op (hc_pre)
     assert joined_calls.count(True) >= len(_SiteSink.SITES) and False in joined_calls, joined_calls
+
+
+class _SparseSiteSink(_SiteSink):
+    """A _SiteSink that samples every fifth position, as a run samples every attn_sample_every-th."""
+
+    def sampled(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions % 5 == 0
+
+
+def test_a_prefill_chunks_attention_sites_are_joined_over_its_blocks(monkeypatch):
+    """With hold_sites (a GPU's default) a prefill chunk's attention site makes its stock and twin calls once over the
+    sampled queries of all its blocks, after the last block, in calls sized for the chunk's window band — instead of
+    once per block (120 blocks per stack and mode at 30K tokens). The caches hold the whole chunk before its first
+    block, so each query's own fields are the per-block run's bits and its stock and twin values are the same ops on
+    the same inputs, up to the rounding of a wider call. Here 8-query blocks (MAX_QUERY_BLOCK patched) over one
+    64-token chunk, every fifth position sampled: 8 calls become 2 (13 queries, at most 8 per call)."""
+    from reference import layer as reference_layer
+
+    monkeypatch.setattr(reference_layer, "MAX_QUERY_BLOCK", 8)
+    source = SyntheticWeights(TINY, 0)
+    model = OptimizedModel(source, REGISTRY.choose("mma-sparse-decode"))
+    n_prompt, n_decode = 64, 2
+    ids = torch.randint(0, TINY.vocab_size, (n_prompt + n_decode,), generator=torch.Generator().manual_seed(4))
+    x = model.embed(ids)
+    runs, twins = {}, []
+    for held in (False, True):
+        sink, block = _SparseSiteSink(), model.layer(2)
+        stock = block._stock
+
+        def noting(ctx, reassociate, stock=stock):  # the prefill calls over more than one block's queries
+            if ctx.phase == "prefill" and reassociate:
+                twins.append((held, ctx.positions.numel()))
+            return stock(ctx, reassociate)
+        block._stock = noting
+        model.run_layer(block, x, ids, segment_lengths(n_prompt, n_decode, 64), n_prompt, sink, hold_sites=held)
+        runs[held] = sink
+    sampled = [p for p in range(n_prompt) if p % 5 == 0]
+    assert runs[False].calls["attn.site"] == 8 + 1 and runs[True].calls["attn.site"] == 2 + 1  # decode: 65 sampled
+    assert sorted(runs[True].rows["attn.site"]) == sorted(runs[False].rows["attn.site"])
+    for p in sampled:
+        alone, joined = runs[False].rows["attn.site"][p], runs[True].rows["attn.site"][p]
+        assert torch.equal(joined["lse"], alone["lse"]), p  # the variant's own: the block's result, copied
+        for name in ("stock_lse", "twin_lse"):  # log-sum-exps of order 1–10: ~10 ulps, as the decode test's
+            assert torch.allclose(joined[name], alone[name], rtol=1e-5, atol=1e-5), (p, name)
+    # re-associated twins over the joined queries (8 + 5); per block, the twins ran in the chunk's context (64)
+    assert {8, 5} <= {n for held, n in twins if held} and {n for held, n in twins if not held} == {64}, twins

@@ -314,14 +314,17 @@ def _one_step_at_a_time_and_together(tmp_path, switch: str):
 
 
 def test_decode_sites_computed_together_move_the_site_metrics_by_fp32_rounding_only(tmp_path):
-    """On a GPU the engines compute their decode steps' mHC, router and attention sites once over all the steps
-    (LockstepRunner.sites_together), on the CPU once per step. The stock op and its twin give each step's row on that
-    step's inputs (the attention's from caches that only grew since), so: every row outside the decode site taps is
-    the same bits; the discrete site metrics (flips) do not move on tiny-smoke's margins; the continuous ones move by
-    the fp32 rounding of a differently shaped call only."""
+    """On a GPU the engines compute their decode steps' mHC, router and attention sites once over all the steps, and
+    each prefill chunk's attention sites once over its blocks (LockstepRunner.sites_together); on the CPU once per
+    step and block. The stock op and its twin give each step's row on that step's inputs (the attention's from caches
+    that only grew since, or that held the whole chunk already), so: every other row is the same bits; the discrete
+    site metrics (flips) do not move on tiny-smoke's margins; the continuous ones move by the fp32 rounding of a
+    differently shaped call only."""
     both = _one_step_at_a_time_and_together(tmp_path, "sites_together")
     site_taps = ["attn.hc.site", "ffn.hc.site", "moe.router.site", "attn.site"]
-    held = both[(both.phase == "decode") & both.tap.isin(site_taps)]
+    # the decode steps' sites, and the prefill chunks' attention sites (joined over each chunk's blocks)
+    held = both[((both.phase == "decode") & both.tap.isin(site_taps)) | (both.tap == "attn.site")]
+    assert (both.tap == "attn.site").any() and (held.phase == "prefill").any()
     rest = both.drop(held.index)
     assert len(held) > 100 and len(rest) > 10_000
     same = lambda a, b: ((a == b) | (a.isna() & b.isna())).all()  # noqa: E731
@@ -334,7 +337,8 @@ def test_decode_sites_computed_together_move_the_site_metrics_by_fp32_rounding_o
     # The mHC and router site metrics are relative errors and residuals of fp32 results of order 1: a product shaped
     # differently rounds each output within a few fp32 ulps (2^-24 ≈ 6e-8 relative), so a metric moves by ~1e-7
     # (measured on this run: ≤ 1.04e-7); 1e-6 is ~16 ulps. The attention's are absolute errors of log-sum-exps of
-    # order 1–16 here (an ulp at 16: 1.9e-6; measured ≤ 4.8e-7, one ulp at 4–8): 4 ulps at 16, 7.6e-6. Twin rows
+    # order 1–16 here (an ulp at 16: 1.9e-6; measured ≤ 4.8e-7, one ulp at 4–8, in decode and ≤ 7.9e-8
+    # in prefill, 18 of 440 rows moved): 4 ulps at 16, 7.6e-6. Twin rows
     # paired with the wrong steps (rolled by one) moved twin_rel_err by 0.41, twin_weight_err by 1.6e-2 and
     # twin_lse_err by 3.9 (measured).
     bound = held.metric.str.startswith("attn.").map({True: 4 * 16 * 2.0**-23, False: 1e-6})
@@ -472,6 +476,36 @@ def test_the_resume_state_is_written_in_the_background_from_a_copy(tmp_path, mon
     store.save_streams(9, streams, background=True)
     store.delete_state()  # waits for the writer; a failed write leaves nothing behind
     assert not store.state_path.exists() and not store.state_path.parent.exists()
+
+
+def test_launch_count_charges_each_kernel_to_the_innermost_region_around_its_launch(monkeypatch):
+    """bench/launch_count.py --kernels: a kernel is charged to the innermost region range around the CPU event that
+    launched it (a nested region takes its own kernels from its parent's), a kernel outside every range to
+    "(outside)"; per region, per kernel name."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import launch_count
+
+    def event(name, kernels=(), children=()):
+        e = SimpleNamespace(name=name, kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels],
+                            cpu_children=list(children), cpu_parent=None)
+        for child in e.cpu_children:
+            child.cpu_parent = e
+        return e
+
+    mark = launch_count.REGION_MARK
+    inner = event(mark + "base/global prefill sites", children=[event("aten::mm", [("gemm", 1000)])])
+    outer = event(mark + "base/global prefill stack", children=[event("aten::add", [("add", 2000), ("add", 500)]),
+                                                                  inner])
+    stray = event("aten::copy_", [("copy", 250)])
+    events = [outer, *outer.cpu_children, inner, *inner.cpu_children, stray]
+    busy, by_name = launch_count.kernels_by_region(events)
+    assert busy == pytest.approx({"base/global prefill stack": 2.5e-3, "base/global prefill sites": 1e-3,
+                                  "(outside)": 2.5e-4})
+    assert by_name["base/global prefill stack"] == pytest.approx({"add": 2.5e-3})
+    assert by_name["(outside)"] == pytest.approx({"copy": 2.5e-4})
 
 
 def test_launch_count_names_the_regions_of_a_layer():

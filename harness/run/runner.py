@@ -80,7 +80,8 @@ class RunSpec:
     LockstepRunner.decodes_together."""
     decode_sites_together: bool | None = None
     """The engines compute their decode steps' sites (the stock op and its twin on each step's inputs) once over all
-    the steps (None: on a GPU only); see LockstepRunner.sites_together."""
+    the steps, and a prefill chunk's attention sites once over its blocks (None: on a GPU only); see
+    LockstepRunner.sites_together."""
     reference_dtype: torch.dtype = torch.float32
     parity: ParityOptions = ParityOptions()
     yardstick: bool = True
@@ -229,8 +230,10 @@ class LockstepRunner:
         None: on a GPU only; OptimizedLayer._emit_held_sites). Each step's row is the op on that step's inputs up to
         the rounding of a differently shaped call, so the site metrics move by that fp32 rounding and no other metric
         moves (tests/test_speed.py). On an H200 a step's sites were ~3–4 ms of host time per stack and mode (Flash CSA
-        layer, 30,720 + 64 tokens): ~1 s of an ~11 s layer over the four engine stacks and modes. The CPU keeps one
-        call per step: its metrics stay the pinned bits (tests/test_metrics_pin.py)."""
+        layer, 30,720 + 64 tokens): ~1 s of an ~11 s layer over the four engine stacks and modes. Likewise a prefill
+        chunk's attention sites, once over its blocks' sampled queries (OptimizedLayer._attention's join_sites: the
+        chunk's caches are whole before its first block). The CPU keeps one call per step and block: its metrics stay
+        the pinned bits (tests/test_metrics_pin.py)."""
         return _on_a_gpu_unless_set(spec.decode_sites_together, spec.device)
 
     # ------------------------------------------------------------------------------------------
