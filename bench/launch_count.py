@@ -332,15 +332,17 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
                 profile.__enter__()
                 timer.marked = True
             start = timer._since = time.perf_counter()
-            runner.run_layer(args.layer, streams, weights=weights)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            timer.enter_region("(end)")
-            timer.leave_region()
-            wall = time.perf_counter() - start
-            if profile is not None:
-                timer.marked = False
-                profile.__exit__(None, None, None)
+            try:
+                runner.run_layer(args.layer, streams, weights=weights)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                timer.enter_region("(end)")
+                timer.leave_region()
+                wall = time.perf_counter() - start
+            finally:
+                if profile is not None:
+                    timer.marked = False
+                    profile.__exit__(None, None, None)
     print(f"{args.model} layer {args.layer} ({spec.source.config.layer_kind(args.layer)}), {args.tokens} + "
           f"{args.decode} tokens, variants {args.variants}, {args.device}, {torch.get_num_threads()} threads: "
           f"{wall:.2f} s wall (second run of the layer), host seconds per region:")

@@ -219,9 +219,12 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
     todo: dict[tuple, list[str]] = {}  # by shape (w1/w3 and w2 differ) and device: a group is one stack
     for name in dict.fromkeys(names):
         stored = ctx.weights.stored(name)
-        if _nvfp4_key(name, fmt) not in ctx.dense and isinstance(stored, QuantizedTensor) \
-                and stored.format == "fp4_mx32":
+        if _nvfp4_key(name, fmt) in ctx.dense or not isinstance(stored, QuantizedTensor):
+            continue
+        if stored.format == "fp4_mx32":
             todo.setdefault((stored.shape, stored.device), []).append(name)
+        elif stored.format == "nvfp4" and ctx.dense.room_for(stored.shape[0] * stored.shape[1] * 4):
+            load_weight(ctx, name, fmt)  # the checkpoint's own NVFP4 form, kept with its global scale
     for (shape, _), same in todo.items():
         for i in range(0, len(same), NVFP4_GROUP):
             group = same[i:i + NVFP4_GROUP]
@@ -442,7 +445,10 @@ def _per_expert(ctx: OpContext, x: torch.Tensor, layout: "PairLayout", matrix: s
     products, rounded to bf16 already); else one GEMM per expert (numerics.exact_product), as on the CPU."""
     names = {e: f"ffn.experts.{e}.{matrix}.weight" for e, _ in layout.spans}
     width = ctx.cfg.moe_intermediate_size if matrix != "w2" else ctx.cfg.hidden_size
-    if layout.order.numel() > FEW_PAIRS and numerics.grouped_products_apply(x, width):
+    # only the dense cache's own weights (none made here: a weight past the budget, or one a load_weight patch gives,
+    # would be a fresh copy per expert, 8 GB for a Flash chunk's 256 at once)
+    if layout.order.numel() > FEW_PAIRS and numerics.grouped_products_apply(x, width) \
+            and not ctx.table.patched("load_weight") and all(names[e] in ctx.dense for e, _ in layout.spans):
         weights = [ctx.weight(names[e]) for e, _ in layout.spans]
         if all(ctx.dense.bf16_exact(names[e], w) for (e, _), w in zip(layout.spans, weights)):
             return numerics.grouped_bf16_products(x, weights, [rows for _, rows in layout.spans])

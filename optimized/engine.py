@@ -455,8 +455,9 @@ class OptimizedLayer:
             self._emit_probs(held.ctx, sink, *rows, held.sink_logit)
 
     def _emit_held_sites(self, sink: ProbeSink, held: _HeldSampled) -> None:
-        """The held decode steps' sites, per tap and input widths, in calls of at most `held.block` tokens (the query
-        budget the decode steps' blocks were sized by): the steps' inputs joined along the tokens, one stock call
+        """The held sites — the decode steps', or a prefill chunk's attention sites (_attention's join_sites) — per tap
+        and input widths, in calls of at most `held.block` tokens (the query budget the steps' blocks were sized by,
+        or the chunk's for its window band): the steps' inputs joined along the tokens, one stock call
         (unless every step's own result was the stock op's) and one twin call, and one emission — instead of one of
         each per step (on an H200, ~3–4 ms of host time per decode step per stack and mode at Flash width). Each row
         is the op on that step's inputs (_emit_site's `hold`), up to the summation order of a differently shaped call

@@ -148,9 +148,11 @@ def grouped_bf16_products(x: torch.Tensor, weights: list[torch.Tensor], rows: li
     (6.4 ms per matrix and chunk, bound by the casts' reads, with 1 ms of host time)."""
     xb = x.bfloat16()
     out = torch.empty(x.shape[0], weights[0].shape[0], dtype=torch.bfloat16, device=x.device)
+    # one group's buffer, reused: the stream orders each grouped GEMM's read before the next group's copy writes it
+    buffer = torch.empty(min(len(weights), GROUPED_EXPERTS), *weights[0].shape, dtype=torch.bfloat16, device=x.device)
     for g in range(0, len(weights), GROUPED_EXPERTS):
         ws, spans = weights[g:g + GROUPED_EXPERTS], rows[g:g + GROUPED_EXPERTS]
-        stack = torch.empty(len(ws), *ws[0].shape, dtype=torch.bfloat16, device=x.device)
+        stack = buffer[:len(ws)]
         torch._foreach_copy_(list(stack.unbind(0)), ws)
         start, stop = spans[0].start, spans[-1].stop
         # group ends from page-locked memory: a copy from pageable memory would wait for the queue

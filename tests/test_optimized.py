@@ -354,6 +354,27 @@ def test_an_nvfp4_group_that_cannot_convert_is_left_to_its_use():
         base_ops.load_weight(c, "w0", "nvfp4-pow2")
 
 
+def test_nvfp4_forms_stored_in_the_checkpoint_are_prepared_with_their_global_scales():
+    """A checkpoint's own NVFP4 expert weights are put in the layer's dense cache by prepare_nvfp4_forms too (with their
+    global scales, which the tensor-core path needs), while they fit: the bits load_weight gives, the stored global."""
+    from types import SimpleNamespace
+
+    from optimized import base_ops
+    from reference.quant import mx32_to_nvfp4, quantize_fp4_mx32
+    from reference.weights.dense_cache import DenseCache
+
+    gen = torch.Generator().manual_seed(8)
+    stored = {f"w{i}": mx32_to_nvfp4(quantize_fp4_mx32(torch.randn(32, 64, generator=gen))) for i in range(3)}
+    c = SimpleNamespace(weights=SimpleNamespace(stored=stored.__getitem__), dense=DenseCache(2 * 32 * 64 * 4 + 8),
+                        device=torch.device("cpu"), table=SimpleNamespace(patched=lambda op: False))
+    base_ops.prepare_nvfp4_forms(c, list(stored), "nvfp4")
+    assert [base_ops.nvfp4_form_kept(c, n, "nvfp4") for n in stored] == [True, True, False]  # the budget: two
+    for name in ("w0", "w1"):
+        form = c.dense.get(f"{name}#nvfp4", None, c.device)
+        assert torch.equal(form, stored[name].dequantize())
+        assert float(base_ops.nvfp4_global_scale(c, name, "nvfp4", form)) == float(stored[name].global_scale)
+
+
 def test_nvfp4_forms_come_from_the_cached_fp32_copies_when_the_cache_holds_them(monkeypatch):
     """prepare_nvfp4_forms converts a group from the fp32 copies the layer's fill made (nvfp4_forms_from_mx) when the
     cache holds all of the group's, else from the codes; the forms are the same bits either way, and so are the
@@ -538,7 +559,9 @@ def test_stock_experts_take_grouped_products_over_a_prefill_chunk_only(monkeypat
     monkeypatch.setattr(numerics, "grouped_bf16_products", spy)
     grouped = OptimizedModel(src, []).forward(ids[:296], ids[296:], 128).logits
     assert grouped_rows and min(grouped_rows) > 64, grouped_rows  # prefill chunks' pairs only, never a decode step's
-    assert len(grouped_rows) == 3 * 3 * TINY.num_hidden_layers, "w1, w3, w2 of 3 chunks (128, 128, 40) per layer"
+    # w1, w3, w2 of the last 2 chunks (128, 40) per layer: the first chunk's weights enter the layer's dense cache
+    # as it uses them (a run fills the cache before the layer's first stack), and only cached weights are grouped
+    assert len(grouped_rows) == 2 * 3 * TINY.num_hidden_layers, grouped_rows
     moved = float((grouped - plain).norm() / plain.norm())  # 0 here: the CPU's grouped operator sums as its GEMM
     drift = float((plain - ref).norm() / ref.norm())
     assert torch.isfinite(grouped).all() and moved < 0.1 * drift, (moved, drift)
@@ -608,9 +631,13 @@ def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_only_with_the_cac
     moved = float((fast - plain).norm() / plain.norm())
     by_noise = float((ulp_noise - plain).norm() / plain.norm())
     assert torch.isfinite(fast).all() and 0 < moved < 1.5 * by_noise, (moved, by_noise)
+    from reference.weights.dense_cache import DenseCache
+
     ctx = SimpleNamespace(table=SimpleNamespace(patched=lambda op: op == "load_weight"),
-                          options={"global_scale": "modelopt"})
+                          options={"global_scale": "modelopt"}, dense=DenseCache())
     assert nv._tensor_core_forms(ctx, ["ffn.experts.0.w1.weight"]) is None, "a patched load_weight: fp32 GEMMs"
+    ctx.table = SimpleNamespace(patched=lambda op: False)
+    assert nv._tensor_core_forms(ctx, ["ffn.experts.0.w1.weight"]) is None, "a form not kept: fp32 GEMMs"
 
 
 def test_on_tensor_cores_the_engine_sends_only_bf16_valued_operands_and_moves_by_rounding_only(monkeypatch):
@@ -814,29 +841,45 @@ class _SparseSiteSink(_SiteSink):
         return positions % 5 == 0
 
 
-def test_a_prefill_chunks_attention_sites_are_joined_over_its_blocks(monkeypatch):
+def _prefill_attention_patch() -> list:
+    """A prefill sparse_attention patch that computes what the stock op does: the site's own result is then not the
+    stock one (a patch ran), so the stock op is called again beside it, per block or joined."""
+    from optimized.patching import Patch, PatchChoice
+
+    patch = Patch("prefill-attention", ("prefill",), "the stock attention, as a patch", source="test")
+
+    @patch.op("sparse_attention")
+    def sparse_attention(ctx, **inputs):
+        return ctx.base(**inputs)
+    return [PatchChoice(patch, {})]
+
+
+@pytest.mark.parametrize("patched", ["decode only", "prefill attention"])
+def test_a_prefill_chunks_attention_sites_are_joined_over_its_blocks(monkeypatch, patched):
     """With hold_sites (a GPU's default) a prefill chunk's attention site makes its stock and twin calls once over the
     sampled queries of all its blocks, after the last block, in calls sized for the chunk's window band — instead of
     once per block (120 blocks per stack and mode at 30K tokens). The caches hold the whole chunk before its first
     block, so each query's own fields are the per-block run's bits and its stock and twin values are the same ops on
     the same inputs, up to the rounding of a wider call. Here 8-query blocks (MAX_QUERY_BLOCK patched) over one
-    64-token chunk, every fifth position sampled: 8 calls become 2 (13 queries, at most 8 per call)."""
+    64-token chunk, every fifth position sampled: 8 calls become 2 (13 queries, at most 8 per call). With a prefill
+    attention patch the joined call recomputes the stock op too (without one, the own result is the stock one)."""
     from reference import layer as reference_layer
 
     monkeypatch.setattr(reference_layer, "MAX_QUERY_BLOCK", 8)
     source = SyntheticWeights(TINY, 0)
-    model = OptimizedModel(source, REGISTRY.choose("mma-sparse-decode"))
+    choices = REGISTRY.choose("mma-sparse-decode") if patched == "decode only" else _prefill_attention_patch()
+    model = OptimizedModel(source, choices)
     n_prompt, n_decode = 64, 2
     ids = torch.randint(0, TINY.vocab_size, (n_prompt + n_decode,), generator=torch.Generator().manual_seed(4))
     x = model.embed(ids)
-    runs, twins = {}, []
+    runs, twins, stocks = {}, [], []
     for held in (False, True):
         sink, block = _SparseSiteSink(), model.layer(2)
         stock = block._stock
 
         def noting(ctx, reassociate, stock=stock):  # the prefill calls over more than one block's queries
-            if ctx.phase == "prefill" and reassociate:
-                twins.append((held, ctx.positions.numel()))
+            if ctx.phase == "prefill":
+                (twins if reassociate else stocks).append((held, ctx.positions.numel()))
             return stock(ctx, reassociate)
         block._stock = noting
         model.run_layer(block, x, ids, segment_lengths(n_prompt, n_decode, 64), n_prompt, sink, hold_sites=held)
@@ -851,3 +894,5 @@ def test_a_prefill_chunks_attention_sites_are_joined_over_its_blocks(monkeypatch
             assert torch.allclose(joined[name], alone[name], rtol=1e-5, atol=1e-5), (p, name)
     # re-associated twins over the joined queries (8 + 5); per block, the twins ran in the chunk's context (64)
     assert {8, 5} <= {n for held, n in twins if held} and {n for held, n in twins if not held} == {64}, twins
+    joined_stock = {8, 5} <= {n for held, n in stocks if held}
+    assert joined_stock == (patched == "prefill attention"), stocks  # the stock op again only beside a patch

@@ -23,9 +23,9 @@ what would not fit and which setting changes it:
 - **second host lane** (one process on a GPU, when stock and patched stacks run and a layer's dense cache holds every
   weight): a stock stack's prefill chunk computes in a second host thread while a patched stack computes its own
   (harness.run.host_lanes): two chunks' working sets, less the working set counted above;
-- **grouped expert weights** (on a GPU): the bf16 copies of one group of expert matrices that the stock experts'
-  grouped GEMMs read (optimized.numerics.grouped_bf16_products; the chunk's bf16 rows and products are smaller than
-  its fp32 expert slots, counted in the working set);
+- **expert GEMM operands** (on a GPU): the bf16 operands of the experts' tensor-core GEMMs — one group of expert
+  matrices' bf16 copies (optimized.numerics.grouped_bf16_products) and a chunk's pair rows and products
+  (scaled_bf16_products too) — in each host lane;
 - **NVFP4 conversion** (with `nvfp4-experts`): the temporaries of one group of expert matrices converted together
   (optimized.base_ops.prepare_nvfp4_forms).
 
@@ -145,8 +145,12 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
         # reference's pass, which runs alone, may already need more
         if 2 * chunk_working > working:
             terms["second host lane"] = 2 * chunk_working - working
-    if device.type == "cuda":  # the stock experts' grouped GEMMs: one group's bf16 weights (numerics.grouped_bf16_products)
-        terms["grouped expert weights (one group)"] = GROUPED_EXPERTS * 2 * cfg.moe_intermediate_size * D
+    if device.type == "cuda":  # the expert GEMMs' bf16 operands on tensor cores (numerics.grouped_bf16_products,
+        # scaled_bf16_products): one group's weights, the chunk's pair rows and products — in each host lane
+        lanes = 2 if "second host lane" in terms else 1
+        pairs = min(T, spec.chunk_size) * cfg.num_experts_per_tok
+        terms["expert GEMM operands (bf16)"] = lanes * 2 * (GROUPED_EXPERTS * cfg.moe_intermediate_size * D
+                                                            + pairs * (D + cfg.moe_intermediate_size))
     if nvfp4:  # prepare_nvfp4_forms: a group's e2m1 values, scales, products and dense forms (5 copies, fp32)
         terms["NVFP4 conversion (one group)"] = NVFP4_GROUP * 5 * 4 * cfg.moe_intermediate_size * D
     if world > 1:  # the reference's rank packs its taps into one byte buffer to broadcast them (distributed.Group)

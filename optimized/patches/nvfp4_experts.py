@@ -175,10 +175,20 @@ def _on_tensor_cores(ctx: OpContext, y: torch.Tensor, routing: Routing, layout: 
         x_scales = [1.0 if scales[e][m] is None else scales[e][m] for e in experts_in_order]
         return numerics.scaled_bf16_products(x, forms[m][0], spans, x_scales, forms[m][1])
 
-    pairs = y[layout.tokens]
-    g = products(_act_rows(act, pairs, [scales[e][0] for e in experts_in_order], spans), 0)
-    u = products(_act_rows(act, pairs, [scales[e][1] for e in experts_in_order], spans), 1)
-    del pairs
+    def quantized_pairs(m: int) -> torch.Tensor:
+        """The pair rows of matrix m's input: quantized per token once and gathered (the quantizer works within a
+        row), as the fp32 path does, when every expert shares m's input scale; else per expert's scale."""
+        m_scales = [scales[e][m] for e in experts_in_order]
+        if len(set(m_scales)) == 1:
+            return act(y, m_scales[0])[layout.tokens]
+        return _act_rows(act, y[layout.tokens], m_scales, spans)
+
+    x = quantized_pairs(0)
+    g = products(x, 0)
+    if [scales[e][1] for e in experts_in_order] != [scales[e][0] for e in experts_in_order]:
+        x = quantized_pairs(1)
+    u = products(x, 1)
+    del x
     h = bf16(swiglu_fp32(bf16(g), bf16(u), ctx.cfg.swiglu_limit) * routing.weights.flatten()[layout.order, None])
     h = _act_rows(act, h, [scales[e][2] for e in experts_in_order], spans)
     return layout.sum_slots(products(h, 2), routing.expert_ids.shape[0])
