@@ -100,9 +100,12 @@ def test_ranks_sharing_one_gpu_are_each_checked_against_their_share_of_it(monkey
     gpu.total_memory = 10 * 2**40
     alone, shared = predict_memory(spec), predict_memory(spec, world=2)
     # tiny: its layer is far under either cache budget; a sharded run adds rank 0's buffer of the taps it sends, and
-    # runs one host lane per rank (harness.run.host_lanes: the one process holds a second chunk's working set)
+    # runs one host lane per rank (harness.run.host_lanes: the one process holds a second chunk's working set, and
+    # the expert GEMMs' bf16 operands of two lanes)
+    operands = "expert GEMM operands (bf16)"
+    assert alone.device_terms[operands] == 2 * shared.device_terms[operands]
     assert shared.device_bytes == (alone.device_bytes + alone.device_terms["recorded taps"]
-                                   - alone.device_terms["second host lane"])
+                                   - alone.device_terms["second host lane"] - shared.device_terms[operands])
     gpu.total_memory = int(1.5 * alone.device_bytes / HEADROOM)
     assert check_fits(spec).device_bytes == alone.device_bytes
     with pytest.raises(UsageError, match="predicted peak device memory"):

@@ -66,6 +66,14 @@ class Group:
         which would copy them to the host and back (~6 GB of reference taps per Flash layer at 30K tokens)."""
         return self.device.startswith("cuda") and self.world > 1 and self.ranks_per_device == self.world
 
+    def leave(self) -> None:
+        """End this rank's part once every rank's share is done: a barrier, then the group destroyed. Under torchrun
+        a rank otherwise exits with its group alive, and gloo's connections are torn down at interpreter exit while a
+        peer may still hold them (a CI run saw rank 1 of a finished torchrun run abort there, SIGABRT, after rank 0
+        had written everything)."""
+        dist.barrier()
+        dist.destroy_process_group()
+
     def broadcast_tensors(self, tree: Any, src: int) -> Any:
         """A nested structure of dicts (and lists) with tensor leaves, from rank `src` to every rank, on each rank's
         device: its layout as one object, its tensors as one byte buffer (sent through the backend, or shared by

@@ -296,6 +296,7 @@ def _share_as_rank_zero(group: Group, recipe: RunRecipe, store: RunStore) -> Non
     not with the broken collective rank 0 saw; an error of rank 0's own kind (a patch, an input, a file) stands."""
     try:
         run_share(group, recipe)
+        group.leave()  # with the other ranks, once every share is done
     except (PluginOpError, UsageError, OSError, KeyboardInterrupt):
         raise
     except Exception as e:
@@ -322,6 +323,7 @@ def _follow(group: Group) -> int:
     if received[0] is None:
         return 2
     run_share(group, received[0])
+    group.leave()  # with rank 0, once both shares are done
     return 0
 
 
