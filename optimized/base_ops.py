@@ -174,6 +174,7 @@ def nvfp4_global_scale(ctx: OpContext, name: str, fmt: str, value: torch.Tensor)
 
 
 def _keep_global_scale(ctx: OpContext, name: str, fmt: str, global_scale: torch.Tensor) -> None:
+    """Keep the fp32 global scale of `name`'s NVFP4 form beside it (4 bytes: put without asking for room)."""
     ctx.dense.put(_nvfp4_global_key(name, fmt), global_scale.reshape(()).float().to(ctx.device))
 
 
@@ -206,7 +207,7 @@ host reads each."""
 
 def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
     """Put the NVFP4 forms that the stock `load_weight(name, fmt)` would convert one at a time into the layer's dense
-    cache in groups of NVFP4_GROUP (reference.quant.mx32_to_nvfp4_dense, or nvfp4_dense_from_mx from the group's fp32
+    cache in groups of NVFP4_GROUP (reference.quant.mx32_to_nvfp4_forms, or nvfp4_forms_from_mx from the group's fp32
     copies when the cache holds them: the same bits either way), while the cache has room for a whole group; what
     does not fit is converted on use, as before. Only FP4-stored names not cached yet are converted. Nothing is
     prepared when a patch overrides load_weight in this phase (it may never ask the stock op for these forms), and a

@@ -361,8 +361,9 @@ class OptimizedLayer:
 
         out = torch.empty_like(q)
         sink_logit = ctx.weight("attn.attn_sink")
-        block = query_block_size(cfg, self.kind, state.compressor.n_rows if state.compressor else 0,
-                                 state.index_keys.length if state.index_keys else 0, self.device)
+        main_rows = state.compressor.n_rows if state.compressor else 0
+        index_rows = state.index_keys.length if state.index_keys else 0
+        block = query_block_size(cfg, self.kind, main_rows, index_rows, self.device)
         site_rows, probs_rows = [], []  # per block, the sampled queries' inputs of the chunk's indexer site and probs
         attn_sites = self._held_sampled.sites if hold_site else [] if join_sites else None
         for start in range(0, positions.numel(), block):
@@ -413,10 +414,8 @@ class OptimizedLayer:
             out[blk] = o
         if join_sites and attn_sites:  # the chunk's attention sites: a stock and a twin call per budget of queries,
             # whose window band is the chunk's (the sampled queries lie across it), so sized for that band
-            joined = query_block_size(cfg, self.kind, state.compressor.n_rows if state.compressor else 0,
-                                      state.index_keys.length if state.index_keys else 0, self.device,
-                                      band=positions.numel() + cfg.sliding_window)
-            self._emit_held_sites(sink, _HeldSampled(ctx=ctx, block=joined, sites=attn_sites))
+            self._emit_held_sites(sink, attn_sites, ctx, query_block_size(
+                cfg, self.kind, main_rows, index_rows, self.device, band=positions.numel() + cfg.sliding_window))
         # The indexer site and the attention rows are recomputed per query from the caches, which hold the whole
         # chunk before its first block: once per chunk over every block's sampled queries, not once per block
         # (120 blocks per stack and mode at 30K tokens, each a few dozen small kernels) — and, held, once over a
@@ -425,7 +424,6 @@ class OptimizedLayer:
         # decode steps share a call only with steps of the same widths and the same number of index rows, whose
         # stock top-k the recomputation then takes over that many rows, as the step did: over more rows (the caches
         # at the end) torch.topk may break ties at the k-th score otherwise.
-        index_rows = state.index_keys.length if state.index_keys is not None else 0
         held = self._held_sampled
         held.site_rows += [((index_rows, _widths(r)) if hold_sampled else None, r) for r in site_rows]
         held.probs_rows += [(_widths(r) if hold_sampled else None, r) for r in probs_rows]
@@ -443,7 +441,7 @@ class OptimizedLayer:
         segment's blocks were sized by) over queries that share a key: a held decode step's fields are never padded
         to a width it never had, and its stock top-k runs over the index rows it had."""
         held = self.discard_held_sampled()
-        self._emit_held_sites(sink, held)
+        self._emit_held_sites(sink, held.sites, held.ctx, held.block)
         self._emit_sampled_rows(sink, held)
 
     def _emit_sampled_rows(self, sink: ProbeSink, held: _HeldSampled) -> None:
@@ -454,10 +452,11 @@ class OptimizedLayer:
         for _, rows in _in_runs(probs_rows, held.block):
             self._emit_probs(held.ctx, sink, *rows, held.sink_logit)
 
-    def _emit_held_sites(self, sink: ProbeSink, held: _HeldSampled) -> None:
+    def _emit_held_sites(self, sink: ProbeSink, sites: list[_HeldSite], ctx: OpContext, block: int) -> None:
         """The held sites — the decode steps', or a prefill chunk's attention sites (_attention's join_sites) — per tap
-        and input widths, in calls of at most `held.block` tokens (the query budget the steps' blocks were sized by,
-        or the chunk's for its window band): the steps' inputs joined along the tokens, one stock call
+        and input widths, in calls of at most `block` tokens (the query budget the steps' blocks were sized by, or the
+        chunk's for its window band), in the context `ctx` of the last segment (its caches): the steps' inputs joined
+        along the tokens, one stock call
         (unless every step's own result was the stock op's) and one twin call, and one emission — instead of one of
         each per step (on an H200, ~3–4 ms of host time per decode step per stack and mode at Flash width). Each row
         is the op on that step's inputs (_emit_site's `hold`), up to the summation order of a differently shaped call
@@ -466,21 +465,21 @@ class OptimizedLayer:
         taps: a non-finite value in the variant's own fields is found at its step by attn.hc, moe.router or attn.lse,
         which carry the same values."""
         by_call: dict[tuple, list[_HeldSite]] = {}  # steps whose inputs can be joined: one tap, the same widths
-        for site in held.sites:
+        for site in sites:
             by_call.setdefault((site.tap, _widths(tuple(site.per_token.values()))), []).append(site)
         for (tap, _), group in by_call.items():
-            for sites in _at_most(group, max(held.block, 1)):
-                first = sites[0]
-                positions = torch.cat([site.positions for site in sites])
+            for run in _at_most(group, max(block, 1)):
+                first = run[0]
+                positions = torch.cat([site.positions for site in run])
                 inputs = {**first.constants,
-                          **{k: torch.cat([site.per_token[k] for site in sites]) for k in first.per_token}}
-                own = {k: torch.cat([site.own[k] for site in sites]) for k in first.own}
-                ctx = held.ctx.with_fields(positions=positions)  # the last step's: the caches as they are now
+                          **{k: torch.cat([site.per_token[k] for site in run]) for k in first.per_token}}
+                own = {k: torch.cat([site.own[k] for site in run]) for k in first.own}
+                call_ctx = ctx.with_fields(positions=positions)  # the last step's: the caches as they are now
                 # a step whose own result was the stock op's among steps whose were not (a patch acting on some
                 # steps only) gets the recomputed stock row: the same op on the same inputs, up to the rounding
-                stock = own if all(site.own_is_stock for site in sites) else \
-                    first.fields(self._stock(ctx, False).call(first.op, **inputs))
-                twin = first.fields(self._stock(ctx, True).call(first.op, **inputs))
+                stock = own if all(site.own_is_stock for site in run) else \
+                    first.fields(self._stock(call_ctx, False).call(first.op, **inputs))
+                twin = first.fields(self._stock(call_ctx, True).call(first.op, **inputs))
                 sink.emit(tap, positions, **own, **{"stock_" + k: v for k, v in stock.items()},
                           **{"twin_" + k: v for k, v in twin.items()})
 

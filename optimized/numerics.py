@@ -115,6 +115,13 @@ def exact_product(x: torch.Tensor, w: torch.Tensor, weight_is_bf16: Callable[[],
     return bf16_mm(x.reshape(_rows(x), x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
 
 
+def _on_device(values: list[float] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device` without waiting for the queue: through page-locked memory on a GPU
+    (a copy from pageable memory would wait for every queued kernel)."""
+    cuda = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
+
+
 GROUPED_EXPERTS = 32
 """Experts whose weights one grouped GEMM reads (grouped_bf16_products): their bf16 copies, made for the call, are
 32 × 2048 × 4096 × 2 B = 0.5 GB at Flash width (harness.run.memory counts them), and a prefill chunk's 256 experts
@@ -155,10 +162,8 @@ def grouped_bf16_products(x: torch.Tensor, weights: list[torch.Tensor], rows: li
         stack = buffer[:len(ws)]
         torch._foreach_copy_(list(stack.unbind(0)), ws)
         start, stop = spans[0].start, spans[-1].stop
-        # group ends from page-locked memory: a copy from pageable memory would wait for the queue
-        ends = torch.tensor([s.stop - start for s in spans], dtype=torch.int32, pin_memory=x.is_cuda)
-        out[start:stop] = torch._grouped_mm(xb[start:stop], stack.transpose(1, 2),
-                                            offs=ends.to(x.device, non_blocking=True), out_dtype=torch.bfloat16)
+        ends = _on_device([s.stop - start for s in spans], torch.int32, x.device)
+        out[start:stop] = torch._grouped_mm(xb[start:stop], stack.transpose(1, 2), offs=ends, out_dtype=torch.bfloat16)
     return out.float()
 
 
@@ -193,8 +198,8 @@ def scaled_bf16_products(x: torch.Tensor, weights: list[torch.Tensor], rows: lis
     for w, span, g in zip(weights, rows, w_scales):  # GEMM's read before the next expert's conversion writes it
         torch.div(w, g, out=wt)
         _bf16_product_into(xt[span], wt, out[span])
-    counts = torch.tensor([span.stop - span.start for span in rows], pin_memory=x.is_cuda).to(x.device, non_blocking=True)
-    scales = torch.tensor(x_scales, dtype=torch.float32, pin_memory=x.is_cuda).to(x.device, non_blocking=True)
+    counts = _on_device([span.stop - span.start for span in rows], torch.int64, x.device)
+    scales = _on_device(x_scales, torch.float32, x.device)  # s in fp32, as the activations' quantizer used it
     alpha = torch.repeat_interleave(torch.stack(w_scales) * scales, counts, output_size=x.shape[0])  # fl(g·s) per row
     return out.mul_(alpha[:, None])
 

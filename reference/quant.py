@@ -353,20 +353,14 @@ def mx32_to_nvfp4(q: QuantizedTensor, global_rule: str = "modelopt", name: str =
     return QuantizedTensor("nvfp4", q.codes.clone(), block16[0], global_scale[0].reshape(()), None)
 
 
-def mx32_to_nvfp4_dense(qs: list[QuantizedTensor], global_rule: str = "modelopt",
-                        names: list[str] | None = None) -> torch.Tensor:
-    """[G, out, in] fp32: `mx32_to_nvfp4(q, global_rule).dequantize()` of G same-shaped FP4 tensors, the same bits,
-    computed over the stack at once (a Flash layer converts 768 expert matrices: a few dozen launches and one host
-    read per stack instead of per matrix)."""
-    return mx32_to_nvfp4_forms(qs, global_rule, names)[0]
-
-
 def mx32_to_nvfp4_forms(qs: list[QuantizedTensor], global_rule: str = "modelopt", names: list[str] | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mx32_to_nvfp4_dense(qs, global_rule, names), the tensors' fp32 global scales [G] on the host): each dense
-    value is fl(code·b · global) with code·b exact in ≤ 6 significant bits, so dense / global rounds to code·b in bf16
+    """([G, out, in] fp32: `mx32_to_nvfp4(q, global_rule).dequantize()` of G same-shaped FP4 tensors, the same bits,
+    computed over the stack at once; the tensors' fp32 global scales [G] on the host). A Flash layer converts 768
+    expert matrices: a few dozen launches and one host read per stack instead of per matrix. Each dense value is
+    fl(code·b · global) with code·b exact in ≤ 6 significant bits, so dense / global rounds to code·b in bf16
     (optimized.numerics.scaled_bf16_products reads the NVFP4 forms on tensor cores so)."""
-    names = _checked_fp4_names(qs, names, "mx32_to_nvfp4_dense")
+    names = _checked_fp4_names(qs, names, "mx32_to_nvfp4_forms")
     vals, block16, global_scale = _nvfp4_scales(torch.stack([q.codes for q in qs]), torch.stack([q.scale for q in qs]),
                                                 global_rule, names)
     s = block16.float().repeat_interleave(16, -1)[..., : vals.shape[-1]]
@@ -374,10 +368,10 @@ def mx32_to_nvfp4_forms(qs: list[QuantizedTensor], global_rule: str = "modelopt"
     return vals * s * global_scale.to(vals.device)[:, None, None], global_scale
 
 
-def nvfp4_dense_from_mx(mx: torch.Tensor, qs: list[QuantizedTensor], global_rule: str = "modelopt",
-                        names: list[str] | None = None) -> torch.Tensor:
-    """mx32_to_nvfp4_dense(qs, global_rule, names), the same bits, from mx [G, out, in]: the tensors' own fp32 values
-    (QuantizedTensor.dequantize, as a layer's dense cache holds them), on mx's device.
+def nvfp4_forms_from_mx(mx: torch.Tensor, qs: list[QuantizedTensor], global_rule: str = "modelopt",
+                        names: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """mx32_to_nvfp4_forms(qs, global_rule, names), the same bits and global scales, from mx [G, out, in]: the
+    tensors' own fp32 values (QuantizedTensor.dequantize, as a layer's dense cache holds them), on mx's device.
 
     Why it is the same: every non-zero 32-block's NVFP4 block scale is its MX scale 2^e times a per-tensor factor c —
     modelopt b = 2^(e−emax+7)·f, so c = 2^(7−emax)·f; pow2 b = 2^(e−emax+8), so c = 2^(8−emax) — and an all-zero
@@ -389,16 +383,9 @@ def nvfp4_dense_from_mx(mx: torch.Tensor, qs: list[QuantizedTensor], global_rule
     smaller values is converted from its codes.
     Measured on an H200 (8 Flash expert matrices): 2.9 ms from the codes (decode, a repeat_interleave'd block scale,
     two reductions), ~1.5 ms from mx (one reduction pass, two products)."""
-    return nvfp4_forms_from_mx(mx, qs, global_rule, names)[0]
-
-
-def nvfp4_forms_from_mx(mx: torch.Tensor, qs: list[QuantizedTensor], global_rule: str = "modelopt",
-                        names: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(nvfp4_dense_from_mx(mx, qs, global_rule, names), the tensors' fp32 global scales [G] on the host), as
-    mx32_to_nvfp4_forms gives them."""
-    names = _checked_fp4_names(qs, names, "nvfp4_dense_from_mx")
+    names = _checked_fp4_names(qs, names, "nvfp4_forms_from_mx")
     if tuple(mx.shape) != (len(qs), *qs[0].shape):
-        raise ValueError(f"nvfp4_dense_from_mx: mx is {tuple(mx.shape)}, expected {(len(qs), *qs[0].shape)} for "
+        raise ValueError(f"nvfp4_forms_from_mx: mx is {tuple(mx.shape)}, expected {(len(qs), *qs[0].shape)} for "
                          f"{names[0]} and the rest of its stack")
     scale = torch.stack([q.scale for q in qs]).to(mx.device)
     lo, hi = torch.aminmax(mx.unflatten(-1, (-1, 32)), dim=-1)

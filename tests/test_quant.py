@@ -7,7 +7,7 @@ import torch
 
 from reference.quant import (E2M1_VALUES, FP8_MAX, QuantizedTensor, ceil_log2, e2m1_decode, e2m1_encode,
                              e8m0_decode, e8m0_encode, fp4_fake_quant, fp8_fake_quant, mx32_to_nvfp4,
-                             mx32_to_nvfp4_dense, nvfp4_dense_from_mx, pack_e2m1, quantize_fp4_mx32,
+                             mx32_to_nvfp4_forms, nvfp4_forms_from_mx, pack_e2m1, quantize_fp4_mx32,
                              quantize_fp8_block128, round_to_e2m1, round_to_e4m3, unpack_e2m1)
 
 
@@ -119,28 +119,30 @@ def _fp4_stack_of_every_kind() -> list[QuantizedTensor]:
 
 
 def test_nvfp4_forms_from_the_fp32_copies_are_the_conversions_bits(monkeypatch):
-    """nvfp4_dense_from_mx derives the NVFP4 forms from the tensors' own fp32 values (what a layer's dense cache
+    """nvfp4_forms_from_mx derives the NVFP4 forms from the tensors' own fp32 values (what a layer's dense cache
     holds) instead of their codes: every kind of stack, both rules, the same bits — −0 included — as
-    mx32_to_nvfp4_dense and as each tensor's mx32_to_nvfp4().dequantize(), without falling back to the codes."""
+    mx32_to_nvfp4_forms and as each tensor's mx32_to_nvfp4().dequantize(), without falling back to the codes."""
     from reference import quant
 
     qs = _fp4_stack_of_every_kind()
     mx = torch.stack([q.dequantize() for q in qs])
     for rule in ("modelopt", "pow2"):
-        expected = mx32_to_nvfp4_dense(qs, rule)
+        expected = mx32_to_nvfp4_forms(qs, rule)[0]
         with monkeypatch.context() as patched:
             patched.setattr(quant, "mx32_to_nvfp4_forms", lambda *a, **k: pytest.fail("fell back to the codes"))
-            got = nvfp4_dense_from_mx(mx, qs, rule)
+            got = nvfp4_forms_from_mx(mx, qs, rule)[0]
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), f"{rule}: the bits differ"
         for i, q in enumerate(qs):
             one = mx32_to_nvfp4(q, rule).dequantize()
             assert torch.equal(got[i].view(torch.int32), one.view(torch.int32)), f"{rule}, tensor {i}"
-    assert torch.equal(nvfp4_dense_from_mx(mx, qs, "pow2"), mx), "pow2 forms are the MX values themselves"
+    assert torch.equal(nvfp4_forms_from_mx(mx, qs, "pow2")[0], mx), "pow2 forms are the MX values themselves"
     empty = quantize_fp4_mx32(torch.zeros(32, 64))  # emax −122: converted from its codes, to the same bits
     stack = [qs[0], empty]
     mx = torch.stack([q.dequantize() for q in stack])
-    assert torch.equal(nvfp4_dense_from_mx(mx, stack).view(torch.int32), mx32_to_nvfp4_dense(stack).view(torch.int32))
-    assert (mx32_to_nvfp4_dense(qs[:1]) != mx[0]).any(), "modelopt's global scale moves some values (the test's teeth)"
+    assert torch.equal(nvfp4_forms_from_mx(mx, stack)[0].view(torch.int32),
+                       mx32_to_nvfp4_forms(stack)[0].view(torch.int32))
+    assert (mx32_to_nvfp4_forms(qs[:1])[0] != mx[0]).any(), \
+        "modelopt's global scale moves some values (the test's teeth)"
 
 
 def test_nvfp4_forms_over_their_global_scale_are_bf16_block_products():
@@ -149,8 +151,6 @@ def test_nvfp4_forms_over_their_global_scale_are_bf16_block_products():
     exact: dense = fl(code·b · g) with code·b of ≤ 6 significant bits, so fl(dense / g) rounds in bf16 to code·b —
     which times g rounds back to dense, every bit (−0 included) — and code·b is the decoded codes times the block
     scales. Every kind of stack, both rules."""
-    from reference.quant import mx32_to_nvfp4_forms, nvfp4_forms_from_mx
-
     qs = _fp4_stack_of_every_kind()
     mx = torch.stack([q.dequantize() for q in qs])
     for rule in ("modelopt", "pow2"):
@@ -173,15 +173,16 @@ def test_nvfp4_from_fp32_copies_below_its_range_converts_from_the_codes():
     scale = torch.full((32, 2), 5, dtype=torch.uint8)  # every block 2^-122
     q = QuantizedTensor("fp4_mx32", quantize_fp4_mx32(torch.randn(32, 64)).codes, scale)
     mx = q.dequantize()[None]
-    assert torch.equal(nvfp4_dense_from_mx(mx, [q]).view(torch.int32), mx32_to_nvfp4_dense([q]).view(torch.int32))
+    assert torch.equal(nvfp4_forms_from_mx(mx, [q])[0].view(torch.int32),
+                       mx32_to_nvfp4_forms([q])[0].view(torch.int32))
 
 
 def test_nvfp4_stack_errors_name_the_tensor():
     plain, other = quantize_fp4_mx32(torch.randn(32, 64)), quantize_fp4_mx32(torch.randn(64, 64))
     with pytest.raises(ValueError, match="w3: shape \\(64, 64\\) differs from w1's \\(32, 64\\)"):
-        mx32_to_nvfp4_dense([plain, other], names=["w1", "w3"])
+        mx32_to_nvfp4_forms([plain, other], names=["w1", "w3"])
     with pytest.raises(ValueError, match="mx is \\(1, 32, 64\\), expected \\(2, 32, 64\\) for w1"):
-        nvfp4_dense_from_mx(plain.dequantize()[None], [plain, plain], names=["w1", "w2"])
+        nvfp4_forms_from_mx(plain.dequantize()[None], [plain, plain], names=["w1", "w2"])
 
 
 def test_fake_quant_blocks_use_power_of_two_scales():
