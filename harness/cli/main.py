@@ -17,6 +17,7 @@ import torch
 
 from harness.errors import UsageError
 from harness.run.distributed import RankFailed
+from harness.run.host_allocator import keep_freed_host_memory
 from optimized.patching import PluginOpError
 
 EXIT_CODES = {0: "success (the gate passes)", 1: "regression (the gate fails)", 2: "usage or input error",
@@ -53,6 +54,7 @@ def run_command(args: argparse.Namespace) -> int:
     differentiates: inference mode skips autograd's and view tracking's dispatch on every tensor operation (~0.5 µs
     each of a few µs; a run is bound by their number: README, What keeps a layer fast). The same kernels run: the
     numbers do not change."""
+    keep_freed_host_memory()  # glibc: reuse freed tensors' pages instead of faulting them in anew (host_allocator)
     torch.set_float32_matmul_precision("highest")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.reductions import reduce_tensor
 
+from harness.run.host_allocator import keep_freed_host_memory
 from harness.run.probes import Finding
 from harness.run.runner import LockstepRunner, ReferencePass, RunSpec, VariantSpec
 from harness.run.setup import load_registry, scenario_from_manifest, spec_from_manifest
@@ -471,6 +472,7 @@ class RunRecipe:
 
 def run_rank(rank: int, world: int, recipe: RunRecipe) -> None:
     """One rank of a sharded run started by `launch`: join the group, then run its share."""
+    keep_freed_host_memory()  # a spawned rank is a fresh process: as run_command does in the parent
     torch.set_num_threads(recipe.threads)
     torch.set_float32_matmul_precision("highest")
     run_share(join_group(rank, world, recipe.device), recipe)
