@@ -73,6 +73,7 @@ class RunData:
     findings: list[dict[str, Any]]
 
     _by_metric: dict[str, pd.DataFrame] | None = field(default=None, repr=False)
+    _variants: list[str] | None = field(default=None, repr=False)
 
     def rows_of(self, metric: str) -> pd.DataFrame:
         """The metric's rows (grouped once: a flash run holds ~10⁶ rows and a policy ~30 checks)."""
@@ -97,13 +98,17 @@ class RunData:
 
     @property
     def variants(self) -> list[str]:
-        """The run's stacks compared against the reference: the yardstick (when it ran), then the variants."""
-        stacks = self.manifest.get("stacks") or {}
-        names = ([YARDSTICK] if stacks.get("yardstick") else []) + [v["name"] for v in stacks.get("variants", [])]
-        for v in self.metrics["variant"].unique().tolist():
-            if v not in names:
-                names.append(v)
-        return names
+        """The run's stacks compared against the reference: the yardstick (when it ran), then the variants. Found
+        once: every check asks, and a unique() over the string column took ~8 ms on the demo's 262,000 rows (1.1 s of
+        its gate's 2.8 s). A copy, so a caller's edit changes nothing here."""
+        if self._variants is None:
+            stacks = self.manifest.get("stacks") or {}
+            names = ([YARDSTICK] if stacks.get("yardstick") else []) + [v["name"] for v in stacks.get("variants", [])]
+            for v in self.metrics["variant"].unique().tolist():
+                if v not in names:
+                    names.append(v)
+            self._variants = names
+        return list(self._variants)
 
 
 def load_run(run_dir: str | Path) -> RunData:
