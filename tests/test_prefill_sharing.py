@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from harness.attribution.plan import attribution_variants
-from harness.run.prefill_sharing import prefill_key
+from harness.run.prefill_sharing import kept_prefill_keys, prefill_key
 from harness.run.probes import ComparingSink
 from harness.run.runner import LockstepRunner
 from harness.run.setup import Overrides, build_run_spec
@@ -100,8 +100,12 @@ def test_the_memory_estimate_counts_the_prefills_a_process_keeps():
     spec.local = False
     state_copies = predict_memory(spec).host_terms["shared prefills"]  # global: base's and all's, the states only
     assert term == 2 * rows + 2 * state_copies  # local adds two more states and each one's rows
-    spec.local = True  # two ranks: the pairs alternate global/local, so rank 1 keeps both local shares
-    assert predict_memory(spec, world=2).host_terms["shared prefills"] == 2 * rows + state_copies
+    spec.local = True  # two ranks: each keeps the shares of the groups the deal gives it whole (harness.run.deal)
+    state = state_copies / 2
+    kept = [kept_prefill_keys(spec, spec.stacks_of_rank(rank, 2)) for rank in range(2)]
+    assert sorted(k for keys in kept for k in keys) == sorted(kept_prefill_keys(spec, spec.stacks()))  # none split
+    busiest = max(sum(rows * (mode == "local") + state for mode, _ in keys) for keys in kept)
+    assert predict_memory(spec, world=2).host_terms["shared prefills"] == busiest == 2 * rows + 3 * state < term
     spec.decode_ids, spec.turn_of_position = [], spec.turn_of_position[: spec.n_prompt]
     assert "shared prefills" not in predict_memory(spec).host_terms  # nothing is shared without decode steps
 

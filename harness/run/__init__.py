@@ -8,6 +8,7 @@ tensors stream past, metrics binned per layer and written to the run store (DESI
 Modules: `setup`, `runner`, `probes` (recording and comparing sinks), `metrics` (the comparators),
 `bins` and `aggregate` (where a position's values land), `store`, `greedy` (greedy decode ids),
 `environment` (what the manifest records about the machine), `safetensors_stream` (`forward`'s logits writer),
-`host_allocator` (glibc keeps freed host memory for reuse).
+`host_allocator` (glibc keeps freed host memory for reuse), `deal` (which rank of a sharded run computes which
+stack and mode).
 Nothing here reads a report or a gate: those read what the store wrote.
 """

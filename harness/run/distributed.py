@@ -3,12 +3,12 @@
 The layer-major lockstep splits cleanly by stack. At every layer:
 
 1. the last rank produces the reference's pass (its output streams and every recorded tap) and broadcasts it: the
-   reference runs once per layer, whatever the number of ranks. That rank has no more (stack, mode) pairs than any
-   other, and once its own are done it runs the next layer's reference while the others finish theirs, so the
+   reference runs once per layer, whatever the number of ranks. The deal of the pairs leaves that rank room for
+   it, and once its own pairs are done it runs the next layer's reference while the others finish theirs, so the
    reference costs the run no time of its own when that rank's share leaves room for it;
-2. each rank runs its share of the (stack, mode) pairs against those taps — pair i of `RunSpec.stacks()` runs on
-   rank i mod N, so a stack's global mode, which carries its own streams from layer to layer, always runs on the
-   same rank, and any number of ranks works;
+2. each rank runs its share of the (stack, mode) pairs against those taps — dealt by their cost so the ranks finish
+   a layer together (`RunSpec.stacks_of_rank`, harness.run.deal), fixed for the run, so a stack's global mode, which
+   carries its own streams from layer to layer, always runs on the same rank, and any number of ranks works;
 3. the rows, the new NaN/Inf findings and the dumped tensors are gathered to rank 0, which writes the layer in the
    order a single process writes it; the findings reach every rank (a stack's logits check reads them).
 
@@ -202,9 +202,9 @@ class ShardedRunner(LockstepRunner):
 
     @property
     def reference_rank(self) -> int:
-        """The rank that runs the reference: the last, which the round-robin deal gives no more pairs than any other
-        (by count: with local mode on 2 ranks, it runs every local pair), so it has the time to run the next layer's
-        reference while the others finish this layer's stacks."""
+        """The rank that runs the reference: the last, whose share of the pairs the deal (harness.run.deal) makes
+        lighter by the reference's cost, so it has the time to run the next layer's reference while the others
+        finish this layer's stacks."""
         return self.group.world - 1
 
     def _reference_pass(self, layer: int, ref_in: torch.Tensor, weights: TensorBundle | None) -> ReferencePass:

@@ -94,8 +94,7 @@ def _layer_bytes(cfg: ModelConfig, layer: int) -> tuple[float, float, float]:
 
 def _global_stacks_per_rank(spec: RunSpec, world: int) -> int:
     """The most global-mode stacks (each holding its own streams) any rank of `world` runs, as the runner deals
-    them (RunSpec.stacks_of_rank): with local mode on, pairs alternate global/local, so with two ranks every global
-    pair lands on rank 0 and sharding saves no stream memory."""
+    them (RunSpec.stacks_of_rank: by cost, so a rank may hold several)."""
     return max(sum(mode == "global" for _, mode in spec.stacks_of_rank(rank, world)) for rank in range(world))
 
 

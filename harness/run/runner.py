@@ -22,6 +22,7 @@ import torch
 from harness.errors import UsageError
 from harness.run.aggregate import LayerAccumulator
 from harness.run.bins import BinPlan
+from harness.run.deal import deal
 from harness.run.host_lanes import LaneStopped, blamed_lane, cache_holds_every_form, lanes_of
 from harness.run.metrics import CompareContext, compare_logits
 from harness.run.needles import AnswerLens, needle_queries
@@ -114,10 +115,11 @@ class RunSpec:
         return out
 
     def stacks_of_rank(self, rank: int, world: int) -> list[tuple[str, str]]:
-        """The (stack, mode) pairs rank `rank` of `world` runs: pair i of stacks() on rank i mod world, so a stack's
-        global mode, which carries its streams from layer to layer, always runs on the same rank. The one place
-        this deal is made, so the sharded runner and the memory estimate (harness.run.memory) agree about it."""
-        return self.stacks()[rank::world]
+        """The (stack, mode) pairs rank `rank` of `world` runs, in stacks() order: dealt by their cost, the last rank's
+        share leaving room for the reference (harness.run.deal); a stack's global mode, which carries its streams
+        from layer to layer, always runs on the same rank. The one place the deal is asked for, so the sharded
+        runner and the memory estimate (harness.run.memory) agree about it."""
+        return deal(self, world)[rank]
 
 
 ProgressFn = Callable[[dict[str, Any]], None]
