@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness.attribution.plan import attribution_variants
-from harness.run.deal import REFERENCE_COST, _units, deal
+from harness.run.deal import REFERENCE_COST, _units, deal, pair_cost
 from harness.run.prefill_sharing import pair_keys
 from harness.run.setup import Overrides, build_run_spec
 from harness.scenario import find_scenario, load_scenario
@@ -38,6 +38,7 @@ def test_every_pair_runs_once_in_stack_order_and_shared_prefills_stay_together(w
     if world == 1:
         assert shares == [spec.stacks()]
     rank_of = {p: r for r, share in enumerate(shares) for p in share}
+    assert deal(spec, world) == shares  # every rank computes it on its own: the same each time
     keys = pair_keys(spec, spec.stacks())
     assert attribution == any(list(keys.values()).count(k) > 1 for k in keys.values())  # the attribution shares
     for pair, key in keys.items():  # pairs that share a prefill are on one rank, so a sharded run shares it too
@@ -47,11 +48,10 @@ def test_every_pair_runs_once_in_stack_order_and_shared_prefills_stay_together(w
 @pytest.mark.parametrize("world", [2, 3, 4, 5])
 def test_the_deal_is_no_busier_than_dealing_pair_i_to_rank_i_mod_n(world):
     """The old deal (pair i on rank i mod N) ignored the pairs' costs; by the same cost table the new deal's busiest
-    rank never carries more (its units are the old deal's pairs when nothing shares a prefill)."""
-    for spec in (_spec("tiny-smoke"), _spec("tiny-smoke", "none"), _spec("tiny-smoke", attribution=True)):
+    rank never carries more. Specs where no pairs share a prefill, so each unit is one pair as in the old deal."""
+    for spec in (_spec("tiny-smoke"), _spec("tiny-smoke", "none"), _spec("demo-cpu", None, decode_ids=[1000] * 32)):
+        assert all(len(members) == 1 for members, _ in _units(spec, spec.stacks()))
         new = max(_loads(spec, deal(spec, world)))
-        if any(len(m) > 1 for m, _ in _units(spec, spec.stacks())):
-            continue  # grouped units: the round-robin deal split them, so its costs are not comparable
         old = max(_loads(spec, [spec.stacks()[r::world] for r in range(world)]))
         assert new <= old + 1e-9
 
@@ -63,3 +63,14 @@ def test_the_demo_deals_the_yardstick_and_base_against_all_beside_the_reference(
     assert deal(spec, 2) == [[("yardstick", "global"), ("base", "global")], [("all", "global")]]
     loads = _loads(spec, deal(spec, 2))
     assert max(loads) / min(loads) < 1.05
+
+
+def test_without_decode_steps_a_shared_prefill_costs_each_pair_in_full():
+    """Nothing is kept to continue from without decode steps (prefill_sharing.kept_prefill_keys), so every pair of a
+    group runs in full and is costed so."""
+    spec = _spec("tiny-smoke", attribution=True)
+    grouped = {tuple(m): c for m, c in _units(spec, spec.stacks()) if len(m) > 1}
+    spec.decode_ids, spec.turn_of_position = [], spec.turn_of_position[: spec.n_prompt]
+    full = {tuple(m): c for m, c in _units(spec, spec.stacks()) if len(m) > 1}
+    assert grouped.keys() == full.keys() and all(full[k] > grouped[k] for k in full)
+    assert all(abs(c - sum(pair_cost(spec, name) for name, _ in k)) < 1e-12 for k, c in full.items())

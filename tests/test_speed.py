@@ -4,6 +4,8 @@ that would not fit, the weight prefetch, the per-layer dequantized-weight cache 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -13,7 +15,6 @@ import torch
 
 from harness.cli.main import main
 from harness.run.benchmark import reference_flops
-from harness.run.host_allocator import keep_freed_host_memory
 from harness.errors import UsageError
 from harness.run.memory import HEADROOM, MemoryEstimate, check_fits, fit_problem, predict_memory
 from harness.run.setup import Overrides, build_run_spec
@@ -808,7 +809,7 @@ CHURN = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not keep_freed_host_memory(), reason="glibc only: elsewhere the allocator is left as it is")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only: elsewhere the allocator is left as it is")
 def test_kept_host_memory_is_reused_instead_of_faulted_in_again():
     """Tensors of 1-24 MB made and freed as a CPU run does: glibc's defaults return and re-fault their pages
     (measured: 408,000 minor faults here, 52,000 with the thresholds set). Each in a fresh process, since the setting
@@ -824,3 +825,10 @@ def test_kept_host_memory_is_reused_instead_of_faulted_in_again():
         if faults["keep"] * 3 < faults["default"]:
             return
     pytest.fail(f"kept host memory did not cut the minor faults 3-fold in 3 tries: {tries}")
+
+
+def test_glibcs_defaults_are_kept_when_asked():
+    ask = "from harness.run.host_allocator import keep_freed_host_memory as keep; print(keep())"
+    env = {**os.environ, "DSV4_DRIFT_GLIBC_MALLOC_DEFAULTS": "1"}
+    assert subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, env=env,
+                          check=True).stdout.split() == ["False"]

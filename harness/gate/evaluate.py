@@ -72,8 +72,9 @@ class RunData:
     metrics: pd.DataFrame
     findings: list[dict[str, Any]]
 
-    _by_metric: dict[str, pd.DataFrame] | None = field(default=None, repr=False)
-    _variants: list[str] | None = field(default=None, repr=False)
+    # found once from `metrics` and `manifest`, which are never replaced or edited after load_run
+    _by_metric: dict[str, pd.DataFrame] | None = field(default=None, repr=False, compare=False)
+    _variants: list[str] | None = field(default=None, repr=False, compare=False)
 
     def rows_of(self, metric: str) -> pd.DataFrame:
         """The metric's rows (grouped once: a flash run holds ~10⁶ rows and a policy ~30 checks)."""

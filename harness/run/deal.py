@@ -48,6 +48,7 @@ def _units(spec: Any, pairs: list[tuple[str, str]]) -> list[tuple[list[tuple[str
     """The pairs grouped by the prefill they share (one group per pair that shares none), in `pairs`' order, each
     with its cost: the first of a group in full, the others continuing its prefill."""
     keys = pair_keys(spec, pairs)
+    continued = CONTINUED_SHARE if spec.decode_ids else 1.0  # without decode steps nothing is kept to continue from
     units: list[tuple[list[tuple[str, str]], float]] = []
     unit_of_key: dict[Any, int] = {}
     for pair in pairs:
@@ -55,7 +56,7 @@ def _units(spec: Any, pairs: list[tuple[str, str]]) -> list[tuple[list[tuple[str
         key = keys.get(pair)
         if key is not None and key in unit_of_key:
             members, total = units[unit_of_key[key]]
-            units[unit_of_key[key]] = (members + [pair], total + CONTINUED_SHARE * cost)
+            units[unit_of_key[key]] = (members + [pair], total + continued * cost)
             continue
         if key is not None:
             unit_of_key[key] = len(units)

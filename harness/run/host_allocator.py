@@ -10,14 +10,15 @@ values are refused) and the trim threshold to 256 MiB lets freed blocks be reuse
 to 0.50 s, the peak resident memory 943 → 894 MB. Values do not change: only where the bytes come from.
 
 Setting either threshold explicitly also turns off glibc's own adjustment of both (mallopt(3)), so both are set
-(only the trim threshold made it worse: 13 million faults). Elsewhere than glibc (macOS, musl) nothing is done.
+(only the trim threshold made it worse: 13 million faults). Elsewhere than glibc (macOS, musl) nothing is done, nor
+with DSV4_DRIFT_GLIBC_MALLOC_DEFAULTS=1 (KEEP_GLIBC_DEFAULTS).
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
+import os
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -30,15 +31,23 @@ TRIM_THRESHOLD_BYTES = 256 * 2**20
 freed working tensor is reused by the next op rather than returned and faulted in again. 1 GiB measured no better."""
 
 
+KEEP_GLIBC_DEFAULTS = "DSV4_DRIFT_GLIBC_MALLOC_DEFAULTS"
+"""Set this environment variable to 1 to leave glibc's thresholds as they are: the setting is process-wide, so it also
+holds in a pytest session that runs dsv4-drift in-process (harness/cli/pytest_plugin.py), and the freed memory it keeps
+(up to the trim threshold at the top of each malloc arena) is not in the run's memory prediction."""
+
+
 @functools.lru_cache(maxsize=None)
 def keep_freed_host_memory() -> bool:
     """Set glibc's mmap and trim thresholds for this process (once); whether they were set."""
+    if os.environ.get(KEEP_GLIBC_DEFAULTS) == "1":
+        return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the symbols the process has loaded: the malloc actually in use
     except OSError:
         return False
-    if not hasattr(libc, "gnu_get_libc_version"):  # glibc only: musl's mallopt is a stub, macOS has none
-        return False
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):  # glibc only: musl's mallopt is
+        return False  # a stub, macOS has none
     libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) \
         and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))

@@ -132,8 +132,7 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
         "working set": working,
     }
     # local: the leader's bf16 output rows (global: views of streams counted above); both: a copy of the state's
-    # caches (~3 bytes per latent dimension and token); on the busiest rank (with local mode and two ranks, rank 1
-    # runs every local pair)
+    # caches (~3 bytes per latent dimension and token); on the busiest rank, as stacks_of_rank deals the pairs
     shared = max(sum(T * n * D * 2 * (mode == "local") + T * 3 * (hd + cfg.index_head_dim)
                      for mode, _ in kept_prefill_keys(spec, spec.stacks_of_rank(rank, world))) for rank in range(world))
     if shared:
