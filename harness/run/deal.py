@@ -5,10 +5,11 @@ Every rank waits for the others at the end of each layer (its rows are gathered 
 long as its busiest rank. Dealing pair i to rank i mod N ignored that the pairs cost different amounts: in the CPU
 demo (2 ranks; reference, yardstick, `base`, `all`, global mode) rank 0 got the yardstick and `all`, 68.1 s of
 work over the 43 layers, and rank 1 the reference and `base`, 57.0 s — and waited 18 s in the gathers. The costs
-below are the demo's per-stack seconds (flash-mini, 8,002 + 32 tokens, one thread) relative to the yardstick's,
-within ~20% of what a Flash CSA layer's stacks cost on an H200 by region (README, Benchmarks: reference 1.06,
-`base` 1.96, `all` 2.48 by that measure — the same order). With them the demo deals the yardstick and `base` to rank
-0 (62.2 s) and `all` to rank 1 beside the reference (62.9 s).
+below are the demo's per-stack seconds (flash-mini, 8,002 + 32 tokens, one thread) relative to the yardstick's. A
+Flash CSA layer's stacks on an H200 (README, Benchmarks, by region) come in the same order, the engines relatively
+dearer there (reference 1.06, `base` 1.96, `all` 2.48): a GPU deal from this table may be less even than the
+demo's, never worse ordered. With them the demo deals the yardstick and `base` to rank 0 (62.2 s) and `all` to rank
+1 beside the reference (62.9 s; measured after the change: 63.4 s with rank 0's writing, 59.2 s).
 
 A stack's global mode, which carries its own streams from layer to layer, stays on one rank (the deal is fixed for
 the run), and pairs that share a prefill (harness.run.prefill_sharing) are dealt together, so a sharded run shares
