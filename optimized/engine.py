@@ -456,9 +456,9 @@ class OptimizedLayer:
         """The held sites — the decode steps', or a prefill chunk's attention sites (_attention's join_sites) — per tap
         and input widths, in calls of at most `block` tokens (the query budget the steps' blocks were sized by, or the
         chunk's for its window band), in the context `ctx` of the last segment (its caches): the steps' inputs joined
-        along the tokens, one stock call
-        (unless every step's own result was the stock op's) and one twin call, and one emission — instead of one of
-        each per step (on an H200, ~3–4 ms of host time per decode step per stack and mode at Flash width). Each row
+        along the tokens, one stock call (unless every step's own result was the stock op's) and one twin call, and
+        one emission — instead of one of each per step (on an H200, ~3–4 ms of host time per decode step per stack and
+        mode at Flash width). Each row
         is the op on that step's inputs (_emit_site's `hold`), up to the summation order of a differently shaped call
         (fp32 rounding: a GEMM over many rows, a softmax over the union of the steps' key rows with the others
         masked). The stock and twin fields are checked for NaN/Inf with this emission, after the decode steps' other

@@ -62,7 +62,7 @@ def test_the_demo_deals_the_yardstick_and_base_against_all_beside_the_reference(
     spec = _spec("demo-cpu", None, decode_ids=[1000] * 32)
     assert deal(spec, 2) == [[("yardstick", "global"), ("base", "global")], [("all", "global")]]
     loads = _loads(spec, deal(spec, 2))
-    assert max(loads) / min(loads) < 1.05
+    assert max(loads) / min(loads) < 1.05  # by the table 2.45 against 2.49; round-robin's were 2.69 against 2.25
 
 
 def test_without_decode_steps_a_shared_prefill_costs_each_pair_in_full():

@@ -37,6 +37,11 @@ this share of a pair in full (the demo's decode stacks, comparisons and finish: 
 per engine pair, one thread)."""
 
 
+GAIN_FLOOR = 1e-9
+"""The least drop of the busiest load a move or swap must make: loads are sums of a few table entries (~1), whose
+fp64 rounding (~1e-16 each) must not count as a gain — else equal loads could trade units back and forth."""
+
+
 def pair_cost(spec: Any, name: str) -> float:
     """The cost of one (stack, mode) pair of stack `name`, relative to the yardstick's (the mode does not change it)."""
     if name == "yardstick":  # runner.YARDSTICK (the runner imports this module)
@@ -96,12 +101,12 @@ def _improve(units: list[tuple[list[tuple[str, str]], float]], owner: list[int],
         for other in range(len(load)):
             if other == busiest:
                 continue
-            if load[other] + cost < top - 1e-9:  # move it
+            if load[other] + cost < top - GAIN_FLOOR:  # move it
                 owner[i], load[busiest], load[other] = other, top - cost, load[other] + cost
                 return True
             for j in (j for j in range(len(units)) if owner[j] == other and units[j][1] < cost):
                 delta = cost - units[j][1]
-                if max(top - delta, load[other] + delta) < top - 1e-9:  # swap them
+                if max(top - delta, load[other] + delta) < top - GAIN_FLOOR:  # swap them
                     owner[i], owner[j] = other, busiest
                     load[busiest], load[other] = top - delta, load[other] + delta
                     return True
