@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from harness.run.distributed import free_port
 from metrics_pin import PIN_ARGS, ROOT, run_pinned
@@ -163,8 +164,8 @@ def test_a_rank_that_cannot_write_a_file_exits_2_like_one_process(tmp_path):
 
 
 def test_a_reference_run_ahead_that_fails_is_reported_at_its_layer_after_the_layer_before_is_written(tmp_path):
-    """The last rank runs layer L+1's reference while the others finish layer L; if it raises, layer L's rows are
-    still written and the run fails at layer L+1 naming that rank."""
+    """The last rank runs later layers' references while the others finish layer L (two ahead on a CPU); if one
+    raises, the layers before it are still written and the run fails at its layer naming that rank."""
     plugin = tmp_path / "ref_fails.py"
     plugin.write_text(FAILING_REFERENCE_PLUGIN)
     out = tmp_path / "run"
@@ -259,3 +260,57 @@ def test_ranks_sharing_a_gpu_are_told_whether_mps_lets_them_overlap(tmp_path, mo
     assert shared_gpu_note("cpu", 2, env) is None
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert shared_gpu_note("cuda:0", 2, env) is None
+
+
+def _reference_rank_stub(device: str, until: int, fails_at: int | None = None):
+    """A ShardedRunner as the reference rank (rank 1 of 2) whose reference passes only record which layer ran from
+    which input: _between_layers' bookkeeping without a model."""
+    from types import SimpleNamespace
+
+    from harness.run.distributed import Group, ShardedRunner
+
+    runner = ShardedRunner.__new__(ShardedRunner)
+    runner.group = Group(rank=1, world=2, device=device, ranks_per_device=1)
+    runner.device = torch.device(device)
+    runner.weights = SimpleNamespace(until=until)
+    runner._ahead = {}
+    runner.ran = []
+
+    def prepare(layer, weights=None):
+        return SimpleNamespace(layer=layer, out=None)
+
+    def run_reference(ref, ref_in):
+        if ref.layer == fails_at:
+            raise RuntimeError(f"reference failed at layer {ref.layer}")
+        runner.ran.append((ref.layer, ref_in))
+        ref.out = f"out{ref.layer}"
+
+    runner._prepare_layer, runner._run_reference = prepare, run_reference
+    return runner
+
+
+def test_the_reference_rank_runs_two_layers_ahead_on_a_cpu_and_one_on_a_gpu():
+    """CSA and HCA layers alternate and their references differ ~3× in cost (ShardedRunner.reference_lead): two
+    layers ahead, each layer's stacks run beside a reference of their own kind. Each pass starts from the output of
+    the pass before it, none runs twice, none past the run's last layer, and none past one that failed."""
+    cpu = _reference_rank_stub("cpu", until=5)
+    cpu._between_layers(0, {"reference": "in0"}, "out0")
+    assert cpu.ran == [(1, "out0"), (2, "out1")] and sorted(cpu._ahead) == [1, 2]
+    cpu._ahead.pop(1)
+    cpu._between_layers(1, {}, "out1")
+    assert cpu.ran[2:] == [(3, "out2")] and sorted(cpu._ahead) == [2, 3]
+    for layer in (2, 3):
+        cpu._ahead.pop(layer)
+        cpu._between_layers(layer, {}, f"out{layer}")
+    assert [layer for layer, _ in cpu.ran] == [1, 2, 3, 4], "no pass past the last layer (until=5)"
+
+    gpu = _reference_rank_stub("cuda", until=5)
+    gpu._between_layers(0, {}, "out0")
+    assert gpu.ran == [(1, "out0")] and sorted(gpu._ahead) == [1]
+
+    failing = _reference_rank_stub("cpu", until=6, fails_at=2)
+    failing._between_layers(0, {}, "out0")
+    assert [layer for layer, _ in failing.ran] == [1] and isinstance(failing._ahead[2], RuntimeError)
+    failing._ahead.pop(1)
+    failing._between_layers(1, {}, "out1")
+    assert [layer for layer, _ in failing.ran] == [1], "nothing runs ahead past the failed layer"

@@ -120,6 +120,22 @@ def test_ranks_sharing_one_gpu_are_each_checked_against_their_share_of_it(monkey
         check_fits(spec, world=2)
 
 
+def test_a_sharded_cpu_run_counts_the_reference_layer_its_reference_rank_holds_ahead(monkeypatch):
+    """On a CPU the reference rank runs two layers ahead (ShardedRunner.reference_lead), so it holds one more layer's
+    stored weights, dequantized copies and recorded taps than one process does; on a GPU it runs one ahead. Without
+    NVFP4 experts (whose forms the engines add to the cache later) the shared cache term is that layer's copies."""
+    spec = _spec("tiny-smoke", "none")
+    alone, sharded = predict_memory(spec), predict_memory(spec, world=2)
+    term = sharded.host_terms["reference run ahead (one more layer)"]
+    stored = alone.host_terms["weights (2 layers, stored)"] / 2
+    assert term == stored + alone.host_terms["dequantized weights (shared)"] + alone.host_terms["recorded taps"]
+    assert "reference run ahead (one more layer)" not in alone.host_terms
+    spec.device = "cuda"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 2**40}))
+    assert "reference run ahead (one more layer)" not in predict_memory(spec, world=2).device_terms
+
+
 def test_the_flash_30k_budget_shape_is_predicted_under_the_h200s_memory():
     spec = build_run_spec(load_scenario(find_scenario("flash-30k")), Overrides(patches="all"),
                           decode_ids=[1000] * 64)[0]

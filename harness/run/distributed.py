@@ -4,8 +4,9 @@ The layer-major lockstep splits cleanly by stack. At every layer:
 
 1. the last rank produces the reference's pass (its output streams and every recorded tap) and broadcasts it: the
    reference runs once per layer, whatever the number of ranks. The deal of the pairs leaves that rank room for
-   it, and once its own pairs are done it runs the next layer's reference while the others finish theirs, so the
-   reference costs the run no time of its own when that rank's share leaves room for it;
+   it, and once its own pairs are done it runs the next layers' references (`reference_lead`: two ahead on a CPU,
+   one on a GPU) while the others finish theirs, so the reference costs the run no time of its own when that rank's
+   share leaves room for it;
 2. each rank runs its share of the (stack, mode) pairs against those taps — dealt by their cost so the ranks finish
    a layer together (`RunSpec.stacks_of_rank`, harness.run.deal), fixed for the run, so a stack's global mode, which
    carries its own streams from layer to layer, always runs on the same rank, and any number of ranks works;
@@ -190,8 +191,8 @@ class ShardedRunner(LockstepRunner):
         super().__init__(spec, store, progress if group.rank == 0 else None)
         self.group = group
         self.ranks_per_device = group.ranks_per_device
-        self._ahead: ReferencePass | Exception | None = None
-        """The reference rank's pass over the next layer, run ahead (or the error it raised)."""
+        self._ahead: dict[int, ReferencePass | Exception] = {}
+        """The reference rank's passes over the next layers, run ahead (or the error one raised), by layer."""
 
     HOST_LANES = False
     """A rank runs its pairs one after another (no harness.run.host_lanes): ranks sharing one GPU already overlap
@@ -203,19 +204,30 @@ class ShardedRunner(LockstepRunner):
     @property
     def reference_rank(self) -> int:
         """The rank that runs the reference: the last, whose share of the pairs the deal (harness.run.deal) makes
-        lighter by the reference's cost, so it has the time to run the next layer's reference while the others
+        lighter by the reference's cost, so it has the time to run a later layer's reference while the others
         finish this layer's stacks."""
         return self.group.world - 1
+
+    @property
+    def reference_lead(self) -> int:
+        """How many layers ahead of the others the reference rank runs the reference (_between_layers). CSA and HCA
+        layers alternate (spec §1.2), and a CSA layer's reference costs ~3× an HCA layer's (the demo on the CPU: 0.71
+        against 0.24 s), so one layer ahead pairs each layer's stacks with a reference of the other kind: the
+        reference rank idled ~0.55 s at every CSA layer and the others ~0.43 s at every HCA layer. Two ahead pairs like
+        with like. On a CPU: the rank then holds one more layer's weights, dequantized copies and taps (the memory
+        estimate's "reference run ahead" term; ~40 MB for the demo). On a GPU one: that layer at Flash width is tens of
+        GiB of a device the ranks share, and the gain there has not been measured."""
+        return 2 if self.device.type == "cpu" else 1
 
     def _reference_pass(self, layer: int, ref_in: torch.Tensor, weights: TensorBundle | None) -> ReferencePass:
         """The reference rank runs the reference (or has run it ahead, _between_layers); every rank receives its
         output and its recorded taps."""
         src = self.reference_rank
         self._enter(layer, "reference", "global")
-        ahead, self._ahead = self._ahead, None
-        if isinstance(ahead, BaseException):  # this layer's reference failed, run ahead while the last rows were due
+        ahead = self._ahead.pop(layer, None)
+        if isinstance(ahead, BaseException):  # this layer's reference failed, run ahead while earlier rows were due
             raise ahead
-        if ahead is not None and ahead.layer == layer:
+        if ahead is not None:
             ref = ahead
         else:
             ref = self._prepare_layer(layer, weights)
@@ -233,23 +245,33 @@ class ShardedRunner(LockstepRunner):
         return ref
 
     def _between_layers(self, layer: int, inputs: dict[str, torch.Tensor], ref_out: torch.Tensor) -> None:
-        """On the reference rank, once its stacks of `layer` are done: the next layer's reference, while the other
-        ranks still run theirs (the gather of this layer's rows waits for everyone). The layer's input streams are
-        dropped first (run() replaces them with the layer's output), so the rank holds one set of streams beside
-        the reference's working set, as when it runs the reference at the start of a layer. A failure is raised
-        when that layer starts, so this layer's rows are written first; its frames (the next layer's weights and
-        taps) are cleared so that the gather and the resume state do not run short of memory on their account."""
-        if self.group.rank != self.reference_rank or layer + 1 >= self.weights.until:
+        """On the reference rank, once its stacks of `layer` are done: the references of the next layers, up to
+        reference_lead ahead, while the other ranks still run theirs (the gather of this layer's rows waits for
+        everyone). The layer's input streams are dropped first (run() replaces them with the layer's output), so the
+        rank holds one set of streams beside the reference's working set, as when it runs the reference at the start
+        of a layer. A failure is raised when its layer starts, so the layers before it are written first; its frames
+        (that layer's weights and taps) are cleared so that the gathers and the resume state do not run short of
+        memory on their account, and no later layer is run ahead past it (it would need the failed layer's output)."""
+        if self.group.rank != self.reference_rank:
             return
         inputs.clear()
-        try:
-            ref = self._prepare_layer(layer + 1)
-            self._run_reference(ref, ref_out)
-            self._ahead = ref
-        except Exception as e:  # noqa: BLE001 — raised again by _reference_pass at layer + 1
-            ref = None
-            traceback.clear_frames(e.__traceback__)
-            self._ahead = e
+        for ahead_layer in range(layer + 1, min(layer + 1 + self.reference_lead, self.weights.until)):
+            held = self._ahead.get(ahead_layer)
+            if isinstance(held, BaseException):
+                return
+            if held is not None:
+                ref_out = held.out
+                continue
+            try:
+                ref = self._prepare_layer(ahead_layer)
+                self._run_reference(ref, ref_out)
+            except Exception as e:  # noqa: BLE001 — raised again by _reference_pass at ahead_layer
+                ref = None
+                traceback.clear_frames(e.__traceback__)
+                self._ahead[ahead_layer] = e
+                return
+            self._ahead[ahead_layer] = ref
+            ref_out = ref.out
 
     def _write_layer(self, layer: int, rows: dict[tuple[str, str], list[dict]], dumped: dict[str, torch.Tensor]
                      ) -> None:
