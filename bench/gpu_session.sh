@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device machine: python3 with torch/triton preinstalled, no package registry).
-# Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, compare, flash27k
+# Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, compare, flash27k, mps
 # pydantic (scenario and policy files) is not preinstalled: run bench/wheels.sh here first and carry .whl/ along.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -72,5 +72,33 @@ PY
       timeout "${RUN_LIMIT:-540}" python3 -m harness.cli "${args[@]}" --no-report 2>&1 | grep -v "^\s*$" | tail -70
       mkdir -p "$OUT/flash27k-$P" && cp $D/manifest.json $D/findings.json $D/metrics.parquet "$OUT/flash27k-$P/" 2>/dev/null
       python3 -c 'import json, sys; m=json.load(open(sys.argv[1])); print("status", m.get("status"), "wall", m.get("wall_seconds"), "peaks", m.get("peak_device_gib"), m.get("peak_host_rss_gib"), "segments", m.get("segments"))' $D/manifest.json ;;
+    mps)
+      # Two ranks sharing the one GPU under NVIDIA MPS against one process, on the first layers of flash-30k (the same
+      # prompt, patches and probes): each side runs RUN_LIMIT seconds (default 240), then the per-layer seconds of
+      # the layers both finished are compared (the first three are left out: start-up, and the first CSA layer compiles
+      # the patches' Triton kernels).
+      P=${PATCHES:-all}
+      for how in one mps; do
+        D=/tmp/mps-$how; rm -rf $D; extra=()
+        if [ $how = mps ]; then nvidia-cuda-mps-control -d && extra=(--devices 2) || { echo "mps: no MPS daemon"; break; }; fi
+        timeout "${RUN_LIMIT:-240}" python3 -m harness.cli run flash-30k --device cuda --patches "$P" --no-report \
+          --no-gate "${extra[@]}" --out $D > "$OUT/mps-$how.log" 2>&1
+        [ $how = mps ] && echo quit | nvidia-cuda-mps-control
+        grep -E "^note|rror" "$OUT/mps-$how.log" | head -5
+      done
+      python3 - "$OUT" <<'PY'
+import re, statistics, sys
+times = {}
+for how in ("one", "mps"):
+    text = open(f"{sys.argv[1]}/mps-{how}.log").read()
+    times[how] = {int(m[1]): float(m[2]) for m in re.finditer(r"^layer (\d+)/\d+ done in ([\d.]+) s", text, re.M)}
+both = sorted(set(times["one"]) & set(times["mps"]) - {1, 2, 3})
+if both:
+    one, mps = (sum(times[h][n] for n in both) for h in ("one", "mps"))
+    print(f"layers {both[0]}-{both[-1]}: one process {one:.1f} s, two ranks under MPS {mps:.1f} s ({one / mps:.2f}x)")
+else:
+    print("mps: no layer past the third finished on both sides", {h: sorted(t) for h, t in times.items()})
+PY
+      ;;
   esac
 done
