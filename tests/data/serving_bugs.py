@@ -1,0 +1,57 @@
+"""Serving-stack bugs of classes the selftest does not inject, written with the public plugin API as a user would
+(tests/test_serving_bugs.py runs each through `dsv4-drift run tiny-smoke`). Each is a real kind of mistake: a
+window one row short, router weights not renormalised, a cache write that drops part of a row, a cache write one
+slot off."""
+
+import torch
+
+from optimized.patching import Patch
+
+window_short = Patch("window-short", phases=("decode",),
+                     description="decode attention drops the newest window row (a sliding window one row short)")
+
+
+@window_short.op("sparse_attention")
+def _window_one_short(ctx, q, window_slots, comp_slots, sink):
+    newest = window_slots.max(-1, keepdim=True).values
+    slots = torch.where(window_slots == newest, torch.full_like(window_slots, -1), window_slots)
+    return ctx.base(q=q, window_slots=slots, comp_slots=comp_slots, sink=sink)
+
+
+no_renorm = Patch("no-renorm", phases=("prefill", "decode"),
+                  description="router weights not renormalised over the top-k (norm_topk_prob ignored)")
+
+
+@no_renorm.op("router")
+def _unnormalised(ctx, y, token_ids):
+    routing = ctx.base(y=y, token_ids=token_ids)
+    weights = routing.scores.gather(-1, routing.expert_ids) * ctx.cfg.routed_scaling_factor
+    return type(routing)(routing.scores, routing.expert_ids, weights)
+
+
+rope_dropped = Patch("kv-rope-dropped", phases=("decode",),
+                     description="decode writes only the nope part of a new window row; its rope dims stay zero")
+
+
+@rope_dropped.op("kv_store")
+def _nope_only(ctx, cache, rows):
+    if cache == "window" and rows.shape[0]:
+        rows = rows.clone()
+        rows[:, ctx.cfg.head_dim - ctx.cfg.qk_rope_head_dim:] = 0
+    return ctx.base(cache=cache, rows=rows)
+
+
+kv_overwrite = Patch("kv-overwrite", phases=("decode",),
+                     description="decode writes each new window row over the previous one (a write index one slot "
+                                 "behind), leaving the new slot unwritten")
+
+
+@kv_overwrite.op("kv_store")
+def _one_slot_behind(ctx, cache, rows):
+    if cache != "window" or not rows.shape[0] or ctx.segment == 0:
+        return ctx.base(cache=cache, rows=rows)
+    stored = ctx.state.cache(cache)
+    stored.length -= 1
+    ctx.base(cache=cache, rows=rows)
+    stored.length += 1
+    return None
