@@ -37,6 +37,11 @@ def assert_same_run(sharded: Path, one: Path) -> None:
 def test_a_sharded_run_writes_the_one_process_runs_metrics(one_process, tmp_path, ranks):
     sharded = run_pinned(tmp_path / "run", ("--devices", str(ranks))).parent
     assert_same_run(sharded, one_process)
+    # each rank's seconds in the layers' collectives, for the user to see how evenly the deal loaded the ranks
+    segment = json.loads((sharded / "manifest.json").read_text())["segments"][-1]
+    waits = segment["rank_wait_s"]
+    assert len(waits) == ranks and all(set(w) == {"reference_s", "rows_s"} for w in waits), waits
+    assert all(0 <= v <= segment["seconds"] for w in waits for v in w.values()), (waits, segment["seconds"])
 
 
 def test_torchrun_ranks_write_the_one_process_runs_metrics(one_process, tmp_path):

@@ -193,6 +193,11 @@ class ShardedRunner(LockstepRunner):
         self.ranks_per_device = group.ranks_per_device
         self._ahead: dict[int, ReferencePass | Exception] = {}
         """The reference rank's passes over the next layers, run ahead (or the error one raised), by layer."""
+        self.waited = {"reference_s": 0.0, "rows_s": 0.0}
+        """Seconds this rank spent in the layers' collectives: receiving (or sending) the reference's pass, and
+        gathering the rows — nearly all of it waiting for the slowest rank (the bytes are a small part)."""
+        self.rank_waits: list[dict[str, float]] = []
+        """On rank 0: every rank's `waited` as of the last gather (the run's segment records them)."""
 
     HOST_LANES = False
     """A rank runs its pairs one after another (no harness.run.host_lanes): ranks sharing one GPU already overlap
@@ -235,7 +240,9 @@ class ShardedRunner(LockstepRunner):
                 self._run_reference(ref, ref_in)
         tree = {"out": ref.out, "dense": ref.record.dense, "rows": ref.record.rows, "samples": ref.record.samples} \
             if self.group.rank == src else None
+        t0 = time.perf_counter()
         tree = self.group.broadcast_tensors(tree, src=src)
+        self.waited["reference_s"] += time.perf_counter() - t0
         if self.group.rank != src:
             ref.record.dense.update(tree["dense"])
             ref.record.rows.update(tree["rows"])
@@ -278,15 +285,19 @@ class ShardedRunner(LockstepRunner):
         """Rows and dumps gathered to rank 0, which writes them; this layer's findings reach every rank, in stack
         order (a one-process run finds them in that order)."""
         mine = [f for f in self.findings if f.layer == layer]
+        t0 = time.perf_counter()
         gathered = self.group.all_gather_objects(
-            (rows, [f.to_dict() for f in mine], {k: v.cpu() for k, v in dumped.items()} if self.group.rank else {}))
+            (rows, [f.to_dict() for f in mine], {k: v.cpu() for k, v in dumped.items()} if self.group.rank else {},
+             dict(self.waited)))  # this rank's waits up to this gather (the segment's figures lag by one gather)
+        self.waited["rows_s"] += time.perf_counter() - t0
+        self.rank_waits = [{k: round(v, 2) for k, v in waits.items()} for *_, waits in gathered]
         order = {pair: i for i, pair in enumerate(self.spec.stacks())}
-        found = [Finding(**f) for _, fs, _ in gathered for f in fs]
+        found = [Finding(**f) for _, fs, _, _ in gathered for f in fs]
         found.sort(key=lambda f: order.get((f.variant, f.mode), len(order)))
         self.findings[:] = [f for f in self.findings if f.layer != layer] + found
         if self.group.rank == 0:
-            all_rows = {k: v for r, _, _ in gathered for k, v in r.items()}
-            all_dumped = {**dumped, **{k: v for _, _, d in gathered for k, v in d.items()}}
+            all_rows = {k: v for r, _, _, _ in gathered for k, v in r.items()}
+            all_dumped = {**dumped, **{k: v for _, _, d, _ in gathered for k, v in d.items()}}
             super()._write_layer(layer, all_rows, all_dumped)
 
     def _save_state(self, layer: int, streams: dict[str, torch.Tensor], last_save: float) -> float:
@@ -508,22 +519,32 @@ def run_share(group: Group, recipe: RunRecipe) -> None:
     streams = store.load_streams()[1] if recipe.start_layer > 0 else None
     t0 = time.perf_counter()
 
+    done: list[int] = []
+
     def progress(event: dict[str, Any]) -> None:
         if event["event"] == "layer_done":
             print(f"layer {event['layer'] + 1}/{event['layers']} done in {event['seconds']:.1f} s "
                   f"({time.perf_counter() - t0:.0f} s elapsed, {world} ranks)", flush=True)
+            done.append(event["layer"])
             if rank == 0 and recipe.segment_started is not None:
-                record_layer_in_segment(store, recipe.segment_started, event["layer"])
+                record_layer_in_segment(store, recipe.segment_started, event["layer"], runner.rank_waits)
 
-    ShardedRunner(spec, store, group, progress).run(recipe.start_layer, streams)
+    runner = ShardedRunner(spec, store, group, progress)
+    runner.run(recipe.start_layer, streams)
+    if rank == 0 and recipe.segment_started is not None and done:  # the waits with the final logits' gather
+        record_layer_in_segment(store, recipe.segment_started, done[-1], runner.rank_waits)
 
 
-def record_layer_in_segment(store: RunStore, started: float, layer: int) -> None:
+def record_layer_in_segment(store: RunStore, started: float, layer: int,
+                            rank_waits: list[dict[str, float]] | None = None) -> None:
     """After a layer, the open segment (the manifest's last) gets its seconds so far and the layer: a run killed
-    mid-way still says what it cost, as the one-process run's segments do."""
+    mid-way still says what it cost, as the one-process run's segments do; and, given, each rank's seconds in the
+    layers' collectives (`rank_wait_s`: a rank that waits much carries less than its share)."""
     segments = store.read_manifest().get("segments", [])
     if segments:
         segments[-1].update(seconds=round(time.time() - started, 2), last_layer=layer)
+        if rank_waits:
+            segments[-1]["rank_wait_s"] = rank_waits
         store.update_manifest(segments=segments)
 
 

@@ -142,10 +142,21 @@ def run(args: argparse.Namespace) -> int:
         from harness.report.write import write_report
 
         out.print(f"report: {write_report(store.dir)}")
+    waits = segments[-1].get("rank_wait_s")
+    if waits:
+        out.print(rank_waits_line(waits, seconds), soft_wrap=True)
     resumed = f" this segment, {len(segments)} segments" if len(segments) > 1 else ""
     out.print(f"run directory: {store.dir}  ({seconds:.1f} s{resumed}, "
               + ", ".join(f"{k} {v}" for k, v in peaks.items()) + ")")
     return exit_code
+
+
+def rank_waits_line(waits: list[dict[str, float]], seconds: float) -> str:
+    """A sharded run's ranks' seconds in the layers' collectives, one clause per rank: what a rank waits is time the
+    deal gave it less work than the slowest rank (README, Several GPUs or processes)."""
+    parts = [f"rank {rank} {w['reference_s'] + w['rows_s']:.1f} s ({w['reference_s']:.1f} for the reference, "
+             f"{w['rows_s']:.1f} for the rows)" for rank, w in enumerate(waits)]
+    return f"ranks waited for one another: {'; '.join(parts)} — of {seconds:.1f} s"
 
 
 def _resume_inputs(args: argparse.Namespace) -> tuple[int | None, RunStore, dict]:
