@@ -74,20 +74,28 @@ PY
       python3 -c 'import json, sys; m=json.load(open(sys.argv[1])); print("status", m.get("status"), "wall", m.get("wall_seconds"), "peaks", m.get("peak_device_gib"), m.get("peak_host_rss_gib"), "segments", m.get("segments"))' $D/manifest.json ;;
     mps)
       # Two ranks sharing the one GPU under NVIDIA MPS against one process, on the first layers of flash-30k (the same
-      # prompt, patches and probes): each side runs RUN_LIMIT seconds (default 240), then the per-layer seconds of
-      # the layers both finished are compared (the first three are left out: start-up, and the first CSA layer compiles
-      # the patches' Triton kernels).
-      P=${PATCHES:-all}
+      # prompt, patches and probes): each side runs RUN_LIMIT seconds (default 240; keep both sides and the rest of
+      # the call under the device's per-command limit), then the per-layer seconds of the layers both finished are
+      # compared (the first three are left out: start-up, and the first CSA layer compiles the patches' Triton
+      # kernels). The manifests come back too: a sharded run's `rank_wait_s` says how evenly its ranks were loaded.
+      P=${PATCHES:-all}; PIPE=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}/control
+      rm -f "$OUT"/mps-*.log "$OUT"/mps-*.json
+      if [ -e "$PIPE" ]; then echo "mps: an MPS daemon is already running; the one-process side would be its client"; continue; fi
       for how in one mps; do
         D=/tmp/mps-$how; rm -rf $D; extra=()
-        if [ $how = mps ]; then nvidia-cuda-mps-control -d && extra=(--devices 2) || { echo "mps: no MPS daemon"; break; }; fi
-        timeout "${RUN_LIMIT:-240}" python3 -m harness.cli run flash-30k --device cuda --patches "$P" --no-report \
-          --no-gate "${extra[@]}" --out $D > "$OUT/mps-$how.log" 2>&1
-        [ $how = mps ] && echo quit | nvidia-cuda-mps-control
-        grep -E "^note|rror" "$OUT/mps-$how.log" | head -5
+        if [ $how = mps ]; then
+          nvidia-cuda-mps-control -d || { echo "mps: the MPS daemon did not start"; break; }
+          trap 'echo quit | nvidia-cuda-mps-control 2>/dev/null' EXIT  # stopped even if this script is killed
+          extra=(--devices 2)
+        fi
+        timeout -k 30 "${RUN_LIMIT:-240}" python3 -m harness.cli run flash-30k --device cuda --patches "$P" \
+          --no-report --no-gate ${extra[@]+"${extra[@]}"} --out $D > "$OUT/mps-$how.log" 2>&1
+        if [ $how = mps ]; then echo quit | nvidia-cuda-mps-control; trap - EXIT; fi
+        cp $D/manifest.json "$OUT/mps-$how-manifest.json" 2>/dev/null
+        grep -E "^note|rror|waited" "$OUT/mps-$how.log" | head -5
       done
-      python3 - "$OUT" <<'PY'
-import re, statistics, sys
+      [ -f "$OUT/mps-one.log" ] && [ -f "$OUT/mps-mps.log" ] && python3 - "$OUT" <<'PY'
+import re, sys
 times = {}
 for how in ("one", "mps"):
     text = open(f"{sys.argv[1]}/mps-{how}.log").read()

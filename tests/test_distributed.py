@@ -280,11 +280,13 @@ def _reference_rank_stub(device: str, until: int, fails_at: int | None = None):
     runner.weights = SimpleNamespace(until=until)
     runner._ahead = {}
     runner.ran = []
+    runner.where = {"layer": 0, "stack": "base", "mode": "global"}
 
     def prepare(layer, weights=None):
         return SimpleNamespace(layer=layer, out=None)
 
     def run_reference(ref, ref_in):
+        runner.where = {"layer": ref.layer, "stack": "reference", "mode": "global"}  # as _enter does
         if ref.layer == fails_at:
             raise RuntimeError(f"reference failed at layer {ref.layer}")
         runner.ran.append((ref.layer, ref_in))
@@ -301,6 +303,7 @@ def test_the_reference_rank_runs_two_layers_ahead_on_a_cpu_and_one_on_a_gpu():
     cpu = _reference_rank_stub("cpu", until=5)
     cpu._between_layers(0, {"reference": "in0"}, "out0")
     assert cpu.ran == [(1, "out0"), (2, "out1")] and sorted(cpu._ahead) == [1, 2]
+    assert cpu.where == {"layer": 0, "stack": "base", "mode": "global"}, "a failure in layer 0's gather names layer 0"
     cpu._ahead.pop(1)
     cpu._between_layers(1, {}, "out1")
     assert cpu.ran[2:] == [(3, "out2")] and sorted(cpu._ahead) == [2, 3]

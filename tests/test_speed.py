@@ -122,13 +122,17 @@ def test_ranks_sharing_one_gpu_are_each_checked_against_their_share_of_it(monkey
 
 def test_a_sharded_cpu_run_counts_the_reference_layer_its_reference_rank_holds_ahead(monkeypatch):
     """On a CPU the reference rank runs two layers ahead (ShardedRunner.reference_lead), so it holds one more layer's
-    stored weights, dequantized copies and recorded taps than one process does; on a GPU it runs one ahead. Without
+    stored weights, dequantized copies, recorded taps and output streams than one process does; on a GPU it runs one
+    ahead. Without
     NVFP4 experts (whose forms the engines add to the cache later) the shared cache term is that layer's copies."""
     spec = _spec("tiny-smoke", "none")
     alone, sharded = predict_memory(spec), predict_memory(spec, world=2)
     term = sharded.host_terms["reference run ahead (one more layer)"]
     stored = alone.host_terms["weights (2 layers, stored)"] / 2
-    assert term == stored + alone.host_terms["dequantized weights (shared)"] + alone.host_terms["recorded taps"]
+    cfg = spec.source.config
+    out_stream = spec.n_total * cfg.hc_mult * cfg.hidden_size * 4  # fp32 [T, hc, D]
+    assert term == (stored + alone.host_terms["dequantized weights (shared)"] + alone.host_terms["recorded taps"]
+                    + out_stream)
     assert "reference run ahead (one more layer)" not in alone.host_terms
     spec.device = "cuda"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

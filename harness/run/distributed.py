@@ -219,8 +219,8 @@ class ShardedRunner(LockstepRunner):
         layers alternate (spec §1.2), and a CSA layer's reference costs ~3× an HCA layer's (the demo on the CPU: 0.71
         against 0.24 s), so one layer ahead pairs each layer's stacks with a reference of the other kind: the
         reference rank idled ~0.55 s at every CSA layer and the others ~0.43 s at every HCA layer. Two ahead pairs like
-        with like. On a CPU: the rank then holds one more layer's weights, dequantized copies and taps (the memory
-        estimate's "reference run ahead" term; ~40 MB for the demo). On a GPU one: that layer at Flash width is tens of
+        with like. On a CPU: the rank then holds one more layer's weights, dequantized copies, taps and output streams
+        (the memory estimate's "reference run ahead" term: 76 MiB for the demo). On a GPU one: that layer at Flash width is tens of
         GiB of a device the ranks share, and the gain there has not been measured."""
         return 2 if self.device.type == "cpu" else 1
 
@@ -262,6 +262,12 @@ class ShardedRunner(LockstepRunner):
         if self.group.rank != self.reference_rank:
             return
         inputs.clear()
+        where = dict(self.where)  # the run-ahead names its own layers while it runs (an interrupt there says so)
+        self._run_ahead(layer, ref_out)
+        self.where = where  # this layer's gather and state are next: a failure there is this layer's
+
+    def _run_ahead(self, layer: int, ref_out: torch.Tensor) -> None:
+        """The references of layers layer + 1 … layer + reference_lead not held yet (_between_layers)."""
         for ahead_layer in range(layer + 1, min(layer + 1 + self.reference_lead, self.weights.until)):
             held = self._ahead.get(ahead_layer)
             if isinstance(held, BaseException):
@@ -288,7 +294,7 @@ class ShardedRunner(LockstepRunner):
         t0 = time.perf_counter()
         gathered = self.group.all_gather_objects(
             (rows, [f.to_dict() for f in mine], {k: v.cpu() for k, v in dumped.items()} if self.group.rank else {},
-             dict(self.waited)))  # this rank's waits up to this gather (the segment's figures lag by one gather)
+             dict(self.waited)))  # this rank's waits before this gather: the figures leave out the last gather's
         self.waited["rows_s"] += time.perf_counter() - t0
         self.rank_waits = [{k: round(v, 2) for k, v in waits.items()} for *_, waits in gathered]
         order = {pair: i for i, pair in enumerate(self.spec.stacks())}
@@ -531,7 +537,7 @@ def run_share(group: Group, recipe: RunRecipe) -> None:
 
     runner = ShardedRunner(spec, store, group, progress)
     runner.run(recipe.start_layer, streams)
-    if rank == 0 and recipe.segment_started is not None and done:  # the waits with the final logits' gather
+    if rank == 0 and recipe.segment_started is not None and done:  # the waits up to the final logits' gather
         record_layer_in_segment(store, recipe.segment_started, done[-1], runner.rank_waits)
 
 

@@ -17,7 +17,8 @@ what would not fit and which setting changes it:
 - **tap broadcast buffer** (sharded runs): the reference's rank sends those taps as one byte buffer, as large again (with the
   row and sampled taps, which are small beside them);
 - **reference run ahead** (sharded runs on a CPU): the reference's rank runs two layers ahead
-  (distributed.ShardedRunner.reference_lead), so it holds one more layer's stored weights, dequantized copies and taps;
+  (distributed.ShardedRunner.reference_lead), so it holds one more layer's stored weights, dequantized copies, taps
+  and output streams;
 - **working set**: the largest temporaries of one pass — the reference's whole-prompt projections and MoE
   buffers ([T, H·d] queries three times, [T·k, D] expert slots twice), or an engine chunk's;
 - **shared prefills**: a prefill that variants differing only in decode share (harness.run.prefill_sharing) is kept
@@ -156,7 +157,8 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
     if world > 1:  # the reference's rank packs its taps into one byte buffer to broadcast them (distributed.Group)
         terms["tap broadcast buffer"] = T * taps_per_token
         if device.type == "cpu":  # ShardedRunner.reference_lead: a second layer's reference held, run ahead
-            terms["reference run ahead (one more layer)"] = stored + min(budget, dense) + T * taps_per_token
+            terms["reference run ahead (one more layer)"] = (stored + min(budget, dense) + T * taps_per_token
+                                                              + T * n * D * ref_size)  # and its output stream
     state_copy = T * n * D * (ref_size + 2 * all_global_stacks)  # the resume state, gathered on rank 0's host
     host = {"process (torch and its libraries)": PROCESS_BYTES[device.type], "resume state copy": state_copy}
     if device.type == "cuda":
@@ -191,6 +193,8 @@ def fit_problem(estimate: MemoryEstimate, device_capacity: float | None, host_ca
             "tap broadcast buffer": "a shorter prompt, or fewer --devices on one GPU",
             "weights (2 layers, stored)": "a device with more memory",
             "dequantized weights (shared)": "a device with more memory",
+            "reference run ahead (one more layer)": "a shorter prompt, or --devices 1 (one process runs no reference "
+                                                    "ahead)",
         }
         hints = "; ".join(f"{name}: {advice.get(name, 'fewer stacks')}" for name, _ in largest)
         return (f"predicted peak {where} memory {total / gib:.1f} GiB exceeds {HEADROOM:.0%} of the "

@@ -531,8 +531,8 @@ class LockstepRunner:
 
     def _between_layers(self, layer: int, inputs: dict[str, torch.Tensor], ref_out: torch.Tensor) -> None:
         """After this process's stacks of `layer` (which read `inputs`, the layer's input streams), before its rows
-        are written: nothing here (a sharded run's reference rank runs the next layer's reference while the other
-        ranks finish theirs)."""
+        are written: nothing here (a sharded run's reference rank runs later layers' references while the other
+        ranks finish theirs: ShardedRunner.reference_lead)."""
 
     def _write_layer(self, layer: int, rows: dict[tuple[str, str], list[dict]], dumped: dict[str, torch.Tensor]
                      ) -> None:

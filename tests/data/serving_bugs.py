@@ -3,6 +3,8 @@
 window one row short, router weights not renormalised, a cache write that drops part of a row, a cache write one
 slot off."""
 
+import dataclasses
+
 import torch
 
 from optimized.patching import Patch
@@ -26,7 +28,7 @@ no_renorm = Patch("no-renorm", phases=("prefill", "decode"),
 def _unnormalised(ctx, y, token_ids):
     routing = ctx.base(y=y, token_ids=token_ids)
     weights = routing.scores.gather(-1, routing.expert_ids) * ctx.cfg.routed_scaling_factor
-    return type(routing)(routing.scores, routing.expert_ids, weights)
+    return dataclasses.replace(routing, weights=weights)
 
 
 rope_dropped = Patch("kv-rope-dropped", phases=("decode",),
