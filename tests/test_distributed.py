@@ -322,3 +322,26 @@ def test_the_reference_rank_runs_two_layers_ahead_on_a_cpu_and_one_on_a_gpu():
     failing._ahead.pop(1)
     failing._between_layers(1, {}, "out1")
     assert [layer for layer, _ in failing.ran] == [1], "nothing runs ahead past the failed layer"
+
+
+def test_tensors_travel_as_one_buffer_and_come_back_equal():
+    """broadcast_tensors' byte buffer (distributed._pack/_unpack): every leaf back with its dtype, shape and bits —
+    bool, bf16, 0-dim, empty and non-contiguous ones too — as views of the received buffer or as copies of a mapped
+    one (the copies must not share its memory)."""
+    from harness.run.distributed import ALIGN, _pack, _unpack
+
+    leaves = [torch.arange(5, dtype=torch.int64), torch.tensor([True, False, True]), torch.randn(3, 4)[:, ::2],
+              torch.tensor(2.5), torch.zeros(0, 7, dtype=torch.bfloat16), torch.randn(2, 3).to(torch.bfloat16),
+              torch.tensor([float("nan"), -0.0, float("inf")])]
+    buffer = _pack(leaves, "cpu")
+    shapes = [(tuple(t.shape), t.dtype) for t in leaves]
+    assert buffer.numel() % ALIGN == 0
+    for copy in (False, True):
+        out = _unpack(buffer, shapes, copy=copy)
+        for a, b in zip(leaves, out):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.contiguous().view(-1).view(torch.uint8) if a.numel() else a,
+                               b.contiguous().view(-1).view(torch.uint8) if b.numel() else b), (a, b)
+        shares = [o.numel() > 0 and o.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+                  for o in out]
+        assert (not any(shares)) if copy else all(s for s, o in zip(shares, out) if o.numel()), shares

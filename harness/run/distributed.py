@@ -79,8 +79,9 @@ class Group:
     def broadcast_tensors(self, tree: Any, src: int) -> Any:
         """A nested structure of dicts (and lists) with tensor leaves, from rank `src` to every rank, on each rank's
         device: its layout as one object, its tensors as one byte buffer (sent through the backend, or shared by
-        CUDA IPC when all ranks are on one GPU). The other ranks get their own copies; src keeps its tensors (at
-        Flash width a copy of the reference's taps would be ~6 GB more on rank 0)."""
+        CUDA IPC when all ranks are on one GPU). The other ranks get views of the buffer they received (a tensor
+        kept after the others should be cloned, or it keeps the whole buffer alive), or through IPC their own
+        copies; src keeps its tensors (at Flash width a copy of the reference's taps would be ~6 GB more on rank 0)."""
         leaves: list[torch.Tensor] = []
         layout = _layout(tree, leaves) if self.rank == src else None
         if self.one_gpu:
@@ -91,7 +92,7 @@ class Group:
         buffer = _pack(leaves, self.device) if self.rank == src else \
             torch.empty(sum(_sizes(shapes)), dtype=torch.uint8, device=self.device)
         dist.broadcast(buffer, src)
-        return _build(message[0], iter(leaves if self.rank == src else _unpack(buffer, shapes)))
+        return _build(message[0], iter(leaves if self.rank == src else _unpack(buffer, shapes, copy=False)))
 
     def _broadcast_by_ipc(self, layout: Any, leaves: list[torch.Tensor], src: int) -> Any:
         """broadcast_tensors on one GPU: src's byte buffer is mapped into the other ranks, which copy their tensors
@@ -102,7 +103,7 @@ class Group:
         dist.broadcast_object_list(message, src)
         layout, (rebuild, args) = message
         # rebuild maps src's buffer (waiting for src's writes); the mapping is dropped once the copies are made
-        restored = leaves if self.rank == src else _unpack(rebuild(*args), _leaf_shapes(layout))
+        restored = leaves if self.rank == src else _unpack(rebuild(*args), _leaf_shapes(layout), copy=True)
         torch.cuda.synchronize(self.device)
         dist.barrier()
         buffer = None
@@ -163,25 +164,30 @@ def _sizes(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[int]:
 
 
 def _pack(leaves: list[torch.Tensor], device: str) -> torch.Tensor:
-    """The leaves' bytes in one buffer, each padded to ALIGN."""
-    if not leaves:
-        return torch.zeros(0, dtype=torch.uint8, device=device)
+    """The leaves' bytes in one buffer, each starting at a multiple of ALIGN: one copy of each leaf into its slice (a
+    cat of padded leaves copied the padded ones twice: the demo's reference rank spent 1.9 s packing its taps). The
+    padding bytes are never read."""
     sizes = _sizes([(tuple(t.shape), t.dtype) for t in leaves])
-    return torch.cat([_as_bytes(t, size) for t, size in zip(leaves, sizes)])
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    offset = 0
+    for t, size in zip(leaves, sizes):
+        _typed(buffer[offset:], tuple(t.shape), t.dtype).copy_(t.detach())
+        offset += size
+    return buffer
 
 
-def _unpack(buffer: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    """Copies of the tensors _pack put in `buffer`."""
-    return [_from_bytes(part, shape, dtype) for part, (shape, dtype) in zip(buffer.split(_sizes(shapes)), shapes)]
+def _unpack(buffer: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dtype]], copy: bool
+            ) -> list[torch.Tensor]:
+    """The tensors _pack put in `buffer`: views of it (a buffer this rank received into and keeps no other use for),
+    or with `copy`, copies (a buffer mapped from another rank, which it frees)."""
+    parts = [_typed(part, shape, dtype) for part, (shape, dtype) in zip(buffer.split(_sizes(shapes)), shapes)]
+    return [p.clone() for p in parts] if copy else parts
 
 
-def _as_bytes(t: torch.Tensor, size: int) -> torch.Tensor:
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return torch.cat([flat, flat.new_zeros(size - flat.numel())]) if size > flat.numel() else flat
-
-
-def _from_bytes(raw: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return raw[: _nbytes(shape, dtype)].view(dtype).reshape(shape).clone()
+def _typed(raw: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The first bytes of a uint8 buffer slice viewed as a tensor of `shape` and `dtype` (the slice starts at a
+    multiple of ALIGN, so any dtype's view is aligned)."""
+    return raw[: _nbytes(shape, dtype)].view(dtype).reshape(shape)
 
 
 class ShardedRunner(LockstepRunner):
@@ -248,7 +254,9 @@ class ShardedRunner(LockstepRunner):
             ref.record.rows.update(tree["rows"])
             for tap, entries in tree["samples"].items():
                 ref.record.samples.setdefault(tap, {}).update(entries)
-            ref.out = tree["out"]
+            # received as a view of the taps' one buffer (broadcast_tensors): the stream outlives the layer as the next
+            # one's input, and would keep every tap of this layer alive with it
+            ref.out = tree["out"] if self.group.one_gpu else tree["out"].clone()
         return ref
 
     def _between_layers(self, layer: int, inputs: dict[str, torch.Tensor], ref_out: torch.Tensor) -> None:
