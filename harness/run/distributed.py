@@ -221,14 +221,8 @@ class ShardedRunner(LockstepRunner):
 
     @property
     def reference_lead(self) -> int:
-        """How many layers ahead of the others the reference rank runs the reference (_between_layers). CSA and HCA
-        layers alternate (spec §1.2), and a CSA layer's reference costs ~3× an HCA layer's (the demo on the CPU: 0.71
-        against 0.24 s), so one layer ahead pairs each layer's stacks with a reference of the other kind: the
-        reference rank idled ~0.55 s at every CSA layer and the others ~0.43 s at every HCA layer. Two ahead pairs like
-        with like. On a CPU: the rank then holds one more layer's weights, dequantized copies, taps and output streams
-        (the memory estimate's "reference run ahead" term: 76 MiB for the demo). On a GPU one: that layer at Flash width is tens of
-        GiB of a device the ranks share, and the gain there has not been measured."""
-        return 2 if self.device.type == "cpu" else 1
+        """How many layers ahead of the others this run's reference rank runs the reference (reference_lead())."""
+        return reference_lead(self.device)
 
     def _reference_pass(self, layer: int, ref_in: torch.Tensor, weights: TensorBundle | None) -> ReferencePass:
         """The reference rank runs the reference (or has run it ahead, _between_layers); every rank receives its
@@ -336,6 +330,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def reference_lead(device: torch.device | str) -> int:
+    """How many layers ahead of the others a sharded run's reference rank runs the reference
+    (ShardedRunner._between_layers); the memory estimate reads it too. CSA and HCA layers alternate (spec §1.2), and a
+    CSA layer's reference costs ~3× an HCA layer's (the demo on the CPU: 0.71 against 0.24 s), so one layer ahead
+    pairs each layer's stacks with a reference of the other kind: the reference rank idled ~0.55 s at every CSA layer
+    and the others ~0.43 s at every HCA layer. Two ahead pairs like with like. On a CPU: the rank then holds one more
+    layer's weights, dequantized copies, taps and output stream (the memory estimate's "reference run ahead" term: 76
+    MiB for the demo). On a GPU one: that layer at Flash width is tens of GiB of a device the ranks share, and the
+    gain there has not been measured."""
+    return 2 if torch.device(device).type == "cpu" else 1
 
 
 def rank_device(device: str, rank: int) -> tuple[str, int]:

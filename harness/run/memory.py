@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.run.distributed import ranks_per_device
+from harness.run.distributed import ranks_per_device, reference_lead
 from harness.run.host_lanes import cache_holds_every_form, lanes_of
 from harness.run.prefill_sharing import kept_prefill_keys
 from harness.run.runner import RunSpec
@@ -156,9 +156,10 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
         terms["NVFP4 conversion (one group)"] = NVFP4_GROUP * 5 * 4 * cfg.moe_intermediate_size * D
     if world > 1:  # the reference's rank packs its taps into one byte buffer to broadcast them (distributed.Group)
         terms["tap broadcast buffer"] = T * taps_per_token
-        if device.type == "cpu":  # ShardedRunner.reference_lead: a second layer's reference held, run ahead
-            terms["reference run ahead (one more layer)"] = (stored + min(budget, dense) + T * taps_per_token
-                                                              + T * n * D * ref_size)  # and its output stream
+        held_ahead = reference_lead(device) - 1  # references held beyond the next layer's, run ahead
+        if held_ahead:  # each: its layer's weights, dequantized copies, taps and output stream
+            terms["reference run ahead (one more layer)"] = held_ahead * (
+                stored + min(budget, dense) + T * taps_per_token + T * n * D * ref_size)
     state_copy = T * n * D * (ref_size + 2 * all_global_stacks)  # the resume state, gathered on rank 0's host
     host = {"process (torch and its libraries)": PROCESS_BYTES[device.type], "resume state copy": state_copy}
     if device.type == "cuda":
