@@ -72,6 +72,7 @@ def main() -> None:
             runner.run_layer(args.layer, streams, weights=weights)
             sync()
             wall = time.perf_counter() - t
+            store.flush_metrics()  # metrics.parquet is refreshed in the background: done before the folder goes
             if first_rows is None:
                 first_rows = runner.rows
             same = runner.rows == first_rows

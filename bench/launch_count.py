@@ -286,6 +286,7 @@ def main() -> None:
         weights = spec.source.layer(args.layer, torch.device(args.device))
         with counter:
             runner.run_layer(args.layer, streams, weights=weights)
+        store.flush_metrics()  # metrics.parquet is refreshed in the background: done before the folder goes
     total, reads = sum(counter.launches.values()), sum(counter.reads.values())
     print(f"{args.model} layer {args.layer} ({cfg.layer_kind(args.layer)}), {args.tokens} + {args.decode} tokens, "
           f"variants {args.variants}, {args.device}: {total:,} launching operations, {reads:,} host reads")
@@ -343,6 +344,7 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
                 if profile is not None:
                     timer.marked = False
                     profile.__exit__(None, None, None)
+            store.flush_metrics()  # metrics.parquet is refreshed in the background: done before the folder goes
     print(f"{args.model} layer {args.layer} ({spec.source.config.layer_kind(args.layer)}), {args.tokens} + "
           f"{args.decode} tokens, variants {args.variants}, {args.device}, {torch.get_num_threads()} threads: "
           f"{wall:.2f} s wall (second run of the layer), host seconds per region:")

@@ -56,6 +56,7 @@ def main() -> None:
             streams = runner.run_layer(layer, streams)
             progress({"stack": None})
         profile.disable()
+        store.flush_metrics()  # metrics.parquet is refreshed in the background: done before the folder goes
     print("seconds per stack over", args.layers, "layers:", {k: round(v, 2) for k, v in spent.items()})
     pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 

@@ -101,8 +101,8 @@ def test_resume_from_an_older_state_rewrites_later_layers_identically(tmp_path, 
     written = []
     real_write = RunStore.write_layer
 
-    def write_then_die(self, layer, rows):
-        real_write(self, layer, rows)
+    def write_then_die(self, layer, rows, background=False):
+        real_write(self, layer, rows, background)
         written.append(layer)
         if layer == 3:
             raise KeyboardInterrupt  # the kill, right after layer 3's metrics reached the disk
@@ -112,12 +112,52 @@ def test_resume_from_an_older_state_rewrites_later_layers_identically(tmp_path, 
     assert main(["run", "tiny-smoke", "--out", str(out), "--no-report", "--no-gate"]) == 130  # interrupted
     store = RunStore(out)
     assert store.completed_layers() == [0, 1, 2, 3] and not store.state_path.exists()
+    assert set(pd.read_parquet(out / "metrics.parquet")["layer"]) == {0, 1, 2, 3}  # refreshed before it stopped
     manifest = store.read_manifest()
     assert manifest["status"] == "interrupted" and manifest["failure"]["layer"] == 3
     monkeypatch.setattr(RunStore, "write_layer", real_write)
     assert main(["run", "--resume", str(out), "--no-report", "--no-gate"]) == 0
     assert [s["start_layer"] for s in store.read_manifest()["segments"]] == [0, 0]
     pd.testing.assert_frame_equal(sorted_metrics(out / "metrics.parquet"), sorted_metrics(tiny_run / "metrics.parquet"))
+
+
+def test_metrics_parquet_is_refreshed_in_the_background_and_whole_once_flushed(tmp_path, monkeypatch):
+    """A run's thread does not wait for metrics.parquet's rewrite (O(rows so far) per layer): writes made while a
+    combine runs are served by one more, flush_metrics() returns with every part in the file, and a combine's
+    error is raised in the caller's thread."""
+    import threading
+
+    store = RunStore(tmp_path / "r")
+    store.create({"format": "dsv4-drift-run/1"})
+    release, calls, real_combine = threading.Event(), [], RunStore.combine
+
+    def held_combine(self):
+        calls.append(1)
+        assert release.wait(30)
+        real_combine(self)
+
+    monkeypatch.setattr(RunStore, "combine", held_combine)
+
+    def rows(layer: int) -> list[dict]:
+        return [{"variant": "base", "mode": "global", "layer": layer, "phase": "prefill", "chunk": 0, "step": -1,
+                 "turn": 0, "pos_bin": 0, "pos_end": 8, "tap": "x", "metric": "m", "value": 1.0, "max": 1.0,
+                 "count": 8}]
+
+    for layer in range(3):
+        store.write_layer(layer, rows(layer), background=True)  # returns while the first combine is held
+    assert store.completed_layers() == [0, 1, 2] and not store.metrics_path.exists()
+    release.set()
+    store.flush_metrics()
+    assert sorted(pd.read_parquet(store.metrics_path)["layer"]) == [0, 1, 2] and len(calls) <= 2
+
+    def failing_combine(self):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(RunStore, "combine", failing_combine)
+    store.write_layer(3, rows(3), background=True)
+    with pytest.raises(OSError, match="no space left"):
+        store.flush_metrics()
+    store.flush_metrics()  # raised once
 
 
 def _findings_with_plugin(out: Path, plugin: Path, patch: str, *args: str) -> list[dict]:

@@ -476,7 +476,7 @@ class ReadOnlyStore(RunStore):
             failure_path(self.dir, self.rank).write_text(json.dumps(fields["failure"]))
         return self.read_manifest()
 
-    def write_layer(self, layer: int, rows: list[dict[str, Any]]) -> None:
+    def write_layer(self, layer: int, rows: list[dict[str, Any]], background: bool = False) -> None:
         pass
 
     def write_findings(self, findings: list[dict[str, Any]]) -> None:
@@ -576,6 +576,10 @@ def run_sharded(world: int, spec: RunSpec, store: RunStore, threads: int, start_
     try:
         launch(world, run_rank, RunRecipe.of(spec, store.dir, threads, start_layer, segment_started))
     except RankFailed as e:
+        try:  # rank 0, ended by the launcher, may have left metrics.parquet a layer behind the parts it wrote
+            store.combine()
+        except Exception:  # noqa: BLE001 — the rank's failure is the error to report
+            pass
         first = first_reported_failure(store.dir, world, before_ns=store.manifest_path.stat().st_mtime_ns) \
             if e.rank == 0 and not (e.plugin_fault or e.input_fault) else None
         if first is not None:  # rank 0's collective broke because another rank had stopped first and said where

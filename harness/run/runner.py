@@ -267,6 +267,7 @@ class LockstepRunner:
             else:
                 self.store.update_manifest(end_layer=n_layers)
             self.store.wait_for_state()  # the last layer's resume state is on disk before the run is complete
+            self.store.flush_metrics()  # and metrics.parquet holds every layer
         except BaseException as e:
             self._record_stop(e)
             raise
@@ -279,10 +280,11 @@ class LockstepRunner:
         and the error, unless the run directory itself cannot be written or its manifest is damaged (UsageError):
         raising here, inside the caller's handler, would hide the error that stopped the run."""
         status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
-        try:
-            self.store.wait_for_state()  # a state being written in the background is the one a resume will read
-        except Exception:  # noqa: BLE001 — the error that stopped the run is the one to report
-            pass
+        for finish in (self.store.wait_for_state, self.store.flush_metrics):  # what a resume and a reader will read
+            try:
+                finish()
+            except Exception:  # noqa: BLE001 — the error that stopped the run is the one to report
+                pass
         try:
             saved = self.store.read_manifest().get("state_layer") if self.store.state_path.is_file() else None
             self.store.update_manifest(status=status, failure={**self.where, "error": f"{type(error).__name__}: "
@@ -537,7 +539,8 @@ class LockstepRunner:
     def _write_layer(self, layer: int, rows: dict[tuple[str, str], list[dict]], dumped: dict[str, torch.Tensor]
                      ) -> None:
         """The layer's rows, in stack order, and its dumped tensors, to the store."""
-        self.store.write_layer(layer, [r for key in self.spec.stacks() if key in rows for r in rows[key]])
+        self.store.write_layer(layer, [r for key in self.spec.stacks() if key in rows for r in rows[key]],
+                               background=True)  # the run's end (run, _record_stop) waits for metrics.parquet
         if dumped:
             self.store.write_dump(f"layer-{layer:03d}", dumped)
 

@@ -53,6 +53,10 @@ class RunStore:
         self.state_path = self.dir / "state" / "streams.pt"
         self.dumps_dir = self.dir / "dumps"
         self._parts: dict[Path, pa.Table] = {}  # layer parts read or written by this store, so each is read once
+        self._combine_lock = threading.Lock()  # _parts and the combiner's state, shared with its thread
+        self._combiner: threading.Thread | None = None
+        self._combine_wanted = False
+        self._combine_error: BaseException | None = None
         self._manifest_lock = threading.Lock()  # the resume state's writer thread updates the manifest too
         self._state_writer: threading.Thread | None = None
         self._state_error: BaseException | None = None
@@ -101,29 +105,83 @@ class RunStore:
     def part_path(self, layer: int) -> Path:
         return self.parts_dir / f"layer-{layer:03d}.parquet"
 
-    def write_layer(self, layer: int, rows: list[dict[str, Any]]) -> None:
-        """Write one layer's rows, then refresh metrics.parquet from all parts (both atomically)."""
+    def write_layer(self, layer: int, rows: list[dict[str, Any]], background: bool = False) -> None:
+        """Write one layer's rows (atomically, before returning), then refresh metrics.parquet from all parts; with
+        `background`, a thread refreshes it while the caller goes on (combine_soon). Rewriting the whole file is
+        O(rows so far) per layer, O(layers²) in all: 1.6 s of the CPU demo's 72 s on its rank 0, against 0.07 s
+        for one write of its 262,415 rows; a run's thread need not wait for it."""
         table = pa.Table.from_pylist(rows, schema=METRICS_SCHEMA)
         tmp = self.part_path(layer).with_suffix(".parquet.tmp")
         pq.write_table(table, tmp)
         os.replace(tmp, self.part_path(layer))
-        self._parts[self.part_path(layer)] = table
-        self._combine()
+        with self._combine_lock:
+            self._parts[self.part_path(layer)] = table
+        if background:
+            self.combine_soon()
+        else:
+            self.flush_metrics()  # an earlier background combine must not replace this one's file after it
+            self.combine()
 
     def completed_layers(self) -> list[int]:
         return sorted(int(p.stem.split("-")[1]) for p in self.parts_dir.glob("layer-*.parquet"))
 
-    def _combine(self) -> None:
+    def combine_soon(self) -> None:
+        """Refresh metrics.parquet from every part in a thread of its own, so the run goes on: requests made while
+        one combine runs are served by one more (the file always ends with every part written before the last
+        request). Raises the error an earlier combine stopped with. The thread is not a daemon, so a process that
+        exits (an error, Ctrl-C) finishes the file first; a killed one leaves it at most the layers being combined
+        behind the parts, which a resume or `combine()` catch up."""
+        with self._combine_lock:
+            self._raise_combine_error()
+            self._combine_wanted = True
+            if self._combiner is not None:
+                return
+            self._combiner = threading.Thread(target=self._combine_while_wanted, name="dsv4-drift-metrics")
+            self._combiner.start()
+
+    def flush_metrics(self) -> None:
+        """Return once metrics.parquet holds every part this store has written; raise a combine's error."""
+        combiner = self._combiner
+        if combiner is not None:
+            combiner.join()
+        with self._combine_lock:
+            self._raise_combine_error()
+
+    def _combine_while_wanted(self) -> None:
+        while True:
+            with self._combine_lock:
+                if not self._combine_wanted or self._combine_error is not None:
+                    self._combiner = None
+                    return
+                self._combine_wanted = False
+            try:
+                self.combine()
+            except BaseException as e:  # noqa: BLE001 — raised in the run's thread by the next request or flush
+                with self._combine_lock:
+                    self._combine_error = e
+
+    def _raise_combine_error(self) -> None:
+        error, self._combine_error = self._combine_error, None
+        if error is not None:
+            raise error
+
+    def combine(self) -> None:
+        """Write metrics.parquet as the concatenation of every part on disk (in this thread)."""
         parts = sorted(self.parts_dir.glob("layer-*.parquet"))
+        with self._combine_lock:
+            known = dict(self._parts)
         for p in parts:
-            if p not in self._parts:
-                self._parts[p] = pq.read_table(p, schema=METRICS_SCHEMA)
-        table = pa.concat_tables([self._parts[p] for p in parts]) if parts else METRICS_SCHEMA.empty_table()
+            if p not in known:
+                known[p] = pq.read_table(p, schema=METRICS_SCHEMA)
+                with self._combine_lock:
+                    self._parts.setdefault(p, known[p])
+        table = pa.concat_tables([known[p] for p in parts]) if parts else METRICS_SCHEMA.empty_table()
         tmp = self.metrics_path.with_suffix(".parquet.tmp")
         pq.write_table(table, tmp)
         os.replace(tmp, self.metrics_path)
 
     def read_metrics(self) -> pa.Table:
+        self.flush_metrics()
         if not self.metrics_path.is_file():
             raise FileNotFoundError(f"{self.dir}: no metrics.parquet (the run has not finished a layer)")
         try:
