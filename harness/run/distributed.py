@@ -372,21 +372,25 @@ def mps_control_pipe(environ: dict[str, str] | None = None) -> Path:
 
 
 def shared_gpu_note(device: str, world: int, environ: dict[str, str] | None = None) -> str | None:
-    """A note when ranks share a GPU, saying whether NVIDIA MPS lets their kernels run together.
+    """A note when ranks share a GPU, saying whether NVIDIA MPS lets their kernels run together, and what sharing
+    was measured to give.
 
-    A run at Flash width is host-bound (README, Benchmarks: the GPU busy ~30% of a layer), so ranks on one GPU could
-    overlap one's host work with another's kernels — but without MPS the GPU time-slices between processes.
-    Measured on one H200 (2026-12-02, `flash-30k --patches none`, layers 2–8, one lease): one process 76.3 and
-    80.1 s, two ranks 69.4 s (1.13×), two ranks under MPS 58.7 and 59.0 s (1.33×)."""
+    A run at Flash width is host-bound (README, Benchmarks: the GPU busy about half of a layer), so ranks on one GPU
+    could overlap one's host work with another's kernels — but without MPS the GPU time-slices between processes.
+    Measured on one H200: `flash-30k --patches none` (2026-12-02, layers 2–8): one process 76.3 and 80.1 s, two
+    ranks 69.4 s (1.13×), two ranks under MPS 58.7 and 59.0 s (1.33×); `flash-30k --patches all` (2026-12-05, one
+    process running its stacks in two host threads, layers 4–12): one process 96.3 s, two ranks under MPS 121.1 s
+    (0.80×). Whether sharing pays depends on the run: the note says so rather than promise a gain."""
     per = ranks_per_device(device, world)
     if per < 2:
         return None
+    measured = ("measured on one H200 at flash-30k: 1.33× for --patches none, 0.80× for --patches all; time a few "
+                "layers against --devices 1 before a long run")
     pipe = mps_control_pipe(environ)
     if pipe.exists():
-        return f"{per} ranks share each GPU through NVIDIA MPS ({pipe}): their kernels run side by side"
+        return f"{per} ranks share each GPU through NVIDIA MPS ({pipe}): their kernels run side by side ({measured})"
     return (f"{per} ranks share each GPU, and no NVIDIA MPS daemon was found ({pipe}): the GPU time-slices the "
-            "processes (measured on one H200: 1.13× with two ranks, 1.33× under MPS). Start `nvidia-cuda-mps-control "
-            "-d` first for the larger gain (README: Several GPUs or processes)")
+            f"processes. Start `nvidia-cuda-mps-control -d` first ({measured}; README: Several GPUs or processes)")
 
 
 def join_group(rank: int, world: int, device: str) -> Group:
