@@ -496,7 +496,9 @@ class OptimizedLayer:
         per stock pick, its stock score's margin over the k-th pick's, and per query the largest change the twin's
         re-association made to any visible score: a lost pick whose margin is many times that is no tie.
         `index_rows`: the number of index rows the queries' step had (the cache may hold more now); None: all."""
-        values = {"row_ids": row_ids, "valid": valid}
+        # the rows each query may see, from its position alone (not from what any indexer op says): a valid pick
+        # past them is a row the query must not attend (harness.run.metrics.compare_indexer_site)
+        values = {"row_ids": row_ids, "valid": valid, "visible": visible_rows(pos, ctx.state.ratio)}
         logits = {}
         for prefix, twin in (("stock_", False), ("twin_", True)):
             stock = self._stock(ctx, twin)

@@ -53,13 +53,33 @@ def test_the_indexer_site_counts_a_lost_pick_that_was_no_tie():
     noise = torch.tensor([1e-3, 1e-3])
     var = {"row_ids": torch.tensor([[0, 1, 2, 9], [0, 9, 2, 3]]), "valid": valid,  # query 0 swaps the k-th pick,
            "stock_row_ids": stock, "stock_valid": valid,                         # query 1 drops a leading one
-           "twin_row_ids": stock, "twin_valid": valid, "stock_margin": margin, "twin_noise": noise}
+           "twin_row_ids": stock, "twin_valid": valid, "stock_margin": margin, "twin_noise": noise,
+           "visible": torch.tensor([10, 10])}
     out = {m.metric: m.value for m in compare_indexer_site(torch.tensor([10, 11]), None, var, None)}
     assert out["indexer.site_recall"].tolist() == [0.75, 0.75]
     assert out["indexer.site_margin_loss"].tolist() == [0.0, 0.25]
+    assert out["indexer.site_future"].tolist() == [0.0, 0.0]
     var["twin_noise"] = torch.tensor([1e-3, 2.0 / TIE_NOISE_MULTIPLE])  # a lead of 2 is now within the twin's noise
     out = {m.metric: m.value for m in compare_indexer_site(torch.tensor([10, 11]), None, var, None)}
     assert out["indexer.site_margin_loss"].tolist() == [0.0, 0.0]
+
+
+def test_the_indexer_site_counts_every_pick_of_a_row_the_query_may_not_see():
+    """indexer.site_future: the share of the variant's valid picks at rows past the query's visible rows (from its
+    position alone), also at a query before the first complete row, where the stock op picks nothing and the recall
+    has no value; an invalid lane past them is not a pick."""
+    from harness.run.metrics import compare_indexer_site
+
+    stock = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]])
+    stock_valid = torch.tensor([[True] * 4, [True] * 4, [False] * 4])
+    var = {"row_ids": torch.tensor([[0, 1, 2, 3], [0, 1, 2, 4], [0, 1, 2, 3]]),
+           "valid": torch.tensor([[True, True, True, False], [True] * 4, [True, False, False, False]]),
+           "stock_row_ids": stock, "stock_valid": stock_valid, "twin_row_ids": stock, "twin_valid": stock_valid,
+           "stock_margin": torch.zeros(3, 4), "twin_noise": torch.ones(3), "visible": torch.tensor([3, 4, 0])}
+    out = {m.metric: (m.positions.tolist(), m.value.tolist())
+           for m in compare_indexer_site(torch.tensor([15, 19, 2]), None, var, None)}
+    assert out["indexer.site_future"] == ([15, 19, 2], [0.0, 0.25, 1.0])  # row 3 of query 0 is an invalid lane
+    assert out["indexer.site_recall"][0] == [15, 19]
 
 
 def test_the_attention_site_compares_lse_with_the_stock_ops():

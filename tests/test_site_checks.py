@@ -1,10 +1,11 @@
 """The attention and indexer sites catch a kernel that attends, or a selection that keeps, something other than the
 spec says — for that reason, not for the size of its drift (default policy, rule 6).
 
-Two bug shapes from serving stacks, written as plugins against the README's API: a decode window one row short
-(the oldest of the 128 rows dropped) and an indexer that loses the best-scoring pick (as a stale page table loses
-the newest rows); and the fused hash routing run without its scaling factor. The split-K decode kernel
-(mma-sparse-decode: bf16 partials, fp32 LSE merge) and hash-topk with its scale are correct and must pass.
+Bug shapes from serving stacks, written as plugins against the README's API: a decode window one row short (the
+oldest of the 128 rows dropped), an indexer that loses the best-scoring pick (as a stale page table loses the newest
+rows), an indexer whose causal mask is one row late, and the fused hash routing run without its scaling factor. The
+split-K decode kernel (mma-sparse-decode: bf16 partials, fp32 LSE merge) and hash-topk with its scale are correct
+and must pass.
 """
 
 from __future__ import annotations
@@ -37,6 +38,20 @@ def topk(ctx, logits, positions, k):
     row_ids, valid = ctx.base(logits=logits, positions=positions, k=k)
     best = torch.where(valid, logits.gather(1, row_ids), float("-inf")).argmax(1, keepdim=True)
     return row_ids, valid.scatter(1, best, False)
+
+
+future_row = Patch("future-row", phases=("prefill", "decode"),
+                   description="the indexer's causal mask one row late: a query may pick the row still being pooled")
+
+
+@future_row.op("indexer_logits")
+def logits(ctx, q, weights, positions):
+    return ctx.base(q=q, weights=weights, positions=positions + ctx.state.ratio)
+
+
+@future_row.op("indexer_topk")
+def late_topk(ctx, logits, positions, k):
+    return ctx.base(logits=logits, positions=positions + ctx.state.ratio, k=k)
 '''
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "tiny-smoke.yaml"
@@ -49,7 +64,7 @@ def _verdicts(tmp_path: Path) -> dict[str, dict[str, str]]:
     scenario["name"] = "site-checks"
     scenario["stacks"]["variants"] = [{"name": n, "patches": p} for n, p in (
         ("base", []), ("mma", ["mma-sparse-decode"]), ("short-window", ["short-window"]),
-        ("lose-best", ["lose-best-pick"]), ("hash-topk", ["hash-topk"]))] + [
+        ("lose-best", ["lose-best-pick"]), ("hash-topk", ["hash-topk"]), ("future-row", ["future-row"]))] + [
         {"name": "unscaled", "patches": ["hash-topk"], "options": {"hash-topk": {"scale_on": "none"}}}]
     path = tmp_path / "site-checks.yaml"
     path.write_text(yaml.safe_dump(scenario, sort_keys=False))
@@ -58,12 +73,18 @@ def _verdicts(tmp_path: Path) -> dict[str, dict[str, str]]:
                  "--no-triage"]) == 1
     gate = json.loads((out / "gate.json").read_text())
     return {c["name"]: {v["variant"]: v["status"] for v in c["variants"]} for c in gate["checks"]
-            if c["name"] in ("attn-site", "indexer-site-margin", "router-weight-site")}
+            if c["name"] in ("attn-site", "indexer-site-margin", "indexer-site-future", "router-weight-site")}
 
 
 def test_site_checks_fail_the_bugs_and_pass_the_correct_kernels(tmp_path):
     verdicts = _verdicts(tmp_path)
     correct = {"base": "pass", "mma": "pass", "hash-topk": "pass"}
+    # a row leaked past the causal mask is picked only if it scores among the top k, and before k rows are visible
+    # it displaces nothing: the recall checks need not see it; the causality check sees every such pick
+    assert verdicts["indexer-site-future"] == {**correct, "short-window": "pass", "lose-best": "pass",
+                                               "unscaled": "pass", "future-row": "fail"}
+    for check in verdicts.values():
+        check.pop("future-row")
     assert verdicts["attn-site"] == {**correct, "short-window": "fail", "lose-best": "pass", "unscaled": "pass"}
     assert verdicts["indexer-site-margin"] == {**correct, "short-window": "pass", "lose-best": "fail",
                                                "unscaled": "pass"}

@@ -139,6 +139,8 @@ METRICS: dict[str, MetricRule] = {
                                       twin="indexer.twin_recall"),
     # a stock pick lost although it led the k-th by more than 16× the twin's largest score change: no tie
     "indexer.site_margin_loss": MetricRule(("indexer.site",), "upper", _ONE_PICK, decisions="index_topk"),
+    # a valid pick of a row the query may not see yet (its window ends past the query): causality, not rounding
+    "indexer.site_future": MetricRule(("indexer.site",), "upper", _ONE_PICK, decisions="index_topk"),
     # the attention LSE on the stock op's own inputs; floor: one fp32 ulp of an LSE below 64 nats, 2^-18
     "attn.site_lse_err": MetricRule(("attn.site",), "upper", "2**-18", twin="attn.twin_lse_err"),
     "moe.twin_flip_rate": MetricRule(("moe.router.site",), "descriptive", None),

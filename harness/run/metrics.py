@@ -11,7 +11,7 @@ Canonical names (README, metrics glossary): streams.{rel_l2,cosine,sqnr_db,max_a
 attn.{tv,kl,js,out_rel_l2,lse_delta,max_logit_delta}, indexer.{recall,mass_recall,boundary_recall,fp8_boundary_recall,fp8_window_share,flips},
 mhc.{pre_rel_err,post_rel_err,comb_rel_err,ds_residual}, moe.{flip_rate,weight_l1,out_rel_l2},
 the fp32 decision sites mhc.{site_rel_err,twin_rel_err,site_ds_residual},
-moe.{site_flip_rate,twin_flip_rate,site_weight_err,twin_weight_err}, indexer.{site_recall,twin_recall,site_margin_loss},
+moe.{site_flip_rate,twin_flip_rate,site_weight_err,twin_weight_err}, indexer.{site_recall,twin_recall,site_margin_loss,site_future},
 attn.{site_lse_err,twin_lse_err},
 logits.{kl,top1_agree,top1_flip_strict}, ctx.{earlier_turn_mass_ref,earlier_turn_mass_opt,needle_mass_ref,
 needle_mass_opt,earlier_turn_recall,needle_recall,earlier_turn_pick_share,needle_pick_share}, compressor.rows_rel_l2,
@@ -279,9 +279,22 @@ def compare_indexer_site(pos, ref, var, ctx) -> list[MetricValues]:
     clear = var["stock_margin"].double() > TIE_NOISE_MULTIPLE * var["twin_noise"].double()[:, None]
     hard = (stock_valid & ~kept & clear).sum(1).double()
     keep = n > 0
+    picked, future = _future_picks(var)
+    some = picked > 0  # a query before the first complete row may still pick one: a future row, counted
     return [MetricValues("indexer.site_recall", pos[keep], (site / n.clamp_min(1))[keep]),
             MetricValues("indexer.twin_recall", pos[keep], (twin / n.clamp_min(1))[keep]),
-            MetricValues("indexer.site_margin_loss", pos[keep], (hard / n.clamp_min(1))[keep])]
+            MetricValues("indexer.site_margin_loss", pos[keep], (hard / n.clamp_min(1))[keep]),
+            MetricValues("indexer.site_future", pos[some], (future / picked.clamp_min(1))[some])]
+
+
+def _future_picks(var: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query, the variant's valid picks and those of rows it may not see yet (a row is visible once its window
+    of `compress_ratio` tokens ends at or before the query: compressor.visible_rows, from the position alone). Any
+    such pick is a causality violation whatever the arithmetic — a mask or a length off by one row, a page table
+    pointing past the query — and none is a tie another rounding could break."""
+    ids, valid = var["row_ids"].long(), var["valid"]
+    future = valid & (ids >= var["visible"].to(ids.device).long()[:, None])
+    return valid.sum(1).double(), future.sum(1).double()
 
 
 def compare_attn_site(pos, ref, var, ctx) -> list[MetricValues]:
