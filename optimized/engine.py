@@ -71,6 +71,25 @@ def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x if scale == 1.0 else x * scale
 
 
+def post_site_excess(out: torch.Tensor, stock: torch.Tensor, f: torch.Tensor, streams: torch.Tensor,
+                     post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Per token, the share of hc_post's n·D outputs X'[k] = post_k·f + Σ_j C[j,k]·X[j] (spec §3.2: fp32 math,
+    stored bf16) that `out` puts further from `stock` than two fp32 implementations of the same math can differ:
+    each sum of n + 1 products is within γ = (n + 2)·2^-24 of its terms' magnitudes whatever its order (Higham,
+    Accuracy and Stability of Numerical Algorithms, §3.1: products and sums rounded once each), so two differ
+    by ≤ 2γ·(|post_k·f| + Σ_j |C[j,k]|·|X[j]|); each stored value then moves by ≤ half a bf16 ulp of itself, one
+    ulp of the larger of the two between them. A kernel that contracts the wrong index of C, accumulates in bf16
+    or drops a term exceeds it; one that sums in another order or keeps the fp32 result does not."""
+    n = comb.shape[-1]
+    x, fo = streams.float(), f.float()
+    envelope = post.abs().unsqueeze(-1) * fo.abs().unsqueeze(-2) + comb.abs().transpose(-1, -2) @ x.abs()
+    a, b = out.float(), stock.float()
+    _, exponent = torch.frexp(torch.maximum(a.abs(), b.abs()))
+    ulp = torch.ldexp(torch.ones_like(a), exponent - 8)  # bf16: 8 significant bits, |v| in [2^(e-1), 2^e)
+    beyond = (a - b).abs() > ulp + 2 * (n + 2) * 2.0**-24 * envelope
+    return beyond.flatten(1).float().mean(1)
+
+
 def _mix_fields(result: tuple[torch.Tensor, Any]) -> dict[str, torch.Tensor]:
     _, mix = result
     return {"pre": mix.pre, "post": mix.post, "comb": mix.comb}
@@ -273,6 +292,19 @@ class OptimizedLayer:
             values.update({prefix + k: v for k, v in fields(result).items()})
         probes.emit(tap, positions, **values)
 
+    def _hc_post(self, ctx: OpContext, sink: ProbeSink, tap: str, positions: torch.Tensor, f: torch.Tensor,
+                 streams: torch.Tensor, mix: Any) -> torch.Tensor:
+        """hc_post, and its site `tap`: per token, the share of the n·D outputs further from the stock hc_post's on
+        the same inputs than any fp32 implementation of it can be (post_site_excess). No patch ran: the share is 0
+        by construction (the same code on the same inputs), not computed."""
+        out, stock_only = ctx.call_noting_patches("hc_post", f=f, streams=streams, mix=mix)
+        if sink.wants(tap):
+            excess = torch.zeros(positions.shape[0], device=positions.device) if stock_only else \
+                post_site_excess(out, self._stock(ctx, False).call("hc_post", f=f, streams=streams, mix=mix),
+                                 f, streams, mix.post, mix.comb)
+            sink.emit(tap, positions, excess=excess)
+        return out
+
     # ------------------------------------------------------------------------------------------
     def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, state: EngineState, phase: str,
                 segment: int = 0, sink: ProbeSink = NULL_SINK, hold_sampled: bool = False,
@@ -305,7 +337,7 @@ class OptimizedLayer:
                                    hold_sampled, hold_sampled and hold_sites, join_sites)
         if sink.wants("attn.out"):
             sink.emit("attn.out", positions, out=attn_out)
-        streams = ctx.call("hc_post", f=attn_out, streams=streams, mix=mix)
+        streams = self._hc_post(ctx, sink, "attn.hc.post.site", positions, attn_out, streams, mix)
 
         (a, mix), stock_only = ctx.call_noting_patches("hc_pre", streams=streams, site="ffn")
         if sink.wants("ffn.hc"):
@@ -316,7 +348,7 @@ class OptimizedLayer:
                             held)
         if sink.wants("moe.out"):
             sink.emit("moe.out", positions, out=moe_out)
-        streams = ctx.call("hc_post", f=moe_out, streams=streams, mix=mix)
+        streams = self._hc_post(ctx, sink, "ffn.hc.post.site", positions, moe_out, streams, mix)
 
         if sink.wants("layer.out"):
             sink.emit("layer.out", positions, streams=streams.float())

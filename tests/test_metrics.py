@@ -172,3 +172,34 @@ def test_the_fp8_score_noise_counts_an_upstream_rounding_through_a_gemm():
         mp.setattr(indexer, "Q_ROUNDINGS", 2)
         z = moved / indexer.fp8_score_noise(q, head_weights, keys).double()
     assert 0.5 < float(z.std()) < 1.0 and float(z.abs().max()) < FP8_NOISE_MULTIPLE
+
+
+def test_the_post_site_allows_any_fp32_order_and_no_more():
+    """post_site_excess: hc_post's outputs further from the stock op's than two fp32 implementations with the bf16
+    store can be. Summed in reverse with fused multiply-adds: none; the comb's other index contracted, or the
+    products summed in bf16: some."""
+    from optimized.base_ops import hc_post
+    from optimized.engine import post_site_excess
+    from reference.ops.mhc import HCMix
+
+    g = torch.Generator().manual_seed(0)
+    s, n, d = 64, 4, 256
+    streams = (torch.randn(s, n, d, generator=g) * (1 + torch.arange(n)[:, None])).to(torch.bfloat16)
+    f = torch.randn(s, d, generator=g).to(torch.bfloat16)
+    post = 2 * torch.rand(s, n, generator=g)
+    comb = torch.softmax(torch.randn(s, n, n, generator=g), -1)  # rows sum to 1; any comb will do here
+    mix = HCMix(torch.rand(s, n, generator=g), post, comb)
+    stock = hc_post(None, f, streams, mix)
+    acc = torch.zeros(s, n, d)
+    for j in reversed(range(n)):
+        acc = torch.addcmul(acc, comb[:, j, :, None], streams.float()[:, j:j + 1, :])
+    reordered = torch.addcmul(acc, post[..., None], f.float()[:, None, :]).to(torch.bfloat16)
+    assert torch.equal(post_site_excess(reordered, stock, f, streams, post, comb), torch.zeros(s))
+    assert not torch.equal(reordered, stock)  # the orders differ somewhere: the test compares two roundings
+    transposed = hc_post(None, f, streams, HCMix(mix.pre, post, comb.transpose(-1, -2)))
+    assert post_site_excess(transposed, stock, f, streams, post, comb).min() > 0.1
+    in_bf16 = (post[..., None] * f.float()[:, None, :]).to(torch.bfloat16)
+    for j in range(n):
+        in_bf16 = (in_bf16.float() + (comb[:, j, :, None] * streams.float()[:, j:j + 1, :]).to(torch.bfloat16)
+                   ).to(torch.bfloat16)
+    assert post_site_excess(in_bf16, stock, f, streams, post, comb).mean() > 0.01

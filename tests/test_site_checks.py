@@ -3,9 +3,9 @@ spec says — for that reason, not for the size of its drift (default policy, ru
 
 Bug shapes from serving stacks, written as plugins against the README's API: a decode window one row short (the
 oldest of the 128 rows dropped), an indexer that loses the best-scoring pick (as a stale page table loses the newest
-rows), an indexer whose causal mask is one row late, and the fused hash routing run without its scaling factor. The
-split-K decode kernel (mma-sparse-decode: bf16 partials, fp32 LSE merge) and hash-topk with its scale are correct
-and must pass.
+rows), an indexer whose causal mask is one row late, hc_post contracting the wrong index of its comb, and the fused
+hash routing run without its scaling factor. The split-K decode kernel (mma-sparse-decode: bf16 partials, fp32 LSE
+merge), hash-topk with its scale and hc_post summed in another order are correct and must pass.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import yaml
 from harness.cli.main import main
 
 BUGS = '''
+import dataclasses
+
 import torch
 from optimized.patching import Patch
 
@@ -52,6 +54,29 @@ def logits(ctx, q, weights, positions):
 @future_row.op("indexer_topk")
 def late_topk(ctx, logits, positions, k):
     return ctx.base(logits=logits, positions=positions + ctx.state.ratio, k=k)
+
+
+comb_transposed = Patch("comb-transposed", phases=("prefill", "decode"),
+                        description="hc_post contracts the second index of C (C·X instead of Cᵀ·X)")
+
+
+@comb_transposed.op("hc_post")
+def transposed(ctx, f, streams, mix):
+    return ctx.base(f=f, streams=streams, mix=dataclasses.replace(mix, comb=mix.comb.transpose(-1, -2)))
+
+
+post_reordered = Patch("post-reordered", phases=("prefill", "decode"),
+                       description="hc_post as a fused kernel might sum it: streams last to first, post·f last, "
+                                   "fused multiply-adds, then the bf16 store")
+
+
+@post_reordered.op("hc_post")
+def reordered(ctx, f, streams, mix):
+    x = streams.float()
+    acc = torch.zeros_like(x)
+    for j in reversed(range(x.shape[-2])):
+        acc = torch.addcmul(acc, mix.comb[..., j, :].unsqueeze(-1), x[..., j:j + 1, :])
+    return torch.addcmul(acc, mix.post.unsqueeze(-1), f.float().unsqueeze(-2)).to(torch.bfloat16)
 '''
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "tiny-smoke.yaml"
@@ -64,7 +89,8 @@ def _verdicts(tmp_path: Path) -> dict[str, dict[str, str]]:
     scenario["name"] = "site-checks"
     scenario["stacks"]["variants"] = [{"name": n, "patches": p} for n, p in (
         ("base", []), ("mma", ["mma-sparse-decode"]), ("short-window", ["short-window"]),
-        ("lose-best", ["lose-best-pick"]), ("hash-topk", ["hash-topk"]), ("future-row", ["future-row"]))] + [
+        ("lose-best", ["lose-best-pick"]), ("hash-topk", ["hash-topk"]), ("future-row", ["future-row"]),
+        ("comb-transposed", ["comb-transposed"]), ("post-reordered", ["post-reordered"]))] + [
         {"name": "unscaled", "patches": ["hash-topk"], "options": {"hash-topk": {"scale_on": "none"}}}]
     path = tmp_path / "site-checks.yaml"
     path.write_text(yaml.safe_dump(scenario, sort_keys=False))
@@ -73,7 +99,8 @@ def _verdicts(tmp_path: Path) -> dict[str, dict[str, str]]:
                  "--no-triage"]) == 1
     gate = json.loads((out / "gate.json").read_text())
     return {c["name"]: {v["variant"]: v["status"] for v in c["variants"]} for c in gate["checks"]
-            if c["name"] in ("attn-site", "indexer-site-margin", "indexer-site-future", "router-weight-site")}
+            if c["name"] in ("attn-site", "indexer-site-margin", "indexer-site-future", "router-weight-site",
+                             "mhc-post-site")}
 
 
 def test_site_checks_fail_the_bugs_and_pass_the_correct_kernels(tmp_path):
@@ -82,9 +109,16 @@ def test_site_checks_fail_the_bugs_and_pass_the_correct_kernels(tmp_path):
     # a row leaked past the causal mask is picked only if it scores among the top k, and before k rows are visible
     # it displaces nothing: the recall checks need not see it; the causality check sees every such pick
     assert verdicts["indexer-site-future"] == {**correct, "short-window": "pass", "lose-best": "pass",
-                                               "unscaled": "pass", "future-row": "fail"}
+                                               "unscaled": "pass", "future-row": "fail", "comb-transposed": "pass",
+                                               "post-reordered": "pass"}
+    # hc_post contracting the wrong index of C moves its outputs past any fp32 rounding of the stock math, yet its
+    # drift hides in base's (the synthetic streams are a few % apart, and C and Cᵀ mix near-equal streams alike);
+    # the same math summed in another order, with fused multiply-adds, stays within it
+    assert verdicts["mhc-post-site"] == {**correct, "short-window": "pass", "lose-best": "pass", "unscaled": "pass",
+                                         "future-row": "pass", "comb-transposed": "fail", "post-reordered": "pass"}
     for check in verdicts.values():
-        check.pop("future-row")
+        for added in ("future-row", "comb-transposed", "post-reordered"):
+            check.pop(added)
     assert verdicts["attn-site"] == {**correct, "short-window": "fail", "lose-best": "pass", "unscaled": "pass"}
     assert verdicts["indexer-site-margin"] == {**correct, "short-window": "pass", "lose-best": "fail",
                                                "unscaled": "pass"}

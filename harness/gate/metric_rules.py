@@ -55,6 +55,7 @@ class MetricRule:
 _U = "2**-8"  # bf16 unit roundoff: rounding x to bf16 moves it by at most 2^-8·|x| (8-bit significand, RNE)
 _HC = ("attn.hc", "ffn.hc")
 _HC_SITES = ("attn.hc.site", "ffn.hc.site")
+_HC_POST_SITES = ("attn.hc.post.site", "ffn.hc.post.site")
 _ANSWER = ("needle.lens", "logits")  # the needle answer after every layer (lens) and from the final logits
 # Discrete floors are one decision of the unit's N = positions × decisions (a tie broken the other way by one
 # rounding), not one of a single position's: a layer mean over 10⁴ positions × 512 picks moves by 1/(5·10⁶) when
@@ -135,6 +136,10 @@ METRICS: dict[str, MetricRule] = {
     # how much less doubly stochastic the variant's comb is than the stock Sinkhorn's on the same input: a comb
     # stored or normalised in bf16 moves a unit row/column sum by ≤ u_bf16 = 2^-8
     "mhc.site_ds_residual": MetricRule(_HC_SITES, "upper", _U),
+    # hc_post's outputs beyond what any fp32 implementation with the bf16 store can differ by: one element of the
+    # unit's positions × n·D
+    "mhc.post_site_excess": MetricRule(_HC_POST_SITES, "upper", "1/(positions*hc_mult*hidden_size)",
+                                       decisions="hc_mult*hidden_size"),
     "indexer.site_recall": MetricRule(("indexer.site",), "lower", _ONE_PICK, decisions="index_topk",
                                       twin="indexer.twin_recall"),
     # a stock pick lost although it led the k-th by more than 16× the twin's largest score change: no tie

@@ -10,7 +10,7 @@ on a CPU both are the same), discrete taps (selections, routing) on the CPU.
 Canonical names (README, metrics glossary): streams.{rel_l2,cosine,sqnr_db,max_abs,bias},
 attn.{tv,kl,js,out_rel_l2,lse_delta,max_logit_delta}, indexer.{recall,mass_recall,boundary_recall,fp8_boundary_recall,fp8_window_share,flips},
 mhc.{pre_rel_err,post_rel_err,comb_rel_err,ds_residual}, moe.{flip_rate,weight_l1,out_rel_l2},
-the fp32 decision sites mhc.{site_rel_err,twin_rel_err,site_ds_residual},
+the fp32 decision sites mhc.{site_rel_err,twin_rel_err,site_ds_residual,post_site_excess},
 moe.{site_flip_rate,twin_flip_rate,site_weight_err,twin_weight_err}, indexer.{site_recall,twin_recall,site_margin_loss,site_future},
 attn.{site_lse_err,twin_lse_err},
 logits.{kl,top1_agree,top1_flip_strict}, ctx.{earlier_turn_mass_ref,earlier_turn_mass_opt,needle_mass_ref,
@@ -308,8 +308,17 @@ def compare_attn_site(pos, ref, var, ctx) -> list[MetricValues]:
             MetricValues("attn.twin_lse_err", pos, (_f64(var["twin_lse"]) - stock).abs().mean(-1))]
 
 
+def compare_post_site(pos, ref, var, ctx) -> list[MetricValues]:
+    """attn.hc.post.site / ffn.hc.post.site: per token, the share of hc_post's outputs that the variant puts further
+    from the stock hc_post's on the same f, streams and mixes than two fp32 implementations of it can differ, with
+    the bf16 store (optimized.engine.post_site_excess: computed where the tensors are, a share per token here)."""
+    return [MetricValues("mhc.post_site_excess", pos, _f64(var["excess"]))]
+
+
 SITE_COMPARATORS: dict[str, Callable] = {
     "attn.site": compare_attn_site,
+    "attn.hc.post.site": compare_post_site,
+    "ffn.hc.post.site": compare_post_site,
     "moe.router.site": compare_router_site,
     "attn.hc.site": compare_hc_site,
     "ffn.hc.site": compare_hc_site,
