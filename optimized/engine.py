@@ -305,6 +305,30 @@ class OptimizedLayer:
             sink.emit(tap, positions, excess=excess)
         return out
 
+    def _kv_store(self, ctx: OpContext, sink: ProbeSink, cache: str, rows: torch.Tensor,
+                  row_positions: torch.Tensor | None) -> None:
+        """kv_store, and the cache site `attn.kv.site`: the slots the write was for (the next `len(rows)` of the
+        cache), read back through the variant's kv_load, against the rows' stored form (the cache format's exact
+        quantization: LatentCache.stored_form) — per row, 1 when any value differs. A write to the wrong slot, one
+        that drops or alters part of a row, and a read from the wrong slot all differ; the format's own rounding
+        does not. When neither op is patched the share is 0 by construction and not computed. `row_positions`: the
+        token each row is binned at (None: compressed rows, at the token that completed them)."""
+        state = ctx.state
+        first = state.cache(cache).length
+        _, stored_stock = ctx.call_noting_patches("kv_store", cache=cache, rows=rows)
+        n = rows.shape[0]
+        if not n or not sink.wants("attn.kv.site"):
+            return
+        slots = torch.arange(first, first + n, device=rows.device)
+        if row_positions is None:
+            row_positions = (slots + 1) * state.ratio - 1
+        if stored_stock and not ctx.table.patched("kv_load"):
+            mismatch = torch.zeros(n, device=rows.device)
+        else:
+            back = ctx.call("kv_load", cache=cache, slots=slots)
+            mismatch = (back.to(torch.bfloat16) != state.cache(cache).stored_form(rows)).any(-1).float()
+        sink.emit("attn.kv.site", row_positions, mismatch=mismatch)
+
     # ------------------------------------------------------------------------------------------
     def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, state: EngineState, phase: str,
                 segment: int = 0, sink: ProbeSink = NULL_SINK, hold_sampled: bool = False,
@@ -370,7 +394,7 @@ class OptimizedLayer:
         q = replay(_normed_rotated_queries, q, cos, sin, eps=eps)
         kv = rms_norm_bf16(ctx.call("linear", x=x, site="attn.wkv"), ctx.weight("attn.kv_norm.weight"), eps)
         kv = replay(_rotated_rows, kv, cos, sin)
-        ctx.call("kv_store", cache="window", rows=kv)
+        self._kv_store(ctx, sink, "window", kv, positions)
         if sink.wants("attn.q"):
             sink.emit("attn.q", positions, q=q)
         if sink.wants("attn.kv"):
@@ -378,7 +402,7 @@ class OptimizedLayer:
 
         if self.kind != "swa":
             rows = ctx.call("compressor", which="main", x=x, positions=positions)
-            ctx.call("kv_store", cache="compressed", rows=rows)
+            self._kv_store(ctx, sink, "compressed", rows, None)
             self._emit_rows(sink, "compressor.rows", rows, state.compressor)
         if self.kind == "csa":
             rows = ctx.call("compressor", which="indexer", x=x, positions=positions)

@@ -66,9 +66,14 @@ class LatentCache:
         self.scales.flatten(0, 1)[at] = scales
         rope = rows[:, self.nope :].to(torch.bfloat16)
         self.rope_part.flatten(0, 1)[at] = rope
-        # codes·2^e with the quantizer's own 2^e: what dequantize_latent_nope(codes, scales) decodes from the bytes
-        self._decoded_rows[at] = torch.cat([(codes.float() * scale).to(torch.bfloat16), rope], -1)
+        self._decoded_rows[at] = _decoded(codes, scale, rope)
         self.length += n
+
+    def stored_form(self, rows: torch.Tensor) -> torch.Tensor:
+        """What load() returns for `rows` once appended (bf16), computed without storing them: the value a cache
+        write must leave for its slots (OptimizedLayer._kv_store's site compares what a read gives back with it)."""
+        codes, _, scale = quantize_latent_nope(rows[:, : self.nope])
+        return _decoded(codes, scale, rows[:, self.nope :].to(torch.bfloat16))
 
     def to(self, device: torch.device | str) -> "LatentCache":
         """Move every stored tensor (bits, decoded copy, page table) to `device`; returns self."""
@@ -82,6 +87,12 @@ class LatentCache:
         """Dequantized rows (bf16, exact) for slots of any shape; slots < 0 give zero rows (the row after the
         pages, which slot_rows names for slot −1)."""
         return self._decoded_rows[slot_rows(self)[slots.clamp(min=-1)]]
+
+
+def _decoded(codes: torch.Tensor, scale: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """A latent row as load() returns it: codes·2^e with the quantizer's own 2^e (what dequantize_latent_nope decodes
+    from the bytes), then the bf16 rope dims."""
+    return torch.cat([(codes.float() * scale).to(torch.bfloat16), rope], -1)
 
 
 def slot_rows(cache: "LatentCache | IndexKeyCache") -> torch.Tensor:

@@ -508,7 +508,8 @@ def test_allow_loosen_without_update_baseline_and_a_bad_baseline_file_are_usage_
 
 def test_default_policy_loads_and_its_floors_match_the_metric_registry():
     policy = load_policy(DEFAULT_POLICY)
-    names = {**config_names({"index_topk": 512, "num_experts_per_tok": 6, "routed_scaling_factor": 1.5}),
+    names = {**config_names({"index_topk": 512, "num_experts_per_tok": 6, "routed_scaling_factor": 1.5,
+                             "hc_mult": 4, "hidden_size": 4096}),
              "pick_share": 0.25, "positions": 1000}  # the per-unit floor variables
     for metric, expr in policy.floors.items():
         built_in = METRICS[metric].floor

@@ -381,6 +381,18 @@ def test_paged_latent_rows_of_cache_are_views():
     assert rows.codes is cache.codes and rows.page_table is cache.page_table and rows.nope == 56
 
 
+def test_a_latent_rows_stored_form_is_what_its_slots_read_back():
+    """LatentCache.stored_form (the kv cache site's expectation) is bit for bit what load() gives after append: FP8
+    nope with its power-of-two block scales, bf16 rope; and it stores nothing."""
+    cache = LatentCache(200, 56, 8, "cpu")
+    rows = torch.randn(130, 64, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 2, 64)
+    expected = cache.stored_form(rows)
+    assert cache.length == 0
+    cache.append(rows[:70])
+    cache.append(rows[70:])
+    assert torch.equal(cache.load(torch.arange(130)), expected) and expected.dtype == torch.bfloat16
+
+
 @interpreter
 @pytest.mark.parametrize("key,offset,numel", [(0, 0, 1), (0xDEADBEEF, 0, 5000), (0x7FFFFFFF, 2**31 - 100, 2000),
                                               (0xFFFFFFFF, 2**32 - 3000, 3000), (12345, 1 << 24, 1025)])

@@ -3,8 +3,9 @@ spec says — for that reason, not for the size of its drift (default policy, ru
 
 Bug shapes from serving stacks, written as plugins against the README's API: a decode window one row short (the
 oldest of the 128 rows dropped), an indexer that loses the best-scoring pick (as a stale page table loses the newest
-rows), an indexer whose causal mask is one row late, hc_post contracting the wrong index of its comb, and the fused
-hash routing run without its scaling factor. The split-K decode kernel (mma-sparse-decode: bf16 partials, fp32 LSE
+rows), an indexer whose causal mask is one row late, hc_post contracting the wrong index of its comb, compressed
+rows written out of order and window rows read from the slot before, and the fused hash routing run without its
+scaling factor. The split-K decode kernel (mma-sparse-decode: bf16 partials, fp32 LSE
 merge), hash-topk with its scale and hc_post summed in another order are correct and must pass.
 """
 
@@ -77,6 +78,24 @@ def reordered(ctx, f, streams, mix):
     for j in reversed(range(x.shape[-2])):
         acc = torch.addcmul(acc, mix.comb[..., j, :].unsqueeze(-1), x[..., j:j + 1, :])
     return torch.addcmul(acc, mix.post.unsqueeze(-1), f.float().unsqueeze(-2)).to(torch.bfloat16)
+
+
+rows_reversed = Patch("rows-reversed", phases=("prefill",),
+                      description="a prefill chunk's compressed rows written in reverse order")
+
+
+@rows_reversed.op("kv_store")
+def reversed_rows(ctx, cache, rows):
+    return ctx.base(cache=cache, rows=rows.flip(0) if cache == "compressed" else rows)
+
+
+read_one_early = Patch("read-one-early", phases=("decode",),
+                       description="decode reads each window row from the slot before it")
+
+
+@read_one_early.op("kv_load")
+def one_early(ctx, cache, slots):
+    return ctx.base(cache=cache, slots=torch.where((slots > 0) & (cache == "window"), slots - 1, slots))
 '''
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "tiny-smoke.yaml"
@@ -90,7 +109,8 @@ def _verdicts(tmp_path: Path) -> dict[str, dict[str, str]]:
     scenario["stacks"]["variants"] = [{"name": n, "patches": p} for n, p in (
         ("base", []), ("mma", ["mma-sparse-decode"]), ("short-window", ["short-window"]),
         ("lose-best", ["lose-best-pick"]), ("hash-topk", ["hash-topk"]), ("future-row", ["future-row"]),
-        ("comb-transposed", ["comb-transposed"]), ("post-reordered", ["post-reordered"]))] + [
+        ("comb-transposed", ["comb-transposed"]), ("post-reordered", ["post-reordered"]),
+        ("rows-reversed", ["rows-reversed"]), ("read-one-early", ["read-one-early"]))] + [
         {"name": "unscaled", "patches": ["hash-topk"], "options": {"hash-topk": {"scale_on": "none"}}}]
     path = tmp_path / "site-checks.yaml"
     path.write_text(yaml.safe_dump(scenario, sort_keys=False))
@@ -100,12 +120,21 @@ def _verdicts(tmp_path: Path) -> dict[str, dict[str, str]]:
     gate = json.loads((out / "gate.json").read_text())
     return {c["name"]: {v["variant"]: v["status"] for v in c["variants"]} for c in gate["checks"]
             if c["name"] in ("attn-site", "indexer-site-margin", "indexer-site-future", "router-weight-site",
-                             "mhc-post-site")}
+                             "mhc-post-site", "kv-cache-site")}
 
 
 def test_site_checks_fail_the_bugs_and_pass_the_correct_kernels(tmp_path):
     verdicts = _verdicts(tmp_path)
     correct = {"base": "pass", "mma": "pass", "hash-topk": "pass"}
+    # a cache row written out of order or read from the slot before its own reads back other than its stored form;
+    # the attention site runs the stock attention on the same cache and cannot see either
+    cache_bugs = {"rows-reversed": "fail", "read-one-early": "fail"}
+    others = {"short-window": "pass", "lose-best": "pass", "unscaled": "pass", "future-row": "pass",
+              "comb-transposed": "pass", "post-reordered": "pass"}
+    assert verdicts.pop("kv-cache-site") == {**correct, **others, **cache_bugs}
+    for check in verdicts.values():  # what the other checks make of them is theirs (drift past base, or none)
+        for bug in cache_bugs:
+            check.pop(bug)
     # a row leaked past the causal mask is picked only if it scores among the top k, and before k rows are visible
     # it displaces nothing: the recall checks need not see it; the causality check sees every such pick
     assert verdicts["indexer-site-future"] == {**correct, "short-window": "pass", "lose-best": "pass",

@@ -148,6 +148,8 @@ METRICS: dict[str, MetricRule] = {
     "indexer.site_future": MetricRule(("indexer.site",), "upper", _ONE_PICK, decisions="index_topk"),
     # the attention LSE on the stock op's own inputs; floor: one fp32 ulp of an LSE below 64 nats, 2^-18
     "attn.site_lse_err": MetricRule(("attn.site",), "upper", "2**-18", twin="attn.twin_lse_err"),
+    # a cache row whose slot reads back other than its stored form: one row of the unit's positions
+    "attn.kv_site_mismatch": MetricRule(("attn.kv.site",), "upper", _ONE_POSITION, decisions="1"),
     "moe.twin_flip_rate": MetricRule(("moe.router.site",), "descriptive", None),
     "moe.twin_weight_err": MetricRule(("moe.router.site",), "descriptive", None),
     "mhc.twin_rel_err": MetricRule(_HC_SITES, "descriptive", None),

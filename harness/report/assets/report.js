@@ -785,7 +785,7 @@
     'moe.out_rel_l2', 'ctx.earlier_turn_recall', 'ctx.needle_recall', 'streams.amplification',
     // fp32 decision sites, held to their benign twin (`twin:` bounds): the variant's op against the stock op
     'mhc.site_rel_err@attn.hc.site', 'mhc.site_rel_err@ffn.hc.site', 'mhc.post_site_excess', 'moe.site_flip_rate', 'moe.site_weight_err',
-    'indexer.site_recall', 'indexer.site_margin_loss', 'indexer.site_future', 'attn.site_lse_err'];
+    'indexer.site_recall', 'indexer.site_margin_loss', 'indexer.site_future', 'attn.site_lse_err', 'attn.kv_site_mismatch'];
   section('layers', 'Per-layer drift', function (el) {
     var st = { variant: FOCUS, mode: 'global', agg: 'mean', phase: 'both', sort: null, asc: false };
     var cols = TABLE_COLUMNS.filter(function (k) { return D.metrics && D.metrics[k]; });
