@@ -831,10 +831,15 @@ CHURN = textwrap.dedent("""
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only: elsewhere the allocator is left as it is")
 def test_kept_host_memory_is_reused_instead_of_faulted_in_again():
-    """Tensors of 1-24 MB made and freed as a CPU run does: glibc's defaults return and re-fault their pages
-    (measured: 408,000 minor faults here, 52,000 with the thresholds set). Each in a fresh process, since the setting
-    is process-wide; a factor of 3 leaves room for another glibc's bookkeeping. The best of three tries: the counts
-    also move with what the kernel does meanwhile (reclaim, huge pages): one run here failed once, unexplained."""
+    """Tensors of 1-24 MB made and freed as a CPU run does, 5,000 MB in all (1.28 million 4-KiB pages if each
+    tensor's pages were faulted in anew). With the thresholds set, freed memory is reused: measured here 31,000 to
+    57,000 minor faults, under 5% of those pages. glibc's defaults fault ~395,000 on most runs — and ~79,000 on
+    some, when its dynamic mmap threshold rises early and keeps the chunks too (2026-12-05: all three tries of one
+    full-suite run, which a 3-fold ratio to the default failed). So the test bounds the kept run's faults by a
+    twentieth of the pages touched (64,700: below both of the default's states, so a setting that did nothing fails)
+    and by the default run's beside it; each in a fresh process (the setting is process-wide), the best of three
+    tries (the counts move with what the kernel does meanwhile)."""
+    touched_pages = sum((i * 7919) % 24 + 1 for i in range(400)) * 2**20 // 4096  # CHURN's tensors
     tries = []
     for _ in range(3):
         faults = {}
@@ -842,9 +847,9 @@ def test_kept_host_memory_is_reused_instead_of_faulted_in_again():
             done = subprocess.run([sys.executable, "-c", CHURN, how], capture_output=True, text=True, check=True)
             faults[how] = int(done.stdout.split()[-1])
         tries.append(faults)
-        if faults["keep"] * 3 < faults["default"]:
+        if faults["keep"] < touched_pages / 20 and faults["keep"] <= faults["default"]:
             return
-    pytest.fail(f"kept host memory did not cut the minor faults 3-fold in 3 tries: {tries}")
+    pytest.fail(f"kept host memory was faulted in again ({touched_pages} pages touched) in 3 tries: {tries}")
 
 
 def test_glibcs_defaults_are_kept_when_asked():
