@@ -308,11 +308,12 @@ class OptimizedLayer:
     def _kv_store(self, ctx: OpContext, sink: ProbeSink, cache: str, rows: torch.Tensor,
                   row_positions: torch.Tensor | None) -> None:
         """kv_store, and the cache site `attn.kv.site`: the slots the write was for (the next `len(rows)` of the
-        cache), read back through the variant's kv_load, against the rows' stored form (the cache format's exact
-        quantization: LatentCache.stored_form) — per row, 1 when any value differs. A write to the wrong slot, one
-        that drops or alters part of a row, and a read from the wrong slot all differ; the format's own rounding
-        does not. When neither op is patched the share is 0 by construction and not computed. `row_positions`: the
-        token each row is binned at (None: compressed rows, at the token that completed them)."""
+        cache), read back — through the variant's kv_load for the window and compressed caches; the indexer's keys,
+        which no op loads, from the cache itself — against the rows' stored form (the cache format's exact
+        quantization: LatentCache / IndexKeyCache.stored_form): per row, 1 when any value differs. A write to the
+        wrong slot, one that drops or alters part of a row, and a read from the wrong slot all differ; the format's
+        own rounding does not. When neither op is patched the share is 0 by construction and not computed.
+        `row_positions`: the token each row is binned at (None: compressed rows, at the token that completed them)."""
         state = ctx.state
         first = state.cache(cache).length
         _, stored_stock = ctx.call_noting_patches("kv_store", cache=cache, rows=rows)
@@ -322,11 +323,14 @@ class OptimizedLayer:
         slots = torch.arange(first, first + n, device=rows.device)
         if row_positions is None:
             row_positions = (slots + 1) * state.ratio - 1
-        if stored_stock and not ctx.table.patched("kv_load"):
+        stored = state.cache(cache)
+        if stored_stock and (cache == "index" or not ctx.table.patched("kv_load")):
             mismatch = torch.zeros(n, device=rows.device)
+        elif cache == "index":
+            mismatch = (stored.rows_at(slots) != stored.stored_form(rows)).any(-1).float()
         else:
             back = ctx.call("kv_load", cache=cache, slots=slots)
-            mismatch = (back.to(torch.bfloat16) != state.cache(cache).stored_form(rows)).any(-1).float()
+            mismatch = (back.to(torch.bfloat16) != stored.stored_form(rows)).any(-1).float()
         sink.emit("attn.kv.site", row_positions, mismatch=mismatch)
 
     # ------------------------------------------------------------------------------------------
@@ -407,7 +411,7 @@ class OptimizedLayer:
         if self.kind == "csa":
             rows = ctx.call("compressor", which="indexer", x=x, positions=positions)
             # fused RoPE+Hadamard+quant (no row completed: nothing to rotate)
-            ctx.call("kv_store", cache="index", rows=bf16(rows @ self.hadamard) if rows.shape[0] else rows)
+            self._kv_store(ctx, sink, "index", bf16(rows @ self.hadamard) if rows.shape[0] else rows, None)
             self._emit_rows(sink, "indexer.rows", rows, state.indexer_compressor)
             q_idx = ctx.call("linear", x=q_lat, site="attn.indexer.wq_b").unflatten(
                 -1, (cfg.index_n_heads, cfg.index_head_dim))

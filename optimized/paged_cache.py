@@ -159,6 +159,21 @@ class IndexKeyCache:
             self.scale.flatten(0, 1)[at] = scale
         self.length += n
 
+    def stored_form(self, rows: torch.Tensor) -> torch.Tensor:
+        """What rows_at() returns for `rows` once appended (fp32), computed without storing them (the kv cache
+        site's expectation, as LatentCache.stored_form)."""
+        if self.fp4:
+            return fp4_fake_quant(rows.float(), block=32)
+        codes, scale = quantize_fp8_per_row(rows)
+        return codes.float() * scale[:, None]
+
+    def rows_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """The stored keys of `slots` (valid ones, < length) dequantized to fp32: dense()'s rows, read alone."""
+        at = slot_rows(self)[slots]
+        if self.fp4:
+            return self.values_fp4.flatten(0, 1)[at]
+        return self.codes.flatten(0, 1)[at].float() * self.scale.flatten(0, 1)[at][:, None]
+
     def dense(self) -> torch.Tensor:
         """All stored keys dequantized to fp32 in logical order: [length, dim]."""
         at = slot_rows(self)[: self.length]

@@ -393,6 +393,17 @@ def test_a_latent_rows_stored_form_is_what_its_slots_read_back():
     assert torch.equal(cache.load(torch.arange(130)), expected) and expected.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("fp4", [False, True])
+def test_an_index_keys_stored_form_is_what_its_slots_read_back(fp4):
+    """IndexKeyCache.stored_form against rows_at() after append, for the FP8 layout and the FP4 one."""
+    cache = IndexKeyCache(200, 64, "cpu", fp4=fp4)
+    rows = torch.randn(130, 64, generator=torch.Generator().manual_seed(4)) * torch.logspace(-3, 2, 64)
+    expected = cache.stored_form(rows)
+    cache.append(rows[:70])
+    cache.append(rows[70:])
+    assert torch.equal(cache.rows_at(torch.arange(130)), expected) and torch.equal(cache.dense(), expected)
+
+
 @interpreter
 @pytest.mark.parametrize("key,offset,numel", [(0, 0, 1), (0xDEADBEEF, 0, 5000), (0x7FFFFFFF, 2**31 - 100, 2000),
                                               (0xFFFFFFFF, 2**32 - 3000, 3000), (12345, 1 << 24, 1025)])
