@@ -78,15 +78,19 @@ def post_site_excess(out: torch.Tensor, stock: torch.Tensor, f: torch.Tensor, st
     each sum of n + 1 products is within γ = (n + 2)·2^-24 of its terms' magnitudes whatever its order (Higham,
     Accuracy and Stability of Numerical Algorithms, §3.1: products and sums rounded once each), so two differ
     by ≤ 2γ·(|post_k·f| + Σ_j |C[j,k]|·|X[j]|); each stored value then moves by ≤ half a bf16 ulp of itself, one
-    ulp of the larger of the two between them. A kernel that contracts the wrong index of C, accumulates in bf16
-    or drops a term exceeds it; one that sums in another order or keeps the fp32 result does not."""
+    ulp of the larger of the two between them (at least bf16's subnormal spacing 2^-133), and a kernel that flushes
+    subnormals to zero by up to 2^-126 more. A kernel that contracts the wrong index of C, accumulates in bf16, drops
+    a term or writes NaN where the stock op has a number exceeds it; one that sums in another order or keeps the
+    fp32 result does not."""
     n = comb.shape[-1]
     x, fo = streams.float(), f.float()
     envelope = post.abs().unsqueeze(-1) * fo.abs().unsqueeze(-2) + comb.abs().transpose(-1, -2) @ x.abs()
     a, b = out.float(), stock.float()
     _, exponent = torch.frexp(torch.maximum(a.abs(), b.abs()))
-    ulp = torch.ldexp(torch.ones_like(a), exponent - 8)  # bf16: 8 significant bits, |v| in [2^(e-1), 2^e)
-    beyond = (a - b).abs() > ulp + 2 * (n + 2) * 2.0**-24 * envelope
+    # bf16: 8 significant bits, |v| in [2^(e-1), 2^e); below 2^-126 the spacing stays 2^-133
+    ulp = torch.ldexp(torch.ones_like(a), exponent.clamp_min(-125) - 8)
+    within = (a - b).abs() <= ulp + 2.0**-126 + 2 * (n + 2) * 2.0**-24 * envelope  # False where either is NaN
+    beyond = ~within & ~(a.isnan() & b.isnan())  # NaN where the stock op has NaN too is the input's, not the op's
     return beyond.flatten(1).float().mean(1)
 
 
@@ -326,11 +330,11 @@ class OptimizedLayer:
         stored = state.cache(cache)
         if stored_stock and (cache == "index" or not ctx.table.patched("kv_load")):
             mismatch = torch.zeros(n, device=rows.device)
-        elif cache == "index":
-            mismatch = (stored.rows_at(slots) != stored.stored_form(rows)).any(-1).float()
-        else:
-            back = ctx.call("kv_load", cache=cache, slots=slots)
-            mismatch = (back.to(torch.bfloat16) != stored.stored_form(rows)).any(-1).float()
+        else:  # compared bit for bit: a NaN written where a NaN was given is the row it was given
+            expected = stored.stored_form(rows)
+            back = stored.rows_at(slots) if cache == "index" else ctx.call("kv_load", cache=cache, slots=slots)
+            bits = torch.int16 if expected.dtype == torch.bfloat16 else torch.int32
+            mismatch = (back.to(expected.dtype).view(bits) != expected.view(bits)).any(-1).float()
         sink.emit("attn.kv.site", row_positions, mismatch=mismatch)
 
     # ------------------------------------------------------------------------------------------

@@ -203,3 +203,9 @@ def test_the_post_site_allows_any_fp32_order_and_no_more():
         in_bf16 = (in_bf16.float() + (comb[:, j, :, None] * streams.float()[:, j:j + 1, :]).to(torch.bfloat16)
                    ).to(torch.bfloat16)
     assert post_site_excess(in_bf16, stock, f, streams, post, comb).mean() > 0.01
+    poisoned = stock.clone()
+    poisoned[0, 0, 0] = float("nan")  # a NaN where the stock op has a number is beyond any rounding
+    assert post_site_excess(poisoned, stock, f, streams, post, comb)[0] == 1 / (n * d)
+    assert post_site_excess(poisoned, poisoned, f, streams, post, comb)[0] == 0  # NaN on both sides: the input's
+    tiny = stock.float() * 2.0**-140  # subnormal outputs: a kernel that flushes them to zero stays within
+    assert post_site_excess(torch.zeros_like(tiny), tiny, f * 0, streams * 0, post, comb).max() == 0

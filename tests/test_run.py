@@ -158,6 +158,15 @@ def test_metrics_parquet_is_refreshed_in_the_background_and_whole_once_flushed(t
     with pytest.raises(OSError, match="no space left"):
         store.flush_metrics()
     store.flush_metrics()  # raised once
+    store.write_layer(4, rows(4), background=True)  # fails in the background again
+    for thread in threading.enumerate():
+        if thread.name == "dsv4-drift-metrics":
+            thread.join()
+    monkeypatch.setattr(RunStore, "combine", real_combine)  # the disk has room again
+    with pytest.raises(OSError, match="no space left"):
+        store.write_layer(5, rows(5), background=True)  # the error, at the next layer: the run stops there …
+    store.flush_metrics()  # … and its stop's flush catches the file up with every part
+    assert sorted(pd.read_parquet(store.metrics_path)["layer"]) == [0, 1, 2, 3, 4, 5]
 
 
 def _findings_with_plugin(out: Path, plugin: Path, patch: str, *args: str) -> list[dict]:

@@ -132,20 +132,30 @@ class RunStore:
         exits (an error, Ctrl-C) finishes the file first; a killed one leaves it at most the layers being combined
         behind the parts, which a resume or `combine()` catch up."""
         with self._combine_lock:
+            self._combine_wanted = True  # before raising: a failed combine's request stays for flush_metrics
             self._raise_combine_error()
-            self._combine_wanted = True
             if self._combiner is not None:
                 return
             self._combiner = threading.Thread(target=self._combine_while_wanted, name="dsv4-drift-metrics")
             self._combiner.start()
 
     def flush_metrics(self) -> None:
-        """Return once metrics.parquet holds every part this store has written; raise a combine's error."""
+        """Return once metrics.parquet holds every part this store has written; raise a combine's error. A request
+        that a failed combine left unserved is served here, in this thread (a stop's flush catches the file up
+        with the parts when the failure was passing; the error is raised all the same)."""
         combiner = self._combiner
         if combiner is not None:
             combiner.join()
         with self._combine_lock:
-            self._raise_combine_error()
+            error, self._combine_error = self._combine_error, None
+            unserved, self._combine_wanted = self._combine_wanted, False
+        if unserved:
+            try:
+                self.combine()
+            except Exception as e:  # noqa: BLE001 — the first error is the one to report
+                error = error or e
+        if error is not None:
+            raise error
 
     def _combine_while_wanted(self) -> None:
         while True:
@@ -158,7 +168,7 @@ class RunStore:
                 self.combine()
             except BaseException as e:  # noqa: BLE001 — raised in the run's thread by the next request or flush
                 with self._combine_lock:
-                    self._combine_error = e
+                    self._combine_error, self._combine_wanted = e, True  # unserved: flush_metrics tries again
 
     def _raise_combine_error(self) -> None:
         error, self._combine_error = self._combine_error, None

@@ -784,7 +784,8 @@
     'indexer.boundary_recall', 'mhc.comb_rel_err@attn.hc', 'mhc.comb_rel_err@ffn.hc', 'mhc.comb_rel_err', 'moe.flip_rate',
     'moe.out_rel_l2', 'ctx.earlier_turn_recall', 'ctx.needle_recall', 'streams.amplification',
     // fp32 decision sites, held to their benign twin (`twin:` bounds): the variant's op against the stock op
-    'mhc.site_rel_err@attn.hc.site', 'mhc.site_rel_err@ffn.hc.site', 'mhc.post_site_excess', 'moe.site_flip_rate', 'moe.site_weight_err',
+    'mhc.site_rel_err@attn.hc.site', 'mhc.site_rel_err@ffn.hc.site', 'mhc.post_site_excess@attn.hc.post.site',
+    'mhc.post_site_excess@ffn.hc.post.site', 'moe.site_flip_rate', 'moe.site_weight_err',
     'indexer.site_recall', 'indexer.site_margin_loss', 'indexer.site_future', 'attn.site_lse_err', 'attn.kv_site_mismatch'];
   section('layers', 'Per-layer drift', function (el) {
     var st = { variant: FOCUS, mode: 'global', agg: 'mean', phase: 'both', sort: null, asc: false };
