@@ -434,6 +434,18 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
     return layout.sum_slots(_per_expert(ctx, h, layout, "w2"), routing.expert_ids.shape[0])
 
 
+def shared_expert(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """The shared expert (spec §6.2: the same clamped SwiGLU as the routed ones, unweighted by the router) through
+    the `linear` sites: SwiGLU in fp32 on the GEMMs' outputs, times routing.shared_weight, cast to bf16 before W2.
+    Its own op because serving stacks run it apart from the routed experts (a dense MLP beside the fused MoE), and
+    that path is where they have dropped the clamp (sgl-project/sglang PR #23776, vllm-project/vllm PR #40950)."""
+    g = ctx.call("linear", x=y, site="ffn.shared_experts.w1")
+    u = ctx.call("linear", x=y, site="ffn.shared_experts.w3")
+    h = swiglu_fp32(g, u, ctx.cfg.swiglu_limit)
+    h = bf16(h if routing.shared_weight == 1.0 else h * routing.shared_weight)  # x·1 = x: no launch for it
+    return ctx.call("linear", x=h, site="ffn.shared_experts.w2")
+
+
 FEW_PAIRS = 64
 """Pair rows up to which _per_expert joins the experts' products with one cat: a decode step has top-k (6) of them,
 and the cat holds the products twice for a moment — at most 64 rows × 4096 fp32 (Flash's hidden size) = 1 MB."""
@@ -485,5 +497,6 @@ BASE_OPS = {
     "compressor": compressor, "kv_store": kv_store, "kv_load": kv_load, "load_weight": load_weight,
     "indexer_logits": indexer_logits,
     "indexer_topk": indexer_topk, "sparse_attention": sparse_attention, "router": router, "experts": experts,
+    "shared_expert": shared_expert,
     "chunk_state_carry": chunk_state_carry,
 }

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from optimized.base_ops import BASE_OPS, swiglu_fp32
+from optimized.base_ops import BASE_OPS
 from optimized.numerics import bf16, constant, rms_norm_bf16
 from optimized.ops import OpContext, OpTable, kernel_lanes
 from optimized.paged_cache import IndexKeyCache, LatentCache
@@ -614,10 +614,7 @@ class OptimizedLayer:
                         stock_only, held, y=y, token_ids=token_ids)
         total = ctx.call("experts", y=y, routing=routing)
         if self.cfg.n_shared_experts:
-            g = ctx.call("linear", x=y, site="ffn.shared_experts.w1")
-            u = ctx.call("linear", x=y, site="ffn.shared_experts.w3")
-            h = bf16(_scaled(swiglu_fp32(g, u, self.cfg.swiglu_limit), routing.shared_weight))
-            total = total + ctx.call("linear", x=h, site="ffn.shared_experts.w2")
+            total = total + ctx.call("shared_expert", y=y, routing=routing)
         return bf16(_scaled(total, routing.output_scale))
 
 

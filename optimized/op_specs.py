@@ -48,6 +48,10 @@ OP_SPECS: dict[str, OpSpec] = {
                                optional=("comp_lanes", "comp_length")),
     "router": OpSpec(("y", "token_ids"), "Routing", "Router scores, expert ids and weights (hash or learned)."),
     "experts": OpSpec(("y", "routing"), "out [S, D]", "Weighted sum of the routed experts (fp32 accumulation)."),
+    "shared_expert": OpSpec(("y", "routing"), "out [S, D]",
+                            "The shared expert's output, weighted by routing.shared_weight: W2·(silu(min(W1·y, L))·"
+                            "clamp(W3·y, ±L)) with L = cfg.swiglu_limit, through the `linear` sites "
+                            "ffn.shared_experts.{w1,w3,w2} (the base engine's FP8 GEMMs)."),
     "load_weight": OpSpec(("name", "fmt"), "weight [out, in] fp32",
                           "The fp32 value a kernel computes with, of this layer's stored tensor `name` (e.g. "
                           "'ffn.experts.3.w3.weight'), in format `fmt`: 'stored' (its checkpoint format, dequantized "
