@@ -10,6 +10,7 @@ each phase.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass, field
@@ -69,6 +70,35 @@ def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x · scale, or x itself when the scale is 1.0 (x · 1 = x in IEEE arithmetic, signed zeros, infinities and
     subnormals included: base routing's output_scale, two launches per decode step saved)."""
     return x if scale == 1.0 else x * scale
+
+
+CLAMP_SITE_JUDGED = 2 ** -8
+"""The clamp site judges a token where the clamp moves the stock op's output by more than bf16's unit roundoff
+(2^-8 of its norm): below it the clamp's change is within the rounding of the output itself."""
+
+CLAMP_SITE_MATCH = 1 / 4
+"""A judged token is a miss where the variant's move from the stock output *is* the clamp's change: its projection
+on Δ within 1/4 of Δ (p ∈ (3/4, 5/4)) and the rest of its move less than half of that projection. A kernel that skips
+the clamp moves by Δ itself (p = 1, nothing besides when it is otherwise the stock math; its own rounding besides
+when not); a correct low-precision kernel moves by its rounding, which lines up with Δ, and matches its size, only
+by chance — its largest errors sit on the largest elements, the clamped ones, so a test on the direction alone or
+on p alone was not enough: on tiny with the limit at 3 the W4A4 experts (nvfp4-experts), which keep the clamp,
+moved 0.2–1% of tokens by p > 3/4 (p up to 12, their error 5–13× Δ) until both were required. A kernel that clamps
+at a lower limit moves the other way (p < 0) and is left to the drift checks: W4A4's rounding of a pre-activation
+near the limit also moves that way."""
+
+
+def clamp_site_miss(out: torch.Tensor, stock: torch.Tensor, unclamped: torch.Tensor) -> torch.Tensor:
+    """Per token, 1 where `out` (a variant's experts or shared_expert) skipped the SwiGLU clamp: with Δ = unclamped −
+    stock (what the clamp changed at the token: 0 where no pre-activation passed the limit), p = ⟨out − stock, Δ⟩ /
+    ‖Δ‖² (0: the clamped result, 1: the unclamped one) and r = out − stock − p·Δ (the move besides), where
+    ‖Δ‖ > 2^-8·‖stock‖ (CLAMP_SITE_JUDGED), |p − 1| < 1/4 and ‖r‖ < |p|·‖Δ‖/2 (CLAMP_SITE_MATCH)."""
+    delta, moved = (unclamped - stock).double(), (out - stock).double()
+    size = delta.pow(2).sum(-1)
+    p = (moved * delta).sum(-1) / size.clamp_min(torch.finfo(torch.float64).tiny)
+    judged = (size > 0) & (size > CLAMP_SITE_JUDGED ** 2 * stock.double().pow(2).sum(-1))
+    rest = (moved - p[:, None] * delta).pow(2).sum(-1)
+    return (judged & ((p - 1).abs() < CLAMP_SITE_MATCH) & (4 * rest < p.square() * size)).float()
 
 
 def post_site_excess(out: torch.Tensor, stock: torch.Tensor, f: torch.Tensor, streams: torch.Tensor,
@@ -612,10 +642,26 @@ class OptimizedLayer:
         self._emit_site(sink, "moe.router.site", ctx, "router",
                         lambda r: _routing_fields(r, self.cfg.n_shared_experts > 0), ctx.positions, routing,
                         stock_only, held, y=y, token_ids=token_ids)
-        total = ctx.call("experts", y=y, routing=routing)
+        total = self._clamp_site(ctx, sink, "moe.experts.site", "experts", y=y, routing=routing)
         if self.cfg.n_shared_experts:
-            total = total + ctx.call("shared_expert", y=y, routing=routing)
+            total = total + self._clamp_site(ctx, sink, "moe.shared.site", "shared_expert", y=y, routing=routing)
         return bf16(_scaled(total, routing.output_scale))
+
+    def _clamp_site(self, ctx: OpContext, sink: ProbeSink, tap: str, op: str, **inputs: Any) -> torch.Tensor:
+        """`op` (experts or shared_expert), and its clamp site `tap`: per token, 1 where the variant's output is on
+        the wrong side of the SwiGLU clamp's decision (clamp_site_miss, against the stock op with and without the
+        clamp on the same inputs). No patch ran: 0 by construction (the stock op on the same inputs), not computed;
+        nor without a clamp (swiglu_limit ≤ 0: the official code skips it)."""
+        out, stock_only = ctx.call_noting_patches(op, **inputs)
+        if sink.wants(tap):
+            if stock_only or self.cfg.swiglu_limit <= 0:
+                miss = torch.zeros(ctx.positions.shape[0], device=ctx.positions.device)
+            else:
+                unclamped = ctx.with_fields(cfg=dataclasses.replace(ctx.cfg, swiglu_limit=0.0))
+                miss = clamp_site_miss(out, self._stock(ctx, False).call(op, **inputs),
+                                       self._stock(unclamped, False).call(op, **inputs))
+            sink.emit(tap, ctx.positions, miss=miss)
+        return out
 
 
 class OptimizedModel:

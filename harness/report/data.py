@@ -95,6 +95,8 @@ METRICS: dict[str, MetricInfo] = {
     "indexer.twin_recall": MetricInfo("indexer", "indexer site: the stock top-k's twin's recall", "higher", "linear"),
     "indexer.site_margin_loss": MetricInfo("indexer", "indexer site: stock picks lost that were no tie", "lower",
                                            "linear"),
+    "moe.clamp_site_miss": MetricInfo("moe", "MoE clamp site: tokens on the wrong side of the SwiGLU clamp", "lower",
+                                      "linear"),
     "attn.kv_site_mismatch": MetricInfo("attention", "KV cache site: rows that read back other than written", "lower",
                                         "linear"),
     "mhc.post_site_excess": MetricInfo("mhc", "mHC post site: outputs beyond fp32 rounding of the stock hc_post",

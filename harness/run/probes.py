@@ -179,7 +179,7 @@ class RecordingSink:
 BATCHED_TAPS = frozenset({
     "layer.out", "attn.out", "moe.out", "attn.hc", "ffn.hc", "attn.lse", "compressor.rows", "indexer.rows",
     "indexer.selected", "attn.site", "attn.hc.site", "ffn.hc.site", "attn.hc.post.site", "ffn.hc.post.site",
-    "moe.router.site", "indexer.site", "attn.kv.site"})
+    "moe.router.site", "indexer.site", "attn.kv.site", "moe.experts.site", "moe.shared.site"})
 """Taps whose comparator computes each position's values from that position's row alone, over widths that do not
 depend on the other rows of the call: comparing one decode step's emission or 64 of them at once gives each
 position the same bits on the CPU (the metric pin; on a GPU a reduction over 64 rows may be split differently from

@@ -1,0 +1,125 @@
+"""The MoE clamp sites (`moe.experts.site`, `moe.shared.site`) catch experts that skip or move the SwiGLU clamp, and
+pass experts that compute the clamped math in low precision (default policy check `moe-clamp-site`).
+
+Serving stacks dropped the clamp in the shared expert (sgl-project/sglang PR #23776) and in the routed experts
+(vllm-project/vllm-ascend #14363): the outputs differ only at the tokens whose pre-activations pass the limit, and
+there by much — a few tokens in a hundred, which a layer's mean error hides. The site holds the variant's op against
+the stock op with and without the clamp on the same input (optimized.engine.clamp_site_miss).
+
+The model is `tiny` with swiglu_limit 3.0: tiny's pre-activations reach ~4, so at the real limit of 10 the clamp
+never decides anything in five layers and a site that never judges a token could not fail (the transformers oracle
+test lowers the limit for the same reason); at 3 it decides a minority of elements, as the real limit does on a
+trained model's few large pre-activations, not most of them (at 1 it clamps nearly everything).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from optimized import base_ops
+from optimized.engine import OptimizedModel, clamp_site_miss
+from optimized.patching import Patch, PatchChoice
+from optimized.registry import default_registry
+from reference.config import TINY
+from reference.model import segment_lengths
+from reference.weights.synthetic import SyntheticWeights
+
+CFG = dataclasses.replace(TINY, swiglu_limit=3.0)
+SITES = ("moe.experts.site", "moe.shared.site")
+
+
+class _SiteSink:
+    """Keeps every miss the clamp sites emit, per tap."""
+
+    def __init__(self) -> None:
+        self.miss: dict[str, list[torch.Tensor]] = {tap: [] for tap in SITES}
+
+    def wants(self, tap: str) -> bool:
+        return tap in self.miss
+
+    def sampled(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(positions, dtype=torch.bool)
+
+    def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
+        assert values["miss"].shape == positions.shape, (tap, values["miss"].shape, positions.shape)
+        self.miss[tap].append(values["miss"])
+
+
+def _limit(ctx, limit: float):
+    return ctx.with_fields(cfg=dataclasses.replace(ctx.cfg, swiglu_limit=limit))
+
+
+def _bug(name: str, op: str, limit: float) -> Patch:
+    patch = Patch(name, ("prefill", "decode"), f"{op} with swiglu_limit {limit}")
+    patch.op(op)(lambda ctx, y, routing: getattr(base_ops, op)(_limit(ctx, limit), y, routing))
+    return patch
+
+
+def _stock_through(op: str) -> Patch:
+    patch = Patch(f"wrapped-{op}", ("prefill", "decode"), f"the stock {op}, through ctx.base")
+    patch.op(op)(lambda ctx, y, routing: ctx.base(y=y, routing=routing))
+    return patch
+
+
+def _miss_rates(choices: list[PatchChoice]) -> dict[str, float]:
+    """Share of tokens each clamp site counts, over tiny's five layers (96 prompt tokens in chunks of 32, 4 decode
+    steps), each layer on the stock engine's input (every layer judged on the same streams)."""
+    source = SyntheticWeights(CFG, 0)
+    stock, model = OptimizedModel(source, []), OptimizedModel(source, choices)
+    ids = torch.randint(0, CFG.vocab_size, (100,), generator=torch.Generator().manual_seed(11))
+    segments, sink = segment_lengths(96, 4, 32), _SiteSink()
+    x = stock.embed(ids)
+    for layer in range(CFG.num_hidden_layers):
+        model.run_layer(model.layer(layer), x, ids, segments, 96, sink)
+        x = stock.run_layer(stock.layer(layer), x, ids, segments, 96)
+    return {tap: float(torch.cat(m).mean()) for tap, m in sink.miss.items()}
+
+
+def _nvfp4_without_clamp() -> Patch:
+    """The W4A4 experts of nvfp4-experts with swiglu_limit 0: optimized-stack O5's "swiglu clamp not applied"."""
+    from optimized.patches import nvfp4_experts
+
+    stock = default_registry().get("nvfp4-experts")
+    patch = Patch("nvfp4-no-clamp", ("prefill", "decode"), "W4A4 experts without the clamp", defaults=stock.defaults)
+    patch.op("experts")(lambda ctx, y, routing: nvfp4_experts.experts(_limit(ctx, 0.0), y, routing))
+    return patch
+
+
+def test_the_clamp_sites_fail_experts_that_skip_the_clamp_and_pass_correct_ones():
+    """Measured (tiny, limit 3, 500 tokens): the shared expert without the clamp misses at 11% of tokens, the routed
+    experts at 32%, the W4A4 experts without it at 0.2% (one token: their own rounding hides the clamp's change at
+    the rest, so the site does not count them — the gate allows none, so one fails them); the stock ops, a plugin
+    that calls ctx.base and the W4A4 experts with the clamp at none. A lower limit is not this site's to find
+    (clamp_site_miss: p < 0)."""
+    none = {tap: 0.0 for tap in SITES}
+    assert _miss_rates([]) == none  # the stock ops: 0 by construction
+    for op in ("experts", "shared_expert"):
+        assert _miss_rates([PatchChoice(_stock_through(op), {})]) == none, op
+    registry = default_registry()
+    nvfp4 = _miss_rates(registry.choose("nvfp4-experts"))  # W4A4: FP4 activations, the clamp kept
+    assert nvfp4 == none, nvfp4
+    shared = _miss_rates([PatchChoice(_bug("shared-no-clamp", "shared_expert", 0.0), {})])
+    assert shared["moe.shared.site"] > 0.05 and shared["moe.experts.site"] == 0, shared
+    routed = _miss_rates([PatchChoice(_bug("routed-no-clamp", "experts", 0.0), {})])
+    assert routed["moe.experts.site"] > 0.2 and routed["moe.shared.site"] == 0, routed
+    no_clamp = _nvfp4_without_clamp()
+    w4a4 = _miss_rates([PatchChoice(no_clamp, no_clamp.resolve_options(None))])
+    assert w4a4["moe.experts.site"] > 0, w4a4
+    lower = _miss_rates([PatchChoice(_bug("routed-limit-lower", "experts", 2.0), {})])
+    assert lower == none, lower
+
+
+def test_clamp_site_miss_counts_a_move_that_is_the_clamps_change():
+    """Unit cases: Δ = unclamped − stock, p = ⟨out − stock, Δ⟩/‖Δ‖², a miss where |p − 1| < 1/4 and the move besides
+    Δ is under half of p·‖Δ‖, judged where ‖Δ‖ > 2^-8·‖stock‖."""
+    stock = torch.tensor([[1.0, 0.0, 0.0]] * 6)
+    unclamped = torch.tensor([[1.0, 1.0, 0.0]] * 5 + [[1.0, 1e-3, 0.0]])
+    out = torch.tensor([[1.0, 0.9, 0.0],     # took the unclamped side: p = 0.9
+                        [1.0, 0.9, 0.5],     # p = 0.9 but moved 0.5 besides (> 0.45): rounding, not the clamp
+                        [1.0, 1.5, 0.0],     # p = 1.5: moved past the clamp's change, not by it
+                        [1.0, -0.9, 0.0],    # clamped harder (p < 0): the drift checks' to find
+                        [1.0, 0.0, 0.0],     # the clamped result
+                        [1.0, 1e-3, 0.0]])   # the clamp changed 1e-3 < 2^-8 of the output: not judged
+    assert clamp_site_miss(out, stock, unclamped).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
