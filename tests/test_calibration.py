@@ -16,6 +16,7 @@ import torch
 from optimized.patches.nvfp4_experts import nvfp4_activation
 from reference.config import get_preset
 from reference.model import ReferenceModel
+from reference.ops.norms import rms_norm
 from reference.quant import mx32_to_nvfp4
 from reference.weights import profiles
 from reference.weights.synthetic import SyntheticWeights
@@ -43,12 +44,14 @@ class _Taps:
         return torch.cat([v[field] for v in self.rec[tap]])
 
 
-def _run_layers(profile: str, tokens: int, layers: range, taps: tuple[str, ...], drop_sinks: bool = False):
-    """Layer-by-layer taps of the fp32 reference on random ordinary token ids; with drop_sinks also each layer's
-    attention output with the sinks removed, on the same layer input."""
+def _run_layers(profile: str, tokens: int, layers: range, taps: tuple[str, ...], drop_sinks: bool = False,
+                ids: torch.Tensor | None = None):
+    """Layer-by-layer taps of the fp32 reference on random ordinary token ids (or `ids`); with drop_sinks also each
+    layer's attention output with the sinks removed, on the same layer input."""
     source = SyntheticWeights(CFG, 0, profile)
     model = ReferenceModel(source)
-    ids = torch.randint(1000, 128000, (tokens,), generator=torch.Generator().manual_seed(1))
+    if ids is None:
+        ids = torch.randint(1000, 128000, (tokens,), generator=torch.Generator().manual_seed(1))
     x = model.embed(ids)
     out = []
     for layer in layers:
@@ -172,14 +175,65 @@ def test_an_outlier_channel_empties_its_fp4_block():
     assert mates_error(x) >= 2 * mates_error(ordinary), (mates_error(x), mates_error(ordinary))
 
 
+# --------------------------------------------------------------------------- the SwiGLU clamp
+
+
+def _clamp_shares(profile: str) -> list[tuple[float, float, float]]:
+    """Per layer of flash-mini's first 12 on the CPU demo's first 2,048 prompt tokens (an agent session: what the
+    shares depend on, see profiles.CLAMP_ROW_NORM): the share of tokens whose shared-expert pre-activations pass
+    swiglu_limit (gate above it, or up outside ±it), the same share of routed (token, expert) pairs, and the
+    largest pre-activation over the limit."""
+    from harness.scenario.load import find_scenario, load_scenario
+    from harness.scenario.prompt import resolve_prompt
+
+    ids = torch.tensor(resolve_prompt(load_scenario(find_scenario("demo-cpu"))).prompt_ids[:2048])
+    _, layers = _run_layers(profile, ids.numel(), range(12), ("ffn.hc", "moe.router"), ids=ids)
+    out = []
+    for _, block, sink, _ in layers:
+        w, limit = block.w, CFG.swiglu_limit
+        y = rms_norm(sink.cat("ffn.hc", "mixed"), w["ffn_norm.weight"], CFG.rms_norm_eps)
+
+        def passed(rows: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor) -> tuple[torch.Tensor, float]:
+            g, u = rows @ w1.T, rows @ w3.T
+            return ((g > limit) | (u.abs() > limit)).any(-1), float(torch.maximum(g, u.abs()).max()) / limit
+
+        shared, worst = passed(y, w["ffn.shared_experts.w1.weight"], w["ffn.shared_experts.w3.weight"])
+        ids, routed = sink.cat("moe.router", "expert_ids"), torch.zeros(0, dtype=torch.bool)
+        for e in ids.unique().tolist():
+            w1, w3, _ = block._expert(e)
+            hit, ratio = passed(y[(ids == e).any(-1)], w1, w3)
+            routed, worst = torch.cat([routed, hit]), max(worst, ratio)
+        out.append((float(shared.double().mean()), float(routed.double().mean()), worst))
+    return out
+
+
+def test_expert_pre_activations_pass_the_swiglu_limit_at_some_tokens():
+    """Serving stacks that dropped the SwiGLU clamp gave wrong tokens where a trained DeepSeek-V4's pre-activations
+    pass the limit (sglang PR #23776, vllm-ascend #14363); a synthetic model that never passes it hides that bug.
+    Calibrated (profiles.CLAMP_ROW_NORM): routed pairs pass it in at least 5 of the first 12 layers
+    (measured: 6) and the shared expert in at least 2 (measured: 3), at most 20% of tokens or pairs in any layer
+    (some tokens, not most: measured up to 9%), by at least 1.3× the limit somewhere (measured: 1.7×). Uncalibrated:
+    in at most 2 layers (measured: 0.1% of routed pairs at layer 8, 0.008% at layer 9), never by 1.3× (1.1×)."""
+    shares = _clamp_shares("calibrated")
+    assert sum(routed > 0 for _, routed, _ in shares) >= 5, shares
+    assert sum(shared > 0 for shared, _, _ in shares) >= 2, shares
+    assert max(max(shared, routed) for shared, routed, _ in shares) <= 0.2, shares
+    assert max(worst for _, _, worst in shares) >= 1.3, shares
+    plain = _clamp_shares("uncalibrated")
+    assert sum(max(shared, routed) > 0 for shared, routed, _ in plain) <= 2, plain
+    assert max(worst for _, _, worst in plain) < 1.3, plain
+
+
 # --------------------------------------------------------------------------- indexer margins at the k-th pick
 
 
 def test_indexer_scores_tie_at_the_kth_pick():
     """Spec §5.3 / DESIGN §10: the indexer's ReLU sum has exact zero plateaus and near ties, and the rank-k boundary
     often falls inside them. At queries with more than k candidate rows, the k-th and (k+1)-th scores must lie within
-    one bf16 ulp (a tie any bf16 stack may break either way) for at least a quarter of the queries."""
-    _, layers = _run_layers("calibrated", 2560, range(5), ("indexer.scores",))
+    one bf16 ulp (a tie any bf16 stack may break either way) for at least a quarter of the queries. Over 5,120
+    tokens (96 such queries; measured: 43 tie): 2,560 gave 16, too few for a share (4 and 3 of them tied, before and
+    after the clamp channels changed the streams)."""
+    _, layers = _run_layers("calibrated", 5120, range(5), ("indexer.scores",))
     ties = []
     for layer, _, sink, _ in layers:
         for entry in sink.rec.get("indexer.scores", []):

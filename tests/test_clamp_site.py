@@ -64,12 +64,13 @@ def _stock_through(op: str) -> Patch:
 
 
 def _miss_rates(choices: list[PatchChoice]) -> dict[str, float]:
-    """Share of tokens each clamp site counts, over tiny's five layers (96 prompt tokens in chunks of 32, 4 decode
-    steps), each layer on the stock engine's input (every layer judged on the same streams)."""
+    """Share of tokens each clamp site counts, over tiny's five layers (96 prompt tokens in one chunk — a call judges
+    its tokens against the variant's error at the others, CLAMP_SITE_MIN_ALONE — and 4 decode steps, not judged),
+    each layer on the stock engine's input (every layer judged on the same streams)."""
     source = SyntheticWeights(CFG, 0)
     stock, model = OptimizedModel(source, []), OptimizedModel(source, choices)
     ids = torch.randint(0, CFG.vocab_size, (100,), generator=torch.Generator().manual_seed(11))
-    segments, sink = segment_lengths(96, 4, 32), _SiteSink()
+    segments, sink = segment_lengths(96, 4, 96), _SiteSink()
     x = stock.embed(ids)
     for layer in range(CFG.num_hidden_layers):
         model.run_layer(model.layer(layer), x, ids, segments, 96, sink)
@@ -88,9 +89,9 @@ def _nvfp4_without_clamp() -> Patch:
 
 
 def test_the_clamp_sites_fail_experts_that_skip_the_clamp_and_pass_correct_ones():
-    """Measured (tiny, limit 3, 500 tokens): the shared expert without the clamp misses at 11% of tokens, the routed
-    experts at 32%, the W4A4 experts without it at 0.2% (one token: their own rounding hides the clamp's change at
-    the rest, so the site does not count them — the gate allows none, so one fails them); the stock ops, a plugin
+    """Measured (tiny, limit 3, 500 tokens): the shared expert without the clamp misses at 25% of tokens, the routed
+    experts at 61%, the W4A4 experts without it at 1.6% (their own rounding is most of the clamp's change at most
+    tokens, which the site then does not judge — the gate allows none, so a few fail them); the stock ops, a plugin
     that calls ctx.base and the W4A4 experts with the clamp at none. A lower limit is not this site's to find
     (clamp_site_miss: p < 0)."""
     none = {tap: 0.0 for tap in SITES}
@@ -101,25 +102,29 @@ def test_the_clamp_sites_fail_experts_that_skip_the_clamp_and_pass_correct_ones(
     nvfp4 = _miss_rates(registry.choose("nvfp4-experts"))  # W4A4: FP4 activations, the clamp kept
     assert nvfp4 == none, nvfp4
     shared = _miss_rates([PatchChoice(_bug("shared-no-clamp", "shared_expert", 0.0), {})])
-    assert shared["moe.shared.site"] > 0.05 and shared["moe.experts.site"] == 0, shared
+    assert shared["moe.shared.site"] > 0.1 and shared["moe.experts.site"] == 0, shared
     routed = _miss_rates([PatchChoice(_bug("routed-no-clamp", "experts", 0.0), {})])
-    assert routed["moe.experts.site"] > 0.2 and routed["moe.shared.site"] == 0, routed
+    assert routed["moe.experts.site"] > 0.3 and routed["moe.shared.site"] == 0, routed
     no_clamp = _nvfp4_without_clamp()
     w4a4 = _miss_rates([PatchChoice(no_clamp, no_clamp.resolve_options(None))])
-    assert w4a4["moe.experts.site"] > 0, w4a4
+    assert w4a4["moe.experts.site"] > 0.005, w4a4
     lower = _miss_rates([PatchChoice(_bug("routed-limit-lower", "experts", 2.0), {})])
     assert lower == none, lower
 
 
-def test_clamp_site_miss_counts_a_move_that_is_the_clamps_change():
-    """Unit cases: Δ = unclamped − stock, p = ⟨out − stock, Δ⟩/‖Δ‖², a miss where |p − 1| < 1/4 and the move besides
-    Δ is under half of p·‖Δ‖, judged where ‖Δ‖ > 2^-8·‖stock‖."""
-    stock = torch.tensor([[1.0, 0.0, 0.0]] * 6)
-    unclamped = torch.tensor([[1.0, 1.0, 0.0]] * 5 + [[1.0, 1e-3, 0.0]])
-    out = torch.tensor([[1.0, 0.9, 0.0],     # took the unclamped side: p = 0.9
-                        [1.0, 0.9, 0.5],     # p = 0.9 but moved 0.5 besides (> 0.45): rounding, not the clamp
-                        [1.0, 1.5, 0.0],     # p = 1.5: moved past the clamp's change, not by it
-                        [1.0, -0.9, 0.0],    # clamped harder (p < 0): the drift checks' to find
-                        [1.0, 0.0, 0.0],     # the clamped result
-                        [1.0, 1e-3, 0.0]])   # the clamp changed 1e-3 < 2^-8 of the output: not judged
-    assert clamp_site_miss(out, stock, unclamped).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+def test_clamp_site_miss_counts_a_move_along_the_clamps_change_beyond_the_kernels_own_error():
+    """Unit cases: Δ = unclamped − stock, p = ⟨out − stock, Δ⟩/‖Δ‖², a miss where p > 3/4 at a token judged — where
+    ‖Δ‖ exceeds 4× the variant's RMS relative error at the tokens the clamp leaves alone (at least 16 of them)."""
+    alone = 16
+    stock = torch.zeros(alone + 5, 3)
+    stock[:, 0] = 1.0
+    unclamped, out = stock.clone(), stock.clone()
+    out[:alone, 2] = 0.05  # the kernel's own error where the clamp changes nothing: 5% RMS, so Δ must pass 20%
+    unclamped[alone:, 1] = torch.tensor([1.0, 1.0, 1.0, 0.15, 1.0])
+    out[alone:, 1] = torch.tensor([0.9,      # took the unclamped side: p = 0.9
+                                   0.7,      # p = 0.7: within a kernel's rounding of either side
+                                   -0.9,     # clamped harder (p < 0): the drift checks' to find
+                                   0.15,     # p = 1, but Δ = 15% of the output, under 4× the kernel's 5%
+                                   0.0])     # the clamped result
+    assert clamp_site_miss(out, stock, unclamped)[alone:].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert clamp_site_miss(out[alone - 15:], stock[alone - 15:], unclamped[alone - 15:]).sum() == 0  # 15 alone

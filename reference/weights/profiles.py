@@ -25,6 +25,9 @@ Statistics of the calibrated profile (each measured on the synthetic model by te
   "Massive Activations in Large Language Models", 2024: a few near-constant activations act as bias terms)
   on top of the norm-weight outlier channels, so 1×128 FP8 and per-16 FP4 blocks that hold it lose their small
   entries;
+- SwiGLU pre-activations past swiglu_limit: one channel per expert whose gate and up rows are flat at the
+  tensor's largest magnitude, so that the clamp engages at some tokens (sgl-project/sglang PR #23776, vllm-project/vllm-ascend #14363: serving stacks
+  that dropped the clamp gave wrong tokens at those tokens), not at none;
 - indexer score margins at the k-th pick: ReLU plateaus and exact code ties at the rank-k boundary (spec §5.3,
   DESIGN §10), produced by the planted retrieval heads (`reference.weights.retrieval`).
 """
@@ -186,3 +189,31 @@ of its block mates (|x| ≲ 0.3) to zero, which a block without it keeps (the te
 error).
 FP8 e4m3 blocks (1×128) keep their small entries at this magnitude (its normals span 2^15); only a massive
 activation (10^3–10^5×, Sun et al.) would empty them."""
+
+
+# --------------------------------------------------------------------------- the SwiGLU clamp
+
+CLAMP_ROW_NORM = 4.0
+"""Norm of one intermediate channel's gate and up rows in every expert (routed and shared) — against an ordinary
+row's ≈ 1 (N(0, 1/D) draws) — so that its pre-activations pass swiglu_limit at some tokens. The rows are flat:
+random signs times the tensor's largest magnitude on as many random columns as give this norm, the outlier column
+zero (SyntheticWeights._clamp_channel), so no tensor's largest magnitude changes.
+
+Why: a trained DeepSeek-V4's expert pre-activations pass the limit (10) at some tokens, and serving stacks that
+dropped the clamp produced wrong tokens there — the shared expert's clamp missing gave deterministic spurious
+tokens at sentence boundaries (sgl-project/sglang PR #23776; vllm-project/vllm PR #40950), the routed experts'
+"severe next-token logit cliffs" at sensitive prefixes (vllm-project/vllm-ascend #14363). The synthetic experts
+without such a channel never reach it on the CPU demo's prompt (every pre-activation within ±10, most within ±6),
+so a variant without the clamp computed the same numbers as one with it and passed every check. No public figure
+gives how often the limit is passed; the norm aims at some tokens in a hundred, not most.
+
+Derivation: the tensor's largest magnitude is ≈ max|z|/√D over its out·D draws — 3.6/√D at flash-mini's 64×64,
+5.3/√D at Flash's 2048×4096 — so a flat row on every column has norm ≈ 3.6 at flash-mini (all 64 columns: the
+cap there) and takes (4.0/5.3)² ≈ 57% of Flash's columns. The expert input is RMS-normalized times norm weights with
+mean square ≈ 1.3, so at Flash width (the outlier channel ~4% of the input's square) the channel's pre-activation has
+std ≈ 4.0·1.14 ≈ 4.6: the gate passes 10 at P(Z > 2.2) ≈ 1.5% of tokens and the up row ±10 at twice that (the
+rows' signs and columns are independent draws), ~4% of tokens at the channel. At flash-mini's D = 64 the outlier
+channel holds most of the input's square (12² against 63·1 at layer 0), so the token-varying part — and the share —
+is smaller and grows with the streams: on the CPU demo's first 2,048 prompt tokens routed (token, expert) pairs pass
+the limit in 6 of the first 12 layers (0.01–9%), the shared expert at 0.1–5% of tokens in 3 of them, by up to 1.7×
+the limit (tests/test_calibration.py)."""

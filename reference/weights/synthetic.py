@@ -10,9 +10,9 @@ functions are involved, so no device-specific libm can change a bit.
 Statistics aim at a model where low precision has something to break: norm weights near 1 with a few
 outlier channels, kv-norm gains that make attention peaky, non-zero sinks and ape biases, router biases,
 near-identity mHC mixing, a random `tid2eid`. The profile (`reference.weights.profiles`) decides the rest:
-`calibrated` (the default) sets sink masses, router margins, w1/w3 scale spreads and an outlier channel from
-public evidence and plants retrieval circuits (`reference.weights.retrieval`); `uncalibrated` is the generator
-as it was before, bit for bit. Storage is **quantization-consistent**: FP8 tensors are
+`calibrated` (the default) sets sink masses, router margins, w1/w3 scale spreads, an outlier channel and a
+channel per expert whose pre-activations pass the SwiGLU limit from public evidence, and plants retrieval circuits
+(`reference.weights.retrieval`); `uncalibrated` is the generator as it was before, bit for bit. Storage is **quantization-consistent**: FP8 tensors are
 generated, quantized to e4m3 with UE8M0 128x128 block scales, and kept in that form; experts likewise as
 FP4 e2m1 with per-32 scales; BF16 tensors are rounded to bf16. The fp32 master value every stack sees is
 the exact dequantization, as with the real checkpoint, so the weight format is never counted as drift.
@@ -181,7 +181,10 @@ class SyntheticWeights:
             expert = name.split(".")[2]
             u = uniforms(stream_key(self.seed, layer, f"ffn.experts.{expert}#w13"), 4)
             log_ratio = profiles.W13_LOG_RATIO_SCALE * profiles.student_t3(tuple(float(x) for x in u))
+            value = self._clamp_channel(layer, name, value)
             value = value * math.exp((0.5 if name.endswith(".w3.weight") else -0.5) * log_ratio)
+        elif name in ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"):
+            value = self._clamp_channel(layer, name, value)
         if name in ATTENTION_INPUT_PROJECTIONS:
             # attention reads no bias from the outlier channel: a constant in every q and k would shift every
             # logit of a query by the same amount and move the sink (which gets no such shift) relative to the
@@ -190,6 +193,27 @@ class SyntheticWeights:
             value[:, profiles.outlier_dim(cfg)] = 0
         if self.retrieval is not None:
             value = retrieval.plant(cfg, self.retrieval, layer, name, value)
+        return value
+
+    def _clamp_channel(self, layer: int, name: str, value: torch.Tensor) -> torch.Tensor:
+        """One intermediate channel of each expert (routed and shared; the same channel in w1 and w3) whose row is
+        flat: random signs times the largest magnitude of the tensor's other entries, on as many random columns as
+        give it the norm profiles.CLAMP_ROW_NORM (every column at flash-mini's width, about half at Flash's), its
+        outlier column zero. Its pre-activations then pass swiglu_limit at some tokens, so the clamp decides
+        something; and the tensor's largest magnitude is what it was, so its NVFP4 global scale — and the w1/w3
+        ratio calibrated from them (W13_LOG_RATIO_SCALE, applied after this) — too."""
+        expert = name.rsplit(".", 2)[0]  # ffn.experts.<e> or ffn.shared_experts
+        channel = int(uniform_int(stream_key(self.seed, layer, expert + "#clamp"), 1, value.device)[0]) % value.shape[0]
+        draws = uniform_int(stream_key(self.seed, layer, name + "#clamp-row"), value.shape[1], value.device)
+        value = value.clone()
+        value[channel] = 0
+        amax = float(value.abs().max())
+        columns = min(value.shape[1], round((profiles.CLAMP_ROW_NORM / amax) ** 2))
+        row = torch.zeros(value.shape[1], device=value.device)
+        chosen = torch.argsort(draws >> 1)[:columns]  # the draws' high bits order the columns, the low bit signs
+        row[chosen] = (1.0 - 2.0 * (draws[chosen] & 1).to(row.dtype)) * amax
+        row[profiles.outlier_dim(self.config)] = 0
+        value[channel] = row
         return value
 
     def _norm_weight(self, layer: int | None, name: str, shape, device) -> torch.Tensor:
