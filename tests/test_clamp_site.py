@@ -64,8 +64,8 @@ def _stock_through(op: str) -> Patch:
 
 
 def _miss_rates(choices: list[PatchChoice]) -> dict[str, float]:
-    """Share of tokens each clamp site counts, over tiny's five layers (96 prompt tokens in one chunk — a call judges
-    its tokens against the variant's error at the others, CLAMP_SITE_MIN_ALONE — and 4 decode steps, not judged),
+    """Share of the judged tokens each clamp site counts, over tiny's five layers (96 prompt tokens in one chunk — a
+    call judges its tokens against the variant's error at the others, CLAMP_SITE_MIN_ALONE — and 4 decode steps),
     each layer on the stock engine's input (every layer judged on the same streams)."""
     source = SyntheticWeights(CFG, 0)
     stock, model = OptimizedModel(source, []), OptimizedModel(source, choices)
@@ -75,7 +75,7 @@ def _miss_rates(choices: list[PatchChoice]) -> dict[str, float]:
     for layer in range(CFG.num_hidden_layers):
         model.run_layer(model.layer(layer), x, ids, segments, 96, sink)
         x = stock.run_layer(stock.layer(layer), x, ids, segments, 96)
-    return {tap: float(torch.cat(m).mean()) for tap, m in sink.miss.items()}
+    return {tap: float(torch.cat(m).mean()) if m else 0.0 for tap, m in sink.miss.items()}
 
 
 def _nvfp4_without_clamp() -> Patch:
@@ -89,8 +89,9 @@ def _nvfp4_without_clamp() -> Patch:
 
 
 def test_the_clamp_sites_fail_experts_that_skip_the_clamp_and_pass_correct_ones():
-    """Measured (tiny, limit 3, 500 tokens): the shared expert without the clamp misses at 25% of tokens, the routed
-    experts at 61%, the W4A4 experts without it at 1.6% (their own rounding is most of the clamp's change at most
+    """Measured (tiny, limit 3, the 480 prefill tokens: 4 decode steps a layer are too few to judge, and emit nothing):
+    the shared expert without the clamp misses at 30% of tokens, the routed experts at 64%, the W4A4 experts
+    without it at 2.1% (their own rounding is most of the clamp's change at most
     tokens, which the site then does not judge — the gate allows none, so a few fail them); the stock ops, a plugin
     that calls ctx.base and the W4A4 experts with the clamp at none. A lower limit is not this site's to find
     (clamp_site_miss: p < 0)."""
@@ -112,6 +113,33 @@ def test_the_clamp_sites_fail_experts_that_skip_the_clamp_and_pass_correct_ones(
     assert lower == none, lower
 
 
+def test_a_decode_only_kernel_that_skips_the_clamp_fails_over_the_layers_steps():
+    """A decode step has one token, too few to estimate the kernel's own error, so the steps are held and judged
+    together at the end of the layer (OptimizedLayer.emit_held_clamp): a decode-only experts kernel without the
+    clamp, 40 steps, misses at decode positions (measured: 38% of them); prefill, stock, emits 0."""
+    source = SyntheticWeights(CFG, 0)
+    patch = Patch("decode-no-clamp", ("decode",), "decode experts without the clamp")
+    patch.op("experts")(lambda ctx, y, routing: base_ops.experts(_limit(ctx, 0.0), y, routing))
+    model = OptimizedModel(source, [PatchChoice(patch, {})])
+    ids = torch.randint(0, CFG.vocab_size, (136,), generator=torch.Generator().manual_seed(11))
+    sink = _PositionSink()
+    model.run_layer(model.layer(3), model.embed(ids), ids, segment_lengths(96, 40, 96), 96, sink)
+    decode = {p: m for p, m in sink.miss["moe.experts.site"].items() if p >= 96}
+    prefill = [m for p, m in sink.miss["moe.experts.site"].items() if p < 96]
+    assert len(decode) == 40 and sum(decode.values()) / 40 > 0.2, decode
+    assert len(prefill) == 96 and sum(prefill) == 0
+
+
+class _PositionSink(_SiteSink):
+    """Keeps each clamp-site miss by position."""
+
+    def __init__(self) -> None:
+        self.miss = {tap: {} for tap in SITES}
+
+    def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
+        self.miss[tap].update(zip(positions.tolist(), values["miss"].tolist()))
+
+
 def test_clamp_site_miss_counts_a_move_along_the_clamps_change_beyond_the_kernels_own_error():
     """Unit cases: Δ = unclamped − stock, p = ⟨out − stock, Δ⟩/‖Δ‖², a miss where p > 3/4 at a token judged — where
     ‖Δ‖ exceeds 4× the variant's RMS relative error at the tokens the clamp leaves alone (at least 16 of them)."""
@@ -127,4 +155,11 @@ def test_clamp_site_miss_counts_a_move_along_the_clamps_change_beyond_the_kernel
                                    0.15,     # p = 1, but Δ = 15% of the output, under 4× the kernel's 5%
                                    0.0])     # the clamped result
     assert clamp_site_miss(out, stock, unclamped)[alone:].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
-    assert clamp_site_miss(out[alone - 15:], stock[alone - 15:], unclamped[alone - 15:]).sum() == 0  # 15 alone
+    assert clamp_site_miss(out[alone - 15:], stock[alone - 15:], unclamped[alone - 15:]) is None  # 15: no judgement
+    bad = out.clone()
+    bad[0, 2], bad[1] = float("nan"), 0.0  # one NaN and one zero row where the clamp changes nothing: still judged
+    stock_bad = stock.clone()
+    stock_bad[1] = 0.0
+    extra = torch.cat([stock[:2]])  # two more ordinary tokens keep 16 usable
+    got = clamp_site_miss(torch.cat([bad, out[:2]]), torch.cat([stock_bad, extra]), torch.cat([unclamped, extra]))
+    assert got[alone:alone + 5].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]

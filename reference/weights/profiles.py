@@ -215,5 +215,5 @@ std ≈ 4.0·1.14 ≈ 4.6: the gate passes 10 at P(Z > 2.2) ≈ 1.5% of tokens a
 rows' signs and columns are independent draws), ~4% of tokens at the channel. At flash-mini's D = 64 the outlier
 channel holds most of the input's square (12² against 63·1 at layer 0), so the token-varying part — and the share —
 is smaller and grows with the streams: on the CPU demo's first 2,048 prompt tokens routed (token, expert) pairs pass
-the limit in 6 of the first 12 layers (0.01–9%), the shared expert at 0.1–5% of tokens in 3 of them, by up to 1.7×
+the limit in 7 of the first 12 layers (0.03–8%), the shared expert at 0.1–4% of tokens in 4 of them, by up to 1.6×
 the limit (tests/test_calibration.py)."""

@@ -197,22 +197,24 @@ class SyntheticWeights:
 
     def _clamp_channel(self, layer: int, name: str, value: torch.Tensor) -> torch.Tensor:
         """One intermediate channel of each expert (routed and shared; the same channel in w1 and w3) whose row is
-        flat: random signs times the largest magnitude of the tensor's other entries, on as many random columns as
+        flat: random signs times the tensor's largest magnitude, on as many random columns as
         give it the norm profiles.CLAMP_ROW_NORM (every column at flash-mini's width, about half at Flash's), its
         outlier column zero. Its pre-activations then pass swiglu_limit at some tokens, so the clamp decides
         something; and the tensor's largest magnitude is what it was, so its NVFP4 global scale — and the w1/w3
         ratio calibrated from them (W13_LOG_RATIO_SCALE, applied after this) — too."""
         expert = name.rsplit(".", 2)[0]  # ffn.experts.<e> or ffn.shared_experts
         channel = int(uniform_int(stream_key(self.seed, layer, expert + "#clamp"), 1, value.device)[0]) % value.shape[0]
-        draws = uniform_int(stream_key(self.seed, layer, name + "#clamp-row"), value.shape[1], value.device)
-        value = value.clone()
-        value[channel] = 0
-        amax = float(value.abs().max())
-        columns = min(value.shape[1], round((profiles.CLAMP_ROW_NORM / amax) ** 2))
-        row = torch.zeros(value.shape[1], device=value.device)
-        chosen = torch.argsort(draws >> 1)[:columns]  # the draws' high bits order the columns, the low bit signs
-        row[chosen] = (1.0 - 2.0 * (draws[chosen] & 1).to(row.dtype)) * amax
+        width = value.shape[1]
+        amax = float(value.abs().max())  # the row's new entries are this magnitude: the tensor's amax is unchanged
+        columns = min(width, round((profiles.CLAMP_ROW_NORM / amax) ** 2))
+        # the hash is a bijection of the column index, so the order has no ties (the same on every device)
+        chosen = torch.argsort(uniform_int(stream_key(self.seed, layer, name + "#clamp-columns"), width,
+                                           value.device))[:columns]
+        signs = uniform_int(stream_key(self.seed, layer, name + "#clamp-signs"), width, value.device) % 2
+        row = torch.zeros(width, device=value.device)
+        row[chosen] = (1.0 - 2.0 * signs[chosen].to(row.dtype)) * amax
         row[profiles.outlier_dim(self.config)] = 0
+        value = value.clone()
         value[channel] = row
         return value
 
