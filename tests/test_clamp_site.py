@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from optimized import base_ops
@@ -163,3 +164,61 @@ def test_clamp_site_miss_counts_a_move_along_the_clamps_change_beyond_the_kernel
     extra = torch.cat([stock[:2]])  # two more ordinary tokens keep 16 usable
     got = clamp_site_miss(torch.cat([bad, out[:2]]), torch.cat([stock_bad, extra]), torch.cat([unclamped, extra]))
     assert got[alone:alone + 5].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+PLUGIN = '''
+import dataclasses
+
+from optimized import base_ops
+from optimized.patching import Patch
+
+shared_no_clamp = Patch("shared-no-clamp", ("prefill", "decode"), "the shared expert without its SwiGLU clamp")
+
+
+@shared_no_clamp.op("shared_expert")
+def shared(ctx, y, routing):
+    return base_ops.shared_expert(ctx.with_fields(cfg=dataclasses.replace(ctx.cfg, swiglu_limit=0.0)), y, routing)
+'''
+
+
+@pytest.mark.filterwarnings("ignore:.*has no tokenizer.json")  # the prompt is a token file: no tokenizer is used
+def test_the_gate_fails_a_shared_expert_without_the_clamp_end_to_end(tmp_path):
+    """`run` and the default policy's `moe-clamp-site` on tiny-smoke's prompt over a synthetic tiny checkpoint (the
+    official format: FP4 experts, which nvfp4-experts converts) whose config.json lowers swiglu_limit to 3 (see the
+    module docstring): the plugin's variant fails the check, `base` and `nvfp4-experts` (W4A4, the clamp kept) pass
+    it."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from harness.cli.main import main
+
+    ckpt = tmp_path / "ckpt"
+    assert main(["checkpoint", "synth", "--format", "official", "--model", "tiny", "--out", str(ckpt)]) == 0
+    config = json.loads((ckpt / "config.json").read_text())
+    config["swiglu_limit"] = 3.0
+    (ckpt / "config.json").write_text(json.dumps(config))
+    (tmp_path / "bugs.py").write_text(PLUGIN)
+    from harness.scenario.load import load_scenario
+    from harness.scenario.prompt import resolve_prompt
+
+    smoke = Path(__file__).resolve().parents[1] / "scenarios" / "tiny-smoke.yaml"
+    plan = resolve_prompt(load_scenario(smoke))  # its ids folded into tiny's vocabulary: a checkpoint's are model ids
+    (tmp_path / "prompt.json").write_text(json.dumps(list(plan.prompt_ids)))
+    scenario = yaml.safe_load(smoke.read_text())
+    scenario["name"], scenario["model"] = "clamp-site", {"checkpoint": str(ckpt)}
+    scenario["prompt"] = {"token_file": str(tmp_path / "prompt.json")}
+    scenario["decode"] = {"steps": len(plan.decode_ids), "tokens": list(plan.decode_ids)}
+    scenario["tokenizer"] = "auto"
+    scenario["stacks"]["variants"] = [{"name": "base", "patches": []}, {"name": "nvfp4", "patches": ["nvfp4-experts"]},
+                                      {"name": "shared-no-clamp", "patches": ["shared-no-clamp"]}]
+    path = tmp_path / "clamp-site.yaml"
+    path.write_text(yaml.safe_dump(scenario, sort_keys=False))
+    out = tmp_path / "run"
+    main(["run", str(path), "--patch-module", str(tmp_path / "bugs.py"), "--out", str(out), "--no-report",
+          "--no-triage"])
+    gate = json.loads((out / "gate.json").read_text())
+    check = next(c for c in gate["checks"] if c["name"] == "moe-clamp-site")
+    assert {v["variant"]: v["status"] for v in check["variants"]} == {
+        "base": "pass", "nvfp4": "pass", "shared-no-clamp": "fail"}, check
