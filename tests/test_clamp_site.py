@@ -157,13 +157,17 @@ def test_clamp_site_miss_counts_a_move_along_the_clamps_change_beyond_the_kernel
                                    0.0])     # the clamped result
     assert clamp_site_miss(out, stock, unclamped)[alone:].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert clamp_site_miss(out[alone - 15:], stock[alone - 15:], unclamped[alone - 15:]) is None  # 15: no judgement
-    bad = out.clone()
-    bad[0, 2], bad[1] = float("nan"), 0.0  # one NaN and one zero row where the clamp changes nothing: still judged
-    stock_bad = stock.clone()
-    stock_bad[1] = 0.0
-    extra = torch.cat([stock[:2]])  # two more ordinary tokens keep 16 usable
-    got = clamp_site_miss(torch.cat([bad, out[:2]]), torch.cat([stock_bad, extra]), torch.cat([unclamped, extra]))
-    assert got[alone:alone + 5].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    # rows the clamp leaves alone that would spoil the kernel's error estimate: a NaN, a zero stock output with a
+    # nonzero variant one (0 of the output: an infinite relative error), one corrupt token (error 10× the output)
+    bad_out, bad_stock, bad_unclamped = out.clone(), stock.clone(), unclamped.clone()
+    bad_out[0, 2] = float("nan")
+    bad_stock[1], bad_unclamped[1], bad_out[1] = 0.0, 0.0, torch.tensor([0.0, 0.0, 1.0])
+    bad_out[2, 2] = 10.0
+    more = stock[:3].clone()  # three more ordinary rows keep 16 usable, the corrupt one among 17: the worst 1% out
+    more[:, 2] = 0.05
+    got = clamp_site_miss(torch.cat([bad_out, more]), torch.cat([bad_stock, stock[:3]]),
+                          torch.cat([bad_unclamped, stock[:3]]))
+    assert got is not None and got[alone:alone + 5].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0], got
 
 
 PLUGIN = '''
