@@ -689,14 +689,16 @@ class OptimizedLayer:
             sink.emit(tap, positions, miss=miss)
 
     def emit_held_clamp(self, sink: ProbeSink) -> None:
-        """The decode steps' clamp sites, judged together (one token a step cannot be judged alone): per tap, the
-        steps' inputs joined along the tokens (the routing's rows; its scales are one per run), one stock call with
+        """The decode steps' clamp sites, judged together (one token a step cannot be judged alone): per tap and
+        routing width, the steps' inputs joined along the tokens (the routing's rows; its scales are one per run), one stock call with
         and one without the clamp in the last step's context, against the steps' own results. Each stock row is the
         op on that step's input up to the rounding of a differently shaped call, which the judgement's noise
         estimate holds."""
         held, self._held_clamp = self._held_clamp, []
-        for tap in dict.fromkeys(h[0] for h in held):
-            steps = [h for h in held if h[0] == tap]
+        widths = lambda h: (h[0], h[4]["routing"].scores.shape[-1], h[4]["routing"].expert_ids.shape[-1])  # noqa: E731
+        for key in dict.fromkeys(map(widths, held)):  # per tap, and per routing width (a plugin's may vary)
+            steps = [h for h in held if widths(h) == key]
+            tap = key[0]
             op, ctx = steps[-1][1], steps[-1][2]
             routings = [h[4]["routing"] for h in steps]
             routing = Routing(torch.cat([r.scores for r in routings]), torch.cat([r.expert_ids for r in routings]),
