@@ -279,6 +279,12 @@ UNCALIBRATED_TINY = {"top": "70a41ba2e883f56d", "layer0": "607a176ab6c16ec6", "l
                      "embed": "0ab0ad7806007b36"}
 
 
+CALIBRATED_2026_12_04_TINY = {"top": "70a41ba2e883f56d", "layer0": "a4d01421e8f90391", "layer1": "d0049fa1c98e07dc",
+                              "layer2": "a0a9de8623546f3a", "layer3": "034a7b545b8ee32e", "layer4": "e62ac85953c15b9c",
+                              "embed": "d510eda2dac918bc"}
+"""The calibrated generator's digests before its SwiGLU clamp channels (made by the code of 99a395b)."""
+
+
 def test_the_uncalibrated_profile_is_the_old_generator_bit_for_bit():
     from reference.config import TINY
 
@@ -315,3 +321,11 @@ def test_flash_retrieval_layers_store_their_zero_blocks():
     spec = next(s for s in layer_specs(cfg, 4) if s.name == "attn.wq_b.weight")
     stored = source._make(spec, 4, "cpu")  # noqa: SLF001
     assert int((stored.scale == 0).sum()) == 31, "the circuit's zero blocks carry UE8M0's smallest scale"
+
+
+def test_the_calibrated_2026_12_04_profile_is_the_calibrated_generator_before_its_clamp_channels_bit_for_bit():
+    """Runs made with `calibrated` from 2026-12-01 to 12-04 stay reproducible under this name."""
+    from reference.config import TINY
+
+    assert _weights_digests(SyntheticWeights(TINY, 0, "calibrated-2026-12-04")) == CALIBRATED_2026_12_04_TINY
+    assert _weights_digests(SyntheticWeights(TINY, 0, "calibrated")) != CALIBRATED_2026_12_04_TINY, "the control"

@@ -119,8 +119,9 @@ class ModelSpec(Model):
     seed: NonNegInt = Field(0, description="synthetic weight seed (presets only)")
     profile: Literal[SYNTHETIC_PROFILES] = Field(
         DEFAULT_PROFILE, description="synthetic weight statistics (presets only): calibrated (public evidence, planted "
-                                     "retrieval circuits; the default) or uncalibrated (the generator before "
-                                     "2026-12-01, for reproducing earlier runs)")
+                                     "retrieval circuits; the default), calibrated-2026-12-04 (calibrated before its "
+                                     "SwiGLU clamp channels) or uncalibrated (the generator before 2026-12-01), the "
+                                     "last two for reproducing earlier runs")
     checkpoint: _path("directory") | None = Field(None, description="a checkpoint directory (config.json, "
                                                                     "safetensors)")
 

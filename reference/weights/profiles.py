@@ -51,11 +51,19 @@ class Profile:
     nvfp4_global_rule: str
     """How FP4 experts are given an NVFP4 global scale (reference.quant.mx32_to_nvfp4): `modelopt` spreads like a
     real checkpoint's; `pow2` is what the generator did before 2026-12-01."""
+    clamp_channels: bool = True
+    """Whether each expert has a channel whose pre-activations pass swiglu_limit (CLAMP_ROW_NORM; calibrated only):
+    off in `calibrated-2026-12-04`, the calibrated generator before they were added."""
 
 
 PROFILES: dict[str, Profile] = {
     "calibrated": Profile("calibrated", "statistics calibrated to public evidence, with planted retrieval circuits "
-                                        "(the default since 2026-12-01)", True, "modelopt"),
+                                        "(the default since 2026-12-01; SwiGLU clamp channels since 2026-12-05)",
+                          True, "modelopt"),
+    "calibrated-2026-12-04": Profile("calibrated-2026-12-04", "the calibrated generator before its SwiGLU clamp "
+                                                              "channels (2026-12-05), bit for bit (reproduces runs "
+                                                              "of 2026-12-01 to 12-04)", True, "modelopt",
+                                     clamp_channels=False),
     "uncalibrated": Profile("uncalibrated", "the synthetic generator before 2026-12-01, bit for bit (reproduces "
                                             "earlier runs)", False, "pow2"),
 }

@@ -181,9 +181,10 @@ class SyntheticWeights:
             expert = name.split(".")[2]
             u = uniforms(stream_key(self.seed, layer, f"ffn.experts.{expert}#w13"), 4)
             log_ratio = profiles.W13_LOG_RATIO_SCALE * profiles.student_t3(tuple(float(x) for x in u))
-            value = self._clamp_channel(layer, name, value)
+            if self.profile.clamp_channels:
+                value = self._clamp_channel(layer, name, value)
             value = value * math.exp((0.5 if name.endswith(".w3.weight") else -0.5) * log_ratio)
-        elif name in ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"):
+        elif name in ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight") and self.profile.clamp_channels:
             value = self._clamp_channel(layer, name, value)
         if name in ATTENTION_INPUT_PROJECTIONS:
             # attention reads no bias from the outlier channel: a constant in every q and k would shift every
