@@ -222,6 +222,31 @@ class _HeldSite:
 
 
 @dataclass
+class _HeldClamp:
+    """One decode step's clamp site (OptimizedLayer._clamp_site) waiting to be judged with the layer's other steps:
+    the tap, the op, the step's context, the variant's output and the op's inputs — copies (one packed copy:
+    clone_together), since a patch may return a buffer it writes again at the next step."""
+
+    tap: str
+    op: str
+    ctx: OpContext
+    out: torch.Tensor
+    y: torch.Tensor
+    routing: Routing
+
+    @classmethod
+    def kept(cls, tap: str, op: str, ctx: OpContext, out: torch.Tensor, y: torch.Tensor,
+             routing: Routing) -> "_HeldClamp":
+        out, y, scores, ids, weights = clone_together([out, y, routing.scores, routing.expert_ids, routing.weights])
+        return cls(tap, op, ctx, out, y, Routing(scores, ids, weights, routing.output_scale, routing.shared_weight))
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """Steps judged together: the same tap and routing widths (a plugin router's may vary from step to step)."""
+        return self.tap, self.routing.scores.shape[-1], self.routing.expert_ids.shape[-1]
+
+
+@dataclass
 class _HeldSampled:
     """Per-query inputs of the sampled indexer site and attention rows not yet emitted, each with the key of the
     calls it may share (see OptimizedLayer._attention), and what emitting them needs: the context of the segment
@@ -286,7 +311,7 @@ class OptimizedLayer:
         self.stock_tables = {phase: OpTable(BASE_OPS, [], phase) for phase in PHASES}
         self.hadamard = hadamard_matrix(cfg.index_head_dim, device=self.device) if self.kind == "csa" else None
         self._held_sampled = _HeldSampled()
-        self._held_clamp: list[tuple[str, str, OpContext, torch.Tensor, dict[str, Any]]] = []
+        self._held_clamp: list[_HeldClamp] = []
         self.holds_decode_samples = not any(self.tables["decode"].patched(op) for op in CACHE_OPS)
         """Whether run_layer may recompute the decode steps' sampled rows once after the last step: only when the
         stock ops write and read the caches in decode. They append and never rewrite a row, so the caches at the end
@@ -670,18 +695,16 @@ class OptimizedLayer:
         if sink.wants(tap):
             if stock_only or self.cfg.swiglu_limit <= 0:
                 sink.emit(tap, ctx.positions, miss=torch.zeros(ctx.positions.shape[0], device=ctx.positions.device))
-            elif ctx.phase == "decode":  # copies: a patch may return a buffer it writes again at the next step
-                r = inputs["routing"]
-                kept = {"y": inputs["y"].clone(), "routing": Routing(r.scores.clone(), r.expert_ids.clone(),
-                                                                      r.weights.clone(), r.output_scale,
-                                                                      r.shared_weight)}
-                self._held_clamp.append((tap, op, ctx, out.clone(), kept))
+            elif ctx.phase == "decode":
+                self._held_clamp.append(_HeldClamp.kept(tap, op, ctx, out, inputs["y"], inputs["routing"]))
             else:
                 self._judge_clamp(sink, tap, op, ctx, ctx.positions, out, **inputs)
         return out
 
     def _judge_clamp(self, sink: ProbeSink, tap: str, op: str, ctx: OpContext, positions: torch.Tensor,
                      out: torch.Tensor, **inputs: Any) -> None:
+        """Emit `tap` with clamp_site_miss of the variant's `out` against the stock op with and without the clamp on
+        `inputs` in `ctx` — or nothing, where too few tokens can give the variant's own error."""
         unclamped = ctx.with_fields(cfg=dataclasses.replace(ctx.cfg, swiglu_limit=0.0))
         miss = clamp_site_miss(out, self._stock(ctx, False).call(op, **inputs),
                                self._stock(unclamped, False).call(op, **inputs))
@@ -690,23 +713,19 @@ class OptimizedLayer:
 
     def emit_held_clamp(self, sink: ProbeSink) -> None:
         """The decode steps' clamp sites, judged together (one token a step cannot be judged alone): per tap and
-        routing width, the steps' inputs joined along the tokens (the routing's rows; its scales are one per run), one stock call with
-        and one without the clamp in the last step's context, against the steps' own results. Each stock row is the
-        op on that step's input up to the rounding of a differently shaped call, which the judgement's noise
-        estimate holds."""
+        routing width (_HeldClamp.key), the steps' inputs joined along the tokens (the routing's rows; its scales are
+        one per layer), one stock call with and one without the clamp in the last step's context, against the steps'
+        own results. Each stock row is the op on that step's input up to the rounding of a differently shaped call,
+        which the judgement's noise estimate holds."""
         held, self._held_clamp = self._held_clamp, []
-        widths = lambda h: (h[0], h[4]["routing"].scores.shape[-1], h[4]["routing"].expert_ids.shape[-1])  # noqa: E731
-        for key in dict.fromkeys(map(widths, held)):  # per tap, and per routing width (a plugin's may vary)
-            steps = [h for h in held if widths(h) == key]
-            tap = key[0]
-            op, ctx = steps[-1][1], steps[-1][2]
-            routings = [h[4]["routing"] for h in steps]
-            routing = Routing(torch.cat([r.scores for r in routings]), torch.cat([r.expert_ids for r in routings]),
-                              torch.cat([r.weights for r in routings]), routings[-1].output_scale,
-                              routings[-1].shared_weight)
-            self._judge_clamp(sink, tap, op, ctx, torch.cat([h[2].positions for h in steps]),
-                              torch.cat([h[3] for h in steps]), y=torch.cat([h[4]["y"] for h in steps]),
-                              routing=routing)
+        for key in dict.fromkeys(h.key for h in held):
+            steps = [h for h in held if h.key == key]
+            last = steps[-1]
+            routing = Routing(*(torch.cat([getattr(h.routing, f) for h in steps])
+                                for f in ("scores", "expert_ids", "weights")),
+                              last.routing.output_scale, last.routing.shared_weight)
+            self._judge_clamp(sink, last.tap, last.op, last.ctx, torch.cat([h.ctx.positions for h in steps]),
+                              torch.cat([h.out for h in steps]), y=torch.cat([h.y for h in steps]), routing=routing)
 
 
 class OptimizedModel:
