@@ -226,3 +226,20 @@ def test_the_gate_fails_a_shared_expert_without_the_clamp_end_to_end(tmp_path):
     check = next(c for c in gate["checks"] if c["name"] == "moe-clamp-site")
     assert {v["variant"]: v["status"] for v in check["variants"]} == {
         "base": "pass", "nvfp4": "pass", "shared-no-clamp": "fail"}, check
+
+
+def test_the_memory_estimate_counts_the_clamp_site_of_a_patched_variant():
+    """A patched variant's prefill chunk holds the stock experts' output and its own while the stock op runs again
+    without the clamp (OptimizedLayer._judge_clamp): two [chunk, D] fp32 beside the chunk's working set; a run of
+    stock stacks only computes no site."""
+    from harness.run.memory import predict_memory
+    from harness.run.setup import Overrides, build_run_spec
+    from harness.scenario import find_scenario, load_scenario
+
+    spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))[0]
+    cfg = spec.source.config
+    assert cfg.swiglu_limit > 0
+    chunk = min(spec.n_total, spec.chunk_size)
+    assert predict_memory(spec).host_terms["clamp site (stock outputs)"] == 2 * chunk * cfg.hidden_size * 4
+    spec.variants = [v for v in spec.variants if not v.choices]
+    assert spec.variants and "clamp site (stock outputs)" not in predict_memory(spec).host_terms
