@@ -410,16 +410,26 @@ class PairLayout:
     def tokens(self) -> torch.Tensor:
         return self.order // self.k
 
+    def per_slot(self, rows: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """[pairs, D] rows (fp32) -> [tokens, k, D] in (token, slot) order, bf16 per pair (official)."""
+        out = torch.empty(n_tokens * self.k, rows.shape[-1], dtype=torch.float32, device=rows.device)
+        out[self.order] = bf16(rows)  # every pair is written once
+        return out.view(n_tokens, self.k, -1)
+
     def sum_slots(self, rows: torch.Tensor, n_tokens: int) -> torch.Tensor:
-        """[pairs, D] rows (fp32) -> [tokens, D]: bf16 per pair (official), summed over each token's slots in fp32."""
-        per_slot = torch.empty(n_tokens * self.k, rows.shape[-1], dtype=torch.float32, device=rows.device)
-        per_slot[self.order] = bf16(rows)  # every pair is written once
-        return per_slot.view(n_tokens, self.k, -1).sum(1)
+        """[pairs, D] rows (fp32) -> [tokens, D]: bf16 per pair, summed over each token's slots in fp32."""
+        return self.per_slot(rows, n_tokens).sum(1)
 
 
 def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """FP4 experts (e2m1, per-32 UE8M0) with FP8 1×128 activations, fp32 accumulation; SwiGLU and the
-    routing weight in fp32, cast to bf16 before W2 (official); the sum over experts accumulated in fp32.
+    """The weighted sum of expert_pairs over each token's slots, in fp32."""
+    return expert_pairs(ctx, y, routing).sum(1)
+
+
+def expert_pairs(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Each routed pair's weighted output [S, k, D] in (token, slot) order, what `experts` sums (the engine's pair
+    site reads them one by one): FP4 experts (e2m1, per-32 UE8M0) with FP8 1×128 activations, fp32 accumulation;
+    SwiGLU and the routing weight in fp32, cast to bf16 before W2 (official), each pair's output rounded to bf16.
 
     The pairs are laid out expert by expert once (PairLayout), so each expert's GEMMs read and write contiguous
     row ranges and the element-wise steps between them (bf16 rounding, SwiGLU, routing weight, the FP8 quantizer,
@@ -431,7 +441,7 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
     u = _per_expert(ctx, x, layout, "w3")
     weights = routing.weights.flatten()[layout.order, None]
     h = fp8_activation(bf16(swiglu_fp32(bf16(g), bf16(u), ctx.cfg.swiglu_limit) * weights))
-    return layout.sum_slots(_per_expert(ctx, h, layout, "w2"), routing.expert_ids.shape[0])
+    return layout.per_slot(_per_expert(ctx, h, layout, "w2"), routing.expert_ids.shape[0])
 
 
 def shared_expert(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from optimized import base_ops
 from optimized.base_ops import BASE_OPS
 from optimized.numerics import bf16, constant, rms_norm_bf16
 from optimized.ops import OpContext, OpTable, Routing, kernel_lanes
@@ -84,7 +85,7 @@ sit on the largest elements, the clamped ones."""
 CLAMP_SITE_MIN_ALONE = 16
 """Tokens the clamp leaves alone that a judgement needs for the variant's error to be estimated: fewer, and the
 tokens are not judged (nothing is emitted for them). A decode step has one token, so the steps are held and judged
-together at the end of the layer (OptimizedLayer.emit_held_clamp)."""
+together at the end of the layer (OptimizedLayer.emit_held_experts)."""
 
 CLAMP_SITE_MISS = 3 / 4
 """p past which a judged token counts as a skipped clamp (p = 0: the clamped result, 1: the unclamped one). A kernel
@@ -111,6 +112,48 @@ def clamp_site_miss(out: torch.Tensor, stock: torch.Tensor, unclamped: torch.Ten
     judged = ~alone & (size > CLAMP_SITE_NOISE ** 2 * noise * ref)
     p = (moved * delta).sum(-1) / size.clamp_min(torch.finfo(torch.float32).tiny)
     return (judged & (p > CLAMP_SITE_MISS)).float()
+
+
+PAIR_SITE_SHARE = 1 / 2
+"""|a| past which a pair's contribution counts as wrong: a = 0 is the stock pair, −1 the pair lost, +1 it counted
+twice, and a weight taken from another slot or scale by half or more lies beyond it. A kernel's rounding can pass it
+on its own (W4A4 experts on the calibrated demo: up to |a| = 0.74, where one intermediate channel makes most of a
+pair's output and FP4 activations round it), so PAIR_SITE_DOMINANCE decides."""
+
+PAIR_SITE_DOMINANCE = 8
+"""How much larger than what the fit leaves unexplained a counted pair's own part of the move must be (in norm;
+its part: what the fit loses without it, the other pairs refitted). A kernel's rounding spreads over the output's D
+dimensions; where it moves one pair by more than half (the W4A4 experts of nvfp4-experts on the calibrated CPU
+demo: 44 pairs over 43 layers with |a| > 0.4 and a part 4× the residual), the part was at most 5.2× the residual;
+with 4 the demo's `all` was flagged at 26 units, with 8 at none. A pair lost by a kernel that otherwise computes in
+the stock precision leaves a residual of the other pairs' rounding only. Lost from W4A4 experts, it hides in their
+rounding at most tokens (not identifiable per token; the drift checks' to find)."""
+
+
+def pair_site_loss(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """Per token, 1 where the variant's `out` [S, D] (its experts, or its shared expert) lacks, repeats or misweighs
+    a whole contribution of the stock op on the same inputs: `pairs` [S, k, D] are the stock op's routed pairs'
+    weighted outputs (the shared expert: its output, k = 1), `stock` their sum. The move d = out − stock is fitted by
+    Σ a_j·pair_j (least squares per token; a token whose pairs were all dropped has every a_j = −1); a pair j counts
+    where |a_j| > PAIR_SITE_SHARE and its own part of the fit (what the fit loses without it, a_j² / (G⁻¹)_jj, the
+    others refitted) exceeds PAIR_SITE_DOMINANCE² × the residual's squared norm.
+    What it catches is a pair's output lost (an expert-parallel dispatch or a capacity limit dropping it), counted
+    twice (a combine reading a slot again), or weighted by another slot's or another scale's weight by half or
+    more — whatever the kernel's precision. fp32, the k×k systems in fp64."""
+    d = (out - stock).float()
+    p = pairs.float()
+    gram = torch.einsum("skd,sjd->skj", p, p).double()
+    rhs = torch.einsum("skd,sd->sk", p, d).double()
+    diag = gram.diagonal(dim1=-2, dim2=-1)
+    ridge = 1e-9 * diag.mean(-1, keepdim=True) + torch.finfo(torch.float64).tiny  # a pair of zero output: a = 0
+    inverse = torch.linalg.inv(gram + torch.diag_embed(ridge.expand_as(diag)))
+    a = (inverse @ rhs.unsqueeze(-1)).squeeze(-1)
+    residual = (d - torch.einsum("sk,skd->sd", a.float(), p)).pow(2).sum(-1).double()
+    # what the fit loses without pair j (the others refitted): a_j² / (G⁻¹)_jj — small where pair j's output is
+    # nearly a combination of the others', whose moves could then stand in for its own
+    own = a.pow(2) / inverse.diagonal(dim1=-2, dim2=-1)
+    wrong = (a.abs() > PAIR_SITE_SHARE) & (own > PAIR_SITE_DOMINANCE ** 2 * residual[:, None])
+    return wrong.any(-1).float()
 
 
 def post_site_excess(out: torch.Tensor, stock: torch.Tensor, f: torch.Tensor, streams: torch.Tensor,
@@ -222,8 +265,8 @@ class _HeldSite:
 
 
 @dataclass
-class _HeldClamp:
-    """One decode step's clamp site (OptimizedLayer._clamp_site) waiting to be judged with the layer's other steps:
+class _HeldExperts:
+    """One decode step's experts site (OptimizedLayer._experts_site) waiting to be judged with the layer's other steps:
     the tap, the op, the step's context, the variant's output and the op's inputs — copies (one packed copy:
     clone_together), since a patch may return a buffer it writes again at the next step."""
 
@@ -236,7 +279,7 @@ class _HeldClamp:
 
     @classmethod
     def kept(cls, tap: str, op: str, ctx: OpContext, out: torch.Tensor, y: torch.Tensor,
-             routing: Routing) -> "_HeldClamp":
+             routing: Routing) -> "_HeldExperts":
         out, y, scores, ids, weights = clone_together([out, y, routing.scores, routing.expert_ids, routing.weights])
         return cls(tap, op, ctx, out, y, Routing(scores, ids, weights, routing.output_scale, routing.shared_weight))
 
@@ -311,7 +354,7 @@ class OptimizedLayer:
         self.stock_tables = {phase: OpTable(BASE_OPS, [], phase) for phase in PHASES}
         self.hadamard = hadamard_matrix(cfg.index_head_dim, device=self.device) if self.kind == "csa" else None
         self._held_sampled = _HeldSampled()
-        self._held_clamp: list[_HeldClamp] = []
+        self._held_experts: list[_HeldExperts] = []
         self.holds_decode_samples = not any(self.tables["decode"].patched(op) for op in CACHE_OPS)
         """Whether run_layer may recompute the decode steps' sampled rows once after the last step: only when the
         stock ops write and read the caches in decode. They append and never rewrite a row, so the caches at the end
@@ -617,7 +660,7 @@ class OptimizedLayer:
 
     def discard_held_sampled(self) -> _HeldSampled:
         """What is held, no longer held (run_layer starts from nothing: a run stopped by an error leaves no rows)."""
-        held, self._held_sampled, self._held_clamp = self._held_sampled, _HeldSampled(), []
+        held, self._held_sampled, self._held_experts = self._held_sampled, _HeldSampled(), []
         return held
 
     def _emit_indexer_site(self, ctx: OpContext, sink: ProbeSink, pos: torch.Tensor, q: torch.Tensor,
@@ -680,51 +723,64 @@ class OptimizedLayer:
         self._emit_site(sink, "moe.router.site", ctx, "router",
                         lambda r: _routing_fields(r, self.cfg.n_shared_experts > 0), ctx.positions, routing,
                         stock_only, held, y=y, token_ids=token_ids)
-        total = self._clamp_site(ctx, sink, "moe.experts.site", "experts", y=y, routing=routing)
+        total = self._experts_site(ctx, sink, "moe.experts.site", "experts", y=y, routing=routing)
         if self.cfg.n_shared_experts:
-            total = total + self._clamp_site(ctx, sink, "moe.shared.site", "shared_expert", y=y, routing=routing)
+            total = total + self._experts_site(ctx, sink, "moe.shared.site", "shared_expert", y=y, routing=routing)
         return bf16(_scaled(total, routing.output_scale))
 
-    def _clamp_site(self, ctx: OpContext, sink: ProbeSink, tap: str, op: str, **inputs: Any) -> torch.Tensor:
-        """`op` (experts or shared_expert), and its clamp site `tap`: per token, 1 where the variant's output took the
-        unclamped side of the SwiGLU clamp's decision (clamp_site_miss, against the stock op with and without the
-        clamp on the same inputs). No patch ran: 0 by construction (the stock op on the same inputs), not computed;
-        nor without a clamp (swiglu_limit ≤ 0: the official code skips it). A decode step's result is held and
-        judged with the layer's other steps (emit_held_clamp)."""
+    def _experts_site(self, ctx: OpContext, sink: ProbeSink, tap: str, op: str, **inputs: Any) -> torch.Tensor:
+        """`op` (experts or shared_expert), and its site `tap`, against the stock op on the same inputs: per token,
+        `lost` (pair_site_loss: a pair's contribution lost, repeated or misweighted) and `miss` (clamp_site_miss: the
+        unclamped side of the SwiGLU clamp's decision), with `clamp_judged` (0 where too few tokens give the variant's
+        own error to judge the clamp). No patch ran: 0 by construction (the stock op on the same inputs), not
+        computed. A decode step's result is held and judged with the layer's other steps (emit_held_experts)."""
         out, stock_only = ctx.call_noting_patches(op, **inputs)
         if sink.wants(tap):
-            if stock_only or self.cfg.swiglu_limit <= 0:
-                sink.emit(tap, ctx.positions, miss=torch.zeros(ctx.positions.shape[0], device=ctx.positions.device))
+            if stock_only:
+                zeros = torch.zeros(ctx.positions.shape[0], device=ctx.positions.device)
+                sink.emit(tap, ctx.positions, lost=zeros, miss=zeros, clamp_judged=zeros + 1)
             elif ctx.phase == "decode":
-                self._held_clamp.append(_HeldClamp.kept(tap, op, ctx, out, inputs["y"], inputs["routing"]))
+                self._held_experts.append(_HeldExperts.kept(tap, op, ctx, out, inputs["y"], inputs["routing"]))
             else:
-                self._judge_clamp(sink, tap, op, ctx, ctx.positions, out, **inputs)
+                self._judge_experts(sink, tap, op, ctx, ctx.positions, out, **inputs)
         return out
 
-    def _judge_clamp(self, sink: ProbeSink, tap: str, op: str, ctx: OpContext, positions: torch.Tensor,
-                     out: torch.Tensor, **inputs: Any) -> None:
-        """Emit `tap` with clamp_site_miss of the variant's `out` against the stock op with and without the clamp on
-        `inputs` in `ctx` — or nothing, where too few tokens can give the variant's own error."""
-        unclamped = ctx.with_fields(cfg=dataclasses.replace(ctx.cfg, swiglu_limit=0.0))
-        miss = clamp_site_miss(out, self._stock(ctx, False).call(op, **inputs),
-                               self._stock(unclamped, False).call(op, **inputs))
-        if miss is not None:  # too few tokens the clamp leaves alone to judge the rest: no data, not a pass
-            sink.emit(tap, positions, miss=miss)
+    def _judge_experts(self, sink: ProbeSink, tap: str, op: str, ctx: OpContext, positions: torch.Tensor,
+                       out: torch.Tensor, **inputs: Any) -> None:
+        """Emit `tap`: pair_site_loss of the variant's `out` against the stock op's pairs on `inputs` in `ctx`, and
+        clamp_site_miss against the stock op with and without the clamp (0 without a clamp: swiglu_limit ≤ 0, which
+        the official code skips; clamp_judged 0 where too few tokens can give the variant's own error)."""
+        stock_ctx = self._stock(ctx, False)
+        if op == "experts":  # the stock experts are the sum of these, bit for bit (base_ops.experts)
+            pairs = base_ops.expert_pairs(stock_ctx, **inputs)
+            stock = pairs.sum(1)
+        else:
+            stock = stock_ctx.call(op, **inputs)
+            pairs = stock.unsqueeze(1)
+        lost = pair_site_loss(out, stock, pairs)
+        del pairs  # [S, k, D]: not held while the stock op runs again
+        miss = None
+        if self.cfg.swiglu_limit > 0:
+            unclamped = ctx.with_fields(cfg=dataclasses.replace(ctx.cfg, swiglu_limit=0.0))
+            miss = clamp_site_miss(out, stock, self._stock(unclamped, False).call(op, **inputs))
+        judged = torch.full_like(lost, float(miss is not None or self.cfg.swiglu_limit <= 0))
+        sink.emit(tap, positions, lost=lost, miss=torch.zeros_like(lost) if miss is None else miss,
+                  clamp_judged=judged)
 
-    def emit_held_clamp(self, sink: ProbeSink) -> None:
-        """The decode steps' clamp sites, judged together (one token a step cannot be judged alone): per tap and
-        routing width (_HeldClamp.key), the steps' inputs joined along the tokens (the routing's rows; its scales are
-        one per layer), one stock call with and one without the clamp in the last step's context, against the steps'
-        own results. Each stock row is the op on that step's input up to the rounding of a differently shaped call,
-        which the judgement's noise estimate holds."""
-        held, self._held_clamp = self._held_clamp, []
+    def emit_held_experts(self, sink: ProbeSink) -> None:
+        """The decode steps' experts sites, judged together (one token a step cannot give the variant's own error that
+        the clamp's judgement needs): per tap and routing width (_HeldExperts.key), the steps' inputs joined along the
+        tokens (the routing's rows; its scales are one per layer), one stock call with and one without the clamp in
+        the last step's context, against the steps' own results. Each stock row is the op on that step's input up to
+        the rounding of a differently shaped call, which both judgements' margins hold."""
+        held, self._held_experts = self._held_experts, []
         for key in dict.fromkeys(h.key for h in held):
             steps = [h for h in held if h.key == key]
             last = steps[-1]
             routing = Routing(*(torch.cat([getattr(h.routing, f) for h in steps])
                                 for f in ("scores", "expert_ids", "weights")),
                               last.routing.output_scale, last.routing.shared_weight)
-            self._judge_clamp(sink, last.tap, last.op, last.ctx, torch.cat([h.ctx.positions for h in steps]),
+            self._judge_experts(sink, last.tap, last.op, last.ctx, torch.cat([h.ctx.positions for h in steps]),
                               torch.cat([h.out for h in steps]), y=torch.cat([h.y for h in steps]), routing=routing)
 
 
@@ -778,7 +834,7 @@ class OptimizedModel:
                                           join_sites=hold_sites and phase == "prefill"))
             counts[phase] += 1
             start += n
-        block.emit_held_clamp(sink)  # the decode steps' clamp sites, judged together
+        block.emit_held_experts(sink)  # the decode steps' experts sites, judged together
         block.emit_held_sampled(sink)  # the decode steps' sampled queries, over every step at once (if held)
         return torch.cat(outs, 0)
 

@@ -44,8 +44,8 @@ class _SiteSink:
         return torch.zeros_like(positions, dtype=torch.bool)
 
     def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
-        assert values["miss"].shape == positions.shape, (tap, values["miss"].shape, positions.shape)
-        self.miss[tap].append(values["miss"])
+        assert values["miss"].shape == values["lost"].shape == positions.shape, (tap, positions.shape)
+        self.miss[tap].append(values["miss"][values["clamp_judged"] > 0])  # a call too small to judge: no data
 
 
 def _limit(ctx, limit: float):
@@ -76,7 +76,7 @@ def _miss_rates(choices: list[PatchChoice]) -> dict[str, float]:
     for layer in range(CFG.num_hidden_layers):
         model.run_layer(model.layer(layer), x, ids, segments, 96, sink)
         x = stock.run_layer(stock.layer(layer), x, ids, segments, 96)
-    return {tap: float(torch.cat(m).mean()) if m else 0.0 for tap, m in sink.miss.items()}
+    return {tap: float(torch.cat(m).mean()) if m and torch.cat(m).numel() else 0.0 for tap, m in sink.miss.items()}
 
 
 def _nvfp4_without_clamp() -> Patch:
@@ -116,7 +116,7 @@ def test_the_clamp_sites_fail_experts_that_skip_the_clamp_and_pass_correct_ones(
 
 def test_a_decode_only_kernel_that_skips_the_clamp_fails_over_the_layers_steps():
     """A decode step has one token, too few to estimate the kernel's own error, so the steps are held and judged
-    together at the end of the layer (OptimizedLayer.emit_held_clamp): a decode-only experts kernel without the
+    together at the end of the layer (OptimizedLayer.emit_held_experts): a decode-only experts kernel without the
     clamp, 40 steps, misses at decode positions (measured: 38% of them); prefill, stock, emits 0."""
     source = SyntheticWeights(CFG, 0)
     patch = Patch("decode-no-clamp", ("decode",), "decode experts without the clamp")
@@ -138,7 +138,8 @@ class _PositionSink(_SiteSink):
         self.miss = {tap: {} for tap in SITES}
 
     def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
-        self.miss[tap].update(zip(positions.tolist(), values["miss"].tolist()))
+        judged = values["clamp_judged"] > 0
+        self.miss[tap].update(zip(positions[judged].tolist(), values["miss"][judged].tolist()))
 
 
 def test_clamp_site_miss_counts_a_move_along_the_clamps_change_beyond_the_kernels_own_error():
@@ -228,9 +229,9 @@ def test_the_gate_fails_a_shared_expert_without_the_clamp_end_to_end(tmp_path):
         "base": "pass", "nvfp4": "pass", "shared-no-clamp": "fail"}, check
 
 
-def test_the_memory_estimate_counts_the_clamp_site_of_a_patched_variant():
+def test_the_memory_estimate_counts_the_experts_site_of_a_patched_variant():
     """A patched variant's prefill chunk holds the stock experts' output and its own while the stock op runs again
-    without the clamp (OptimizedLayer._judge_clamp): two [chunk, D] fp32 beside the chunk's working set; a run of
+    without the clamp (OptimizedLayer._judge_experts): two [chunk, D] fp32 beside the chunk's working set; a run of
     stock stacks only computes no site."""
     from harness.run.memory import predict_memory
     from harness.run.setup import Overrides, build_run_spec
@@ -240,6 +241,6 @@ def test_the_memory_estimate_counts_the_clamp_site_of_a_patched_variant():
     cfg = spec.source.config
     assert cfg.swiglu_limit > 0
     chunk = min(spec.n_total, spec.chunk_size)
-    assert predict_memory(spec).host_terms["clamp site (stock outputs)"] == 2 * chunk * cfg.hidden_size * 4
+    assert predict_memory(spec).host_terms["experts site (stock outputs)"] == 2 * chunk * cfg.hidden_size * 4
     spec.variants = [v for v in spec.variants if not v.choices]
-    assert spec.variants and "clamp site (stock outputs)" not in predict_memory(spec).host_terms
+    assert spec.variants and "experts site (stock outputs)" not in predict_memory(spec).host_terms

@@ -56,7 +56,7 @@ _U = "2**-8"  # bf16 unit roundoff: rounding x to bf16 moves it by at most 2^-8�
 _HC = ("attn.hc", "ffn.hc")
 _HC_SITES = ("attn.hc.site", "ffn.hc.site")
 _HC_POST_SITES = ("attn.hc.post.site", "ffn.hc.post.site")
-_CLAMP_SITES = ("moe.experts.site", "moe.shared.site")
+_EXPERTS_SITES = ("moe.experts.site", "moe.shared.site")
 _ANSWER = ("needle.lens", "logits")  # the needle answer after every layer (lens) and from the final logits
 # Discrete floors are one decision of the unit's N = positions × decisions (a tie broken the other way by one
 # rounding), not one of a single position's: a layer mean over 10⁴ positions × 512 picks moves by 1/(5·10⁶) when
@@ -152,7 +152,9 @@ METRICS: dict[str, MetricRule] = {
     # a cache row whose slot reads back other than its stored form: one row of the unit's positions
     "attn.kv_site_mismatch": MetricRule(("attn.kv.site",), "upper", _ONE_POSITION, decisions="1"),
     # a token whose experts output took the other side of the SwiGLU clamp's decision: one of the unit's positions
-    "moe.clamp_site_miss": MetricRule(_CLAMP_SITES, "upper", _ONE_POSITION, decisions="1"),
+    "moe.clamp_site_miss": MetricRule(_EXPERTS_SITES, "upper", _ONE_POSITION, decisions="1"),
+    # a token whose experts output lacks, repeats or misweighs a whole pair's contribution: one of the unit's positions
+    "moe.pair_site_loss": MetricRule(_EXPERTS_SITES, "upper", _ONE_POSITION, decisions="1"),
     "moe.twin_flip_rate": MetricRule(("moe.router.site",), "descriptive", None),
     "moe.twin_weight_err": MetricRule(("moe.router.site",), "descriptive", None),
     "mhc.twin_rel_err": MetricRule(_HC_SITES, "descriptive", None),

@@ -97,6 +97,8 @@ METRICS: dict[str, MetricInfo] = {
                                            "linear"),
     "moe.clamp_site_miss": MetricInfo("moe", "MoE clamp site: tokens on the wrong side of the SwiGLU clamp", "lower",
                                       "linear"),
+    "moe.pair_site_loss": MetricInfo("moe", "MoE pair site: tokens missing, repeating or misweighing a pair",
+                                     "lower", "linear"),
     "attn.kv_site_mismatch": MetricInfo("attention", "KV cache site: rows that read back other than written", "lower",
                                         "linear"),
     "mhc.post_site_excess": MetricInfo("mhc", "mHC post site: outputs beyond fp32 rounding of the stock hc_post",

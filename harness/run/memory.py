@@ -29,8 +29,8 @@ what would not fit and which setting changes it:
 - **expert GEMM operands** (on a GPU): the bf16 operands of the experts' tensor-core GEMMs — one group of expert
   matrices' bf16 copies (optimized.numerics.grouped_bf16_products) and a chunk's pair rows and products
   (scaled_bf16_products too) — in each host lane;
-- **clamp site** (a variant with patches): the stock experts' output with the SwiGLU clamp and the variant's, held
-  while the stock op runs again without it (optimized.engine.clamp_site_miss);
+- **experts site** (a variant with patches): the stock experts' output and the variant's, held while the stock op
+  runs again without the SwiGLU clamp (optimized.engine.OptimizedLayer._judge_experts);
 - **NVFP4 conversion** (with `nvfp4-experts`): the temporaries of one group of expert matrices converted together
   (optimized.base_ops.prepare_nvfp4_forms).
 
@@ -155,10 +155,11 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
         terms["expert GEMM operands (bf16)"] = lanes * 2 * (GROUPED_EXPERTS * cfg.moe_intermediate_size * D
                                                             + pairs * (D + cfg.moe_intermediate_size))
     if cfg.swiglu_limit > 0 and any(v.choices for v in spec.variants):
-        # the clamp site (optimized.engine.OptimizedLayer._judge_clamp) of a patched variant's prefill chunk: the
-        # stock op's output and the variant's are held while the stock op runs again without the clamp, whose own
-        # temporaries are a chunk's working set (counted above): two [chunk, D] fp32
-        terms["clamp site (stock outputs)"] = 2 * min(T, spec.chunk_size) * D * 4
+        # the experts site (optimized.engine.OptimizedLayer._judge_experts) of a patched variant's prefill chunk:
+        # the stock op's output and the variant's are held while the stock op runs again without the clamp, whose
+        # own temporaries are a chunk's working set (counted above), as are the stock pairs the site reads before
+        # it (base_ops.expert_pairs: the experts' pair rows): two [chunk, D] fp32
+        terms["experts site (stock outputs)"] = 2 * min(T, spec.chunk_size) * D * 4
     if nvfp4:  # prepare_nvfp4_forms: a group's e2m1 values, scales, products and dense forms (5 copies, fp32)
         terms["NVFP4 conversion (one group)"] = NVFP4_GROUP * 5 * 4 * cfg.moe_intermediate_size * D
     if world > 1:  # the reference's rank packs its taps into one byte buffer to broadcast them (distributed.Group)

@@ -1,9 +1,10 @@
 """Serving-stack bugs of classes the selftest does not inject, written with the public plugin API as a user would
 (tests/test_serving_bugs.py runs each through `dsv4-drift run tiny-smoke`). Each is a real kind of mistake: a
 window one row short, router weights not renormalised, a cache write that drops part of a row, a cache write one
-slot off."""
+slot off, an expert-parallel MoE that drops the pairs past its capacity."""
 
 import dataclasses
+import math
 
 import torch
 
@@ -57,3 +58,19 @@ def _one_slot_behind(ctx, cache, rows):
     ctx.base(cache=cache, rows=rows)
     stored.length += 1
     return None
+
+
+capacity_drop = Patch("capacity-drop", phases=("prefill", "decode"),
+                      description="expert-parallel MoE drops each expert's pairs past capacity factor 1.25 "
+                                  "(in token order), as a dispatch with a fixed buffer per expert does")
+
+
+@capacity_drop.op("experts")
+def experts_with_capacity(ctx, y, routing):
+    ids = routing.expert_ids
+    tokens, k = ids.shape
+    capacity = math.ceil(1.25 * tokens * k / ctx.cfg.n_routed_experts)
+    onehot = torch.nn.functional.one_hot(ids.flatten(), ctx.cfg.n_routed_experts)
+    place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # each pair's place among its expert's pairs
+    kept = (place < capacity).view(tokens, k)
+    return ctx.base(y=y, routing=dataclasses.replace(routing, weights=routing.weights * kept))
