@@ -84,8 +84,8 @@ sit on the largest elements, the clamped ones."""
 
 CLAMP_SITE_MIN_ALONE = 16
 """Tokens the clamp leaves alone that a judgement needs for the variant's error to be estimated: fewer, and the
-tokens are not judged (nothing is emitted for them). A decode step has one token, so the steps are held and judged
-together at the end of the layer (OptimizedLayer.emit_held_experts)."""
+tokens' clamp is not judged (no clamp rows are emitted for them; the pair site's are). A decode step has one token,
+so the steps are held and judged together at the end of the layer (OptimizedLayer.emit_held_experts)."""
 
 CLAMP_SITE_MISS = 3 / 4
 """p past which a judged token counts as a skipped clamp (p = 0: the clamped result, 1: the unclamped one). A kernel
@@ -139,16 +139,30 @@ def pair_site_loss(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor) 
     others refitted) exceeds PAIR_SITE_DOMINANCE² × the residual's squared norm.
     What it catches is a pair's output lost (an expert-parallel dispatch or a capacity limit dropping it), counted
     twice (a combine reading a slot again), or weighted by another slot's or another scale's weight by half or
-    more — whatever the kernel's precision. fp32, the k×k systems in fp64."""
-    d = (out - stock).float()
-    p = pairs.float()
-    gram = torch.einsum("skd,sjd->skj", p, p).double()
-    rhs = torch.einsum("skd,sd->sk", p, d).double()
+    more — whatever the kernel's precision. In fp64, PAIR_SITE_BLOCK tokens at a time. A token whose output is not
+    finite counts 0 here: the probes' non-finite finding fails the run for it."""
+    return torch.cat([_pair_site_block(out[s : s + PAIR_SITE_BLOCK], stock[s : s + PAIR_SITE_BLOCK],
+                                       pairs[s : s + PAIR_SITE_BLOCK])
+                      for s in range(0, out.shape[0], PAIR_SITE_BLOCK)] or [out.new_zeros(0, dtype=torch.float32)])
+
+
+PAIR_SITE_BLOCK = 1024
+"""Tokens fitted at once: their pairs in fp64 ([block, k, D]: 200 MB at Flash's k = 6, D = 4096)."""
+
+
+def _pair_site_block(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """pair_site_loss over a block of tokens. The Gram matrices in fp64 from the fp32 values (products exact, sums to
+    2^-53): in fp32 their rounding exceeded what separates two nearly collinear pairs (a drop of one of two pairs
+    differing by 1e-3 was counted at 40% of tokens, in fp64 at all)."""
+    d = (out - stock).double()
+    p = pairs.double()
+    gram = torch.einsum("skd,sjd->skj", p, p)
+    rhs = torch.einsum("skd,sd->sk", p, d)
     diag = gram.diagonal(dim1=-2, dim2=-1)
     ridge = 1e-9 * diag.mean(-1, keepdim=True) + torch.finfo(torch.float64).tiny  # a pair of zero output: a = 0
-    inverse = torch.linalg.inv(gram + torch.diag_embed(ridge.expand_as(diag)))
+    inverse = torch.linalg.inv_ex(gram + torch.diag_embed(ridge.expand_as(diag)))[0]  # no error check: no host sync
     a = (inverse @ rhs.unsqueeze(-1)).squeeze(-1)
-    residual = (d - torch.einsum("sk,skd->sd", a.float(), p)).pow(2).sum(-1).double()
+    residual = (d - torch.einsum("sk,skd->sd", a, p)).pow(2).sum(-1)
     # what the fit loses without pair j (the others refitted): a_j² / (G⁻¹)_jj — small where pair j's output is
     # nearly a combination of the others', whose moves could then stand in for its own
     own = a.pow(2) / inverse.diagonal(dim1=-2, dim2=-1)
@@ -751,7 +765,7 @@ class OptimizedLayer:
         clamp_site_miss against the stock op with and without the clamp (0 without a clamp: swiglu_limit ≤ 0, which
         the official code skips; clamp_judged 0 where too few tokens can give the variant's own error)."""
         stock_ctx = self._stock(ctx, False)
-        if op == "experts":  # the stock experts are the sum of these, bit for bit (base_ops.experts)
+        if op == "experts":  # the stock experts are the sum of these, bit for bit (base_ops.experts; asserted below)
             pairs = base_ops.expert_pairs(stock_ctx, **inputs)
             stock = pairs.sum(1)
         else:
@@ -782,6 +796,9 @@ class OptimizedLayer:
                               last.routing.output_scale, last.routing.shared_weight)
             self._judge_experts(sink, last.tap, last.op, last.ctx, torch.cat([h.ctx.positions for h in steps]),
                               torch.cat([h.out for h in steps]), y=torch.cat([h.y for h in steps]), routing=routing)
+
+
+assert BASE_OPS["experts"] is base_ops.experts  # _judge_experts reads the stock experts as base_ops.expert_pairs
 
 
 class OptimizedModel:

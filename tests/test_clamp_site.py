@@ -239,7 +239,6 @@ def test_the_memory_estimate_counts_the_experts_site_of_a_patched_variant():
 
     spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))[0]
     cfg = spec.source.config
-    assert cfg.swiglu_limit > 0
     chunk = min(spec.n_total, spec.chunk_size)
     assert predict_memory(spec).host_terms["experts site (stock outputs)"] == 2 * chunk * cfg.hidden_size * 4
     spec.variants = [v for v in spec.variants if not v.choices]

@@ -4,7 +4,7 @@ compute every pair in low precision.
 
 Expert-parallel dispatch with a fixed buffer per expert, and MoE kernels with a capacity factor, drop the pairs past
 it: a few tokens per layer lose one expert's output, which the MoE's mean error hides (on the CPU demo a capacity
-factor of 1.25 failed one unit of `moe-out-rel-l2-patch`, by 6%). The site fits the variant's move from the stock
+factor of 1.25 failed one unit of `moe-out-rel-l2-patch`, by 6%, and one of `attn-lse-delta-patch` at layer 41). The site fits the variant's move from the stock
 op's output, per token, by the stock op's own pair outputs (optimized.engine.pair_site_loss).
 """
 
@@ -26,8 +26,8 @@ SITES = ("moe.experts.site", "moe.shared.site")
 
 
 def test_pair_site_loss_flags_a_pair_lost_repeated_or_misweighted_by_half_not_rounding():
-    """Unit cases on random pairs (k = 3, D = 64): a token counts where one or more pairs' fitted move |a| exceeds
-    1/2 and stands 4× above the fit's residual."""
+    """Unit cases on random pairs (k = 3, D = 64): a token counts where a pair's coefficient |a| exceeds 1/2 and its
+    own part of the fit stands 8× (in norm) above the fit's residual."""
     g = torch.Generator().manual_seed(0)
     pairs = torch.randn(7, 3, 64, generator=g)
     stock = pairs.sum(1)
@@ -46,6 +46,11 @@ def test_pair_site_loss_flags_a_pair_lost_repeated_or_misweighted_by_half_not_ro
                          torch.cat([pairs[:6], small[None]]))
     assert got.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0], got
     assert pair_site_loss(stock, stock, pairs).tolist() == [0.0] * 7
+    twins = torch.randn(2000, 3, 64, generator=g)
+    twins[:, 1] = twins[:, 0] + 1e-3 * torch.randn(2000, 64, generator=g)  # two nearly collinear pairs, one dropped:
+    twin_stock = twins.sum(1)  # the Gram matrices' own rounding must stay below what tells them apart (fp64)
+    assert pair_site_loss(twin_stock - twins[:, 0], twin_stock, twins).mean() == 1.0
+    assert pair_site_loss(torch.zeros(0, 64), torch.zeros(0, 64), torch.zeros(0, 3, 64)).shape == (0,)
     zero = pairs.clone()
     zero[:, 2] = 0  # a pair whose output is zero (a zero routing weight): no move is its, nothing breaks
     assert pair_site_loss(zero.sum(1), zero.sum(1), zero).tolist() == [0.0] * 7

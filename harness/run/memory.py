@@ -154,11 +154,11 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
         pairs = min(T, spec.chunk_size) * cfg.num_experts_per_tok
         terms["expert GEMM operands (bf16)"] = lanes * 2 * (GROUPED_EXPERTS * cfg.moe_intermediate_size * D
                                                             + pairs * (D + cfg.moe_intermediate_size))
-    if cfg.swiglu_limit > 0 and any(v.choices for v in spec.variants):
+    if any(v.choices for v in spec.variants):
         # the experts site (optimized.engine.OptimizedLayer._judge_experts) of a patched variant's prefill chunk:
-        # the stock op's output and the variant's are held while the stock op runs again without the clamp, whose
-        # own temporaries are a chunk's working set (counted above), as are the stock pairs the site reads before
-        # it (base_ops.expert_pairs: the experts' pair rows): two [chunk, D] fp32
+        # the stock op's output and the variant's are held while the stock op runs again without the clamp (or,
+        # without a clamp, while the pair site fits the stock pairs), whose own temporaries are a chunk's working set
+        # (counted above), as are the stock pairs (base_ops.expert_pairs: the experts' pair rows): two [chunk, D] fp32
         terms["experts site (stock outputs)"] = 2 * min(T, spec.chunk_size) * D * 4
     if nvfp4:  # prepare_nvfp4_forms: a group's e2m1 values, scales, products and dense forms (5 copies, fp32)
         terms["NVFP4 conversion (one group)"] = NVFP4_GROUP * 5 * 4 * cfg.moe_intermediate_size * D
