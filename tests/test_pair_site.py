@@ -26,7 +26,7 @@ SITES = ("moe.experts.site", "moe.shared.site")
 
 
 def test_pair_site_loss_flags_a_pair_lost_repeated_or_misweighted_by_half_not_rounding():
-    """Unit cases on random pairs (k = 3, D = 64): a token counts where a pair's coefficient |a| exceeds 1/2 and its
+    """Unit cases on random pairs (k = 3, D = 64): a token counts where a pair's coefficient |a| exceeds 3/4 and its
     own part of the fit stands 8× (in norm) above the fit's residual."""
     g = torch.Generator().manual_seed(0)
     pairs = torch.randn(7, 3, 64, generator=g)
@@ -37,8 +37,8 @@ def test_pair_site_loss_flags_a_pair_lost_repeated_or_misweighted_by_half_not_ro
     out[2] = 0  # the token lost all its pairs (a dispatch that dropped it)
     noise = torch.randn(64, generator=g)
     out[3] += 0.2 * noise / noise.norm() * stock[3].norm()  # a kernel's rounding, 20% of the output: no pair's move
-    out[4] -= 0.3 * pairs[4, 0]  # a pair's weight 30% low: under half a pair
-    out[5] -= 0.6 * pairs[5, 0]  # 60% low: counted
+    out[4] -= 0.6 * pairs[4, 0]  # a pair's weight 60% low: within what W4A4 rounding reaches (0.74)
+    out[5] -= 0.8 * pairs[5, 0]  # 80% low: counted
     small = pairs[6].clone()
     small[1] *= 0.05  # a pair at 5% of the others, dropped under rounding error 20× its size: not identifiable
     out[6] = small.sum(0) - small[1] + 0.2 * noise / noise.norm() * small.sum(0).norm()
