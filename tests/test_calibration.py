@@ -329,3 +329,17 @@ def test_the_calibrated_2026_12_04_profile_is_the_calibrated_generator_before_it
 
     assert _weights_digests(SyntheticWeights(TINY, 0, "calibrated-2026-12-04")) == CALIBRATED_2026_12_04_TINY
     assert _weights_digests(SyntheticWeights(TINY, 0, "calibrated")) != CALIBRATED_2026_12_04_TINY, "the control"
+
+
+def test_the_generator_fingerprint_tells_the_profiles_apart():
+    """The fingerprint a manifest keeps changes with what the code generates: `calibrated` and `calibrated-2026-12-04`
+    differ only in the SwiGLU clamp channels of the experts (the change that motivated it), and both from
+    `uncalibrated`; a run's own weights give the same as a fresh computation."""
+    from reference.config import TINY
+    from reference.weights.synthetic import generator_fingerprint
+
+    prints = {p: generator_fingerprint(p) for p in ("calibrated", "calibrated-2026-12-04", "uncalibrated")}
+    assert len(set(prints.values())) == 3, prints
+    assert SyntheticWeights(TINY, 3, "calibrated").describe()["generator"] == prints["calibrated"]
+    generator_fingerprint.cache_clear()
+    assert generator_fingerprint("calibrated") == prints["calibrated"]  # made again from scratch: deterministic

@@ -202,6 +202,32 @@ def test_a_resumed_run_or_attribution_that_would_not_fit_is_refused_with_the_num
         assert RunStore(d).completed_layers() == layers[d] and RunStore(d).state_path.is_file()
 
 
+def test_a_run_whose_weights_generator_changed_since_is_not_resumed(tmp_path, capsys):
+    """A manifest names the weights' profile, whose code may change under the same name (`calibrated` did on
+    2026-12-05): it also keeps the generator's fingerprint, and `run --resume` and `attribute --resume` refuse (exit
+    2) when this code's differs — else the layers left would run on other weights. Nothing is computed."""
+    plugin = write(tmp_path / "boom.py", RAISING_PLUGIN)
+    write(tmp_path / "boom.raise", "")
+    run, attr = tmp_path / "run", tmp_path / "attr"
+    common = ["--patches", "boom", "--patch-module", str(plugin), "--no-report", "--threads", "1"]
+    assert main(["run", "tiny-smoke", *common, "--no-local", "--no-gate", "--out", str(run)]) == 3
+    assert main(["attribute", "tiny-smoke", *common, "--interactions", "never", "--out", str(attr)]) == 3
+    capsys.readouterr()
+    layers = {}
+    for d in (run, attr):
+        store = RunStore(d)
+        model = store.read_manifest()["model"]
+        assert len(model["weights"]["generator"]) == 16, model["weights"]
+        store.update_manifest(model={**model, "weights": {**model["weights"], "generator": "0123456789abcdef"}})
+        layers[d] = store.completed_layers()
+    assert main(["run", "--resume", str(run), "--no-report", "--no-gate"]) == 2
+    assert "generator changed since the run began" in one_line_error(capsys, "run")
+    assert main(["attribute", "--resume", str(attr), "--no-report"]) == 2
+    assert "generator changed since the run began" in one_line_error(capsys, "attribute")
+    for d in (run, attr):
+        assert RunStore(d).completed_layers() == layers[d] and RunStore(d).state_path.is_file()
+
+
 def test_an_attribution_interrupted_in_its_pair_pass_resumes_there(tmp_path, capsys, monkeypatch):
     """Ctrl-C in the interaction pass's layer 2: --resume skips the complete first pass, continues the pair pass from
     its saved state, and concludes with what an uninterrupted attribution gives."""

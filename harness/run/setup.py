@@ -145,6 +145,24 @@ def spec_from_manifest(manifest: dict[str, Any], device: str | None = None) -> R
     return spec
 
 
+def resume_problem(manifest: dict[str, Any], spec: RunSpec) -> str | None:
+    """Why a run rebuilt from its manifest as `spec` cannot continue where it stopped, or None: its scenario now
+    resolves to another prompt, or its synthetic weights' generator fingerprint
+    (reference.weights.synthetic.generator_fingerprint) differs from the manifest's — the code now makes other weights
+    under the same profile name, and the layers left would run on them. Manifests written before the fingerprint
+    existed (2026-12-05) are not checked for it."""
+    if prompt_digest(spec.prompt_ids) != manifest["prompt"]["digest"]:
+        return "the scenario now resolves to a different prompt"
+    was = ((manifest.get("model") or {}).get("weights") or {}).get("generator")
+    now = spec.source.describe().get("generator")
+    if was is None or was == now:
+        return None
+    profile = manifest["model"]["weights"].get("profile")
+    return (f"the synthetic weights' generator changed since the run began (profile {profile!r}: fingerprint {was}, "
+            f"now {now}), so the layers left would run on other weights than the layers done; rerun it, or resume it "
+            "with the code it began with")
+
+
 def manifest_for(scenario: Scenario, scenario_text: str, overrides: Overrides, spec: RunSpec,
                  plan: PromptPlan) -> dict[str, Any]:
     """Everything needed to read, trust and resume the run (issue: manifest.json)."""

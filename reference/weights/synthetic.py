@@ -20,11 +20,13 @@ the exact dequantization, as with the real checkpoint, so the weight format is n
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 
 import torch
 
-from reference.config import ModelConfig
+from reference.config import FLASH_MINI, TINY, ModelConfig
 from reference.quant import quantize_fp4_mx32, quantize_fp8_block128
 from reference.weights import profiles, retrieval
 from reference.weights.hashing import CHUNK, hash_u32, normal_of_hash, standard_normal, stream_key, uniform_int, uniforms
@@ -41,6 +43,33 @@ ATTENTION_INPUT_PROJECTIONS = ("attn.wq_a.weight", "attn.wkv.weight", "attn.comp
 """Projections of the attention input into queries, keys and compressed rows (calibrated profile)."""
 
 
+@functools.lru_cache(maxsize=None)
+def generator_fingerprint(profile: str) -> str:
+    """What this code generates under `profile`, in 16 hex digits: sha256 of the stored bytes (codes and scales) of
+    tiny's weights at seed 0 — its top level, its five layers (SWA, CSA and HCA, hash routing) and every embedding row
+    — and of flash-mini's layer 4 (a planted retrieval circuit; tiny has none). A profile's name stays while its code
+    may change (`calibrated` gained its SwiGLU clamp channels on 2026-12-05), and a run's manifest names the profile:
+    the fingerprint beside it lets `--resume` refuse to continue a run on weights other than the ones it started on.
+    Made once per process and profile (~1 s on one CPU core)."""
+    digest = hashlib.sha256()
+
+    def add(value: Stored | torch.Tensor) -> None:
+        parts = (value,) if isinstance(value, torch.Tensor) else (value.codes, value.scale, value.global_scale,
+                                                                  value.input_scale)
+        for part in parts:
+            if part is not None:
+                digest.update(part.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+
+    tiny, mini = SyntheticWeights(TINY, 0, profile), SyntheticWeights(FLASH_MINI, 0, profile)
+    bundles = [tiny.top_level()] + [tiny.layer(layer) for layer in range(TINY.num_hidden_layers)] + [mini.layer(4)]
+    for bundle in bundles:
+        for name in sorted(bundle.names()):
+            digest.update(name.encode())
+            add(bundle.stored(name))
+    add(tiny.embed_rows(torch.arange(TINY.vocab_size)))
+    return digest.hexdigest()[:16]
+
+
 class SyntheticWeights:
     """A `WeightSource` of deterministic synthetic weights for any `ModelConfig`."""
 
@@ -52,7 +81,7 @@ class SyntheticWeights:
 
     def describe(self) -> dict[str, object]:
         out: dict[str, object] = {"kind": "synthetic", "seed": self.seed, "model": self.config.name,
-                                  "profile": self.profile.name}
+                                  "profile": self.profile.name, "generator": generator_fingerprint(self.profile.name)}
         if self.retrieval is not None:
             out["retrieval_layers"] = {str(layer): offset for layer, offset in self.retrieval.layers.items()}
         return out

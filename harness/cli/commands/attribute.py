@@ -20,7 +20,7 @@ from harness.errors import UsageError
 from harness.run.distributed import run_sharded, shared_gpu_note
 from harness.run.memory import check_fits
 from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
-                               prompt_digest, shadowing_warnings, spec_from_manifest)
+                               resume_problem, shadowing_warnings, spec_from_manifest)
 from harness.run.runner import RunSpec, VariantSpec
 from harness.scenario import find_scenario, load_scenario
 from harness.run.store import RunStore
@@ -153,8 +153,9 @@ def resume(run_dir: Path, manifest: dict, policy: str | None, device: str | None
     the attribution's own setting."""
     store = RunStore(run_dir)
     spec = spec_from_manifest(manifest, device)
-    if prompt_digest(spec.prompt_ids) != manifest["prompt"]["digest"]:
-        raise UsageError(f"--resume {run_dir}: the scenario now resolves to a different prompt; cannot resume")
+    problem = resume_problem(manifest, spec)
+    if problem:
+        raise UsageError(f"--resume {run_dir}: {problem}; cannot resume")
     choices = patches_of(spec)
     if [c.id for c in choices] != manifest["attribution"]["patches"]:
         raise UsageError(f"--resume {run_dir}: the run attributed {manifest['attribution']['patches']}, its scenario "

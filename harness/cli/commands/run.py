@@ -19,7 +19,7 @@ from harness.run.distributed import (Group, RankFailed, RunRecipe, first_reporte
                                      record_rank_failure, run_share, run_sharded, shared_gpu_note)
 from harness.run.memory import check_fits
 from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
-                               prompt_digest, shadowing_warnings, spec_from_manifest)
+                               resume_problem, shadowing_warnings, spec_from_manifest)
 from harness.run.runner import LockstepRunner, RunSpec
 from harness.scenario import find_scenario, load_scenario
 from harness.run.store import RunStore
@@ -220,8 +220,9 @@ def _resume(store: RunStore, manifest: dict, args: argparse.Namespace
             ) -> tuple[RunSpec, RunStore, int, dict[str, torch.Tensor] | None]:
     """An interrupted or failed run, rebuilt from its manifest, from the layer after its saved state."""
     spec = spec_from_manifest(manifest, args.device)
-    if prompt_digest(spec.prompt_ids) != manifest["prompt"]["digest"]:
-        raise UsageError(f"--resume {store.dir}: the scenario now resolves to a different prompt; cannot resume")
+    problem = resume_problem(manifest, spec)
+    if problem:
+        raise UsageError(f"--resume {store.dir}: {problem}; cannot resume")
     start, streams = 0, None
     if store.state_path.is_file():
         done, streams = store.load_streams()
