@@ -180,11 +180,8 @@ def test_an_attribution_that_stopped_resumes_to_the_uninterrupted_result(tmp_pat
     assert main(["attribute", "tiny-smoke", "--resume", str(out)]) == 2
 
 
-def test_a_resumed_run_or_attribution_that_would_not_fit_is_refused_with_the_numbers(tmp_path, capsys, monkeypatch):
-    """A stopped run may be resumed on another machine: `run --resume` and `attribute --resume` check the memory
-    estimate as a new run does, and refuse (exit 2) before computing anything; the run stays resumable."""
-    import harness.run.memory as memory
-
+def _stopped_run_and_attribution(tmp_path, capsys) -> tuple[Path, Path]:
+    """A run and an attribution of tiny-smoke stopped by a plugin that raises (exit 3), each resumable."""
     plugin = write(tmp_path / "boom.py", RAISING_PLUGIN)
     write(tmp_path / "boom.raise", "")
     run, attr = tmp_path / "run", tmp_path / "attr"
@@ -192,6 +189,15 @@ def test_a_resumed_run_or_attribution_that_would_not_fit_is_refused_with_the_num
     assert main(["run", "tiny-smoke", *common, "--no-local", "--no-gate", "--out", str(run)]) == 3
     assert main(["attribute", "tiny-smoke", *common, "--interactions", "never", "--out", str(attr)]) == 3
     capsys.readouterr()
+    return run, attr
+
+
+def test_a_resumed_run_or_attribution_that_would_not_fit_is_refused_with_the_numbers(tmp_path, capsys, monkeypatch):
+    """A stopped run may be resumed on another machine: `run --resume` and `attribute --resume` check the memory
+    estimate as a new run does, and refuse (exit 2) before computing anything; the run stays resumable."""
+    import harness.run.memory as memory
+
+    run, attr = _stopped_run_and_attribution(tmp_path, capsys)
     layers = {d: RunStore(d).completed_layers() for d in (run, attr)}
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 0.1 * 2**30)
     assert main(["run", "--resume", str(run), "--no-report", "--no-gate"]) == 2
@@ -206,13 +212,7 @@ def test_a_run_whose_weights_generator_changed_since_is_not_resumed(tmp_path, ca
     """A manifest names the weights' profile, whose code may change under the same name (`calibrated` did on
     2026-12-05): it also keeps the generator's fingerprint, and `run --resume` and `attribute --resume` refuse (exit
     2) when this code's differs — else the layers left would run on other weights. Nothing is computed."""
-    plugin = write(tmp_path / "boom.py", RAISING_PLUGIN)
-    write(tmp_path / "boom.raise", "")
-    run, attr = tmp_path / "run", tmp_path / "attr"
-    common = ["--patches", "boom", "--patch-module", str(plugin), "--no-report", "--threads", "1"]
-    assert main(["run", "tiny-smoke", *common, "--no-local", "--no-gate", "--out", str(run)]) == 3
-    assert main(["attribute", "tiny-smoke", *common, "--interactions", "never", "--out", str(attr)]) == 3
-    capsys.readouterr()
+    run, attr = _stopped_run_and_attribution(tmp_path, capsys)
     layers = {}
     for d in (run, attr):
         store = RunStore(d)
