@@ -171,6 +171,45 @@ def _pair_site_block(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor
     return wrong.any(-1).float()
 
 
+EXPERT_BIAS_FLOOR = 1 / 4
+"""|median a| past which an expert counts: most of its pairs in the call scaled by 1/4 or more against the stock
+expert's output on the same inputs (a scale read for another block, another expert's weights). Measured on the
+calibrated CPU demo: the W4A4 experts of nvfp4-experts (correct) bias some experts' *mean* coefficient by up to 0.18
+(pairs where one intermediate channel makes the output and FP4 rounds it), far beyond its standard error; a mean
+test flagged them. The median takes most of an expert's pairs to move."""
+
+EXPERT_BIAS_MIN_PAIRS = 16
+"""Pairs an expert needs in a call for its median to be judged (a decode step gives one token: a layer's steps are
+judged together, and at Flash's 256 experts most experts still get too few of them there)."""
+
+
+def expert_site_bias(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor, expert_ids: torch.Tensor,
+                     n_experts: int) -> torch.Tensor:
+    """Per token, 1 where one of its experts' outputs is scaled at most of that expert's pairs against the stock op's
+    on the same inputs: each pair's coefficient a = ⟨d, pair⟩/‖pair‖² (d = out − stock: what the variant added along
+    the pair's own output; −1 the pair lost, −1/2 it halved), its median over the call's pairs of each expert; an
+    expert counts where |median| > EXPERT_BIAS_FLOOR with at least EXPERT_BIAS_MIN_PAIRS pairs. What the pair site
+    leaves (a move under 3/4 of a pair) is judged here over the expert's tokens: a loader bug confined to one expert
+    of 256 touches ~2% of a layer's tokens, which the MoE's mean error hides. `pairs` [S, k, D] in (token, slot)
+    order, `expert_ids` [S, k] (the shared expert: k = 1, one expert). On the device, no host sync."""
+    d = (out - stock).double()
+    p = pairs.double()
+    norms = p.pow(2).sum(-1)
+    a = (torch.einsum("skd,sd->sk", p, d) / norms.clamp_min(torch.finfo(torch.float64).tiny)).flatten()
+    ids = expert_ids.flatten().long()
+    use = (norms.flatten() > 0) & torch.isfinite(a)
+    ids = torch.where(use, ids, torch.full_like(ids, n_experts))  # unusable pairs: an extra group, never judged
+    order = torch.sort(a.nan_to_num(0.0), stable=True).indices  # by a, then (stable) by expert: each expert's
+    order = order[torch.sort(ids[order], stable=True).indices]  # coefficients ascending, experts in turn
+    counts = torch.bincount(ids, minlength=n_experts + 1)
+    starts = torch.cumsum(counts, 0) - counts
+    at = (starts + counts // 2).clamp_max(max(a.numel() - 1, 0))[:n_experts]
+    median = a[order][at] if a.numel() else torch.zeros(n_experts, dtype=a.dtype, device=a.device)
+    biased = (counts[:n_experts] >= EXPERT_BIAS_MIN_PAIRS) & (median.abs() > EXPERT_BIAS_FLOOR)
+    biased = torch.cat([biased, biased.new_zeros(1)])  # the unusable group
+    return biased[ids].view(expert_ids.shape).any(-1).float()
+
+
 def post_site_excess(out: torch.Tensor, stock: torch.Tensor, f: torch.Tensor, streams: torch.Tensor,
                      post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Per token, the share of hc_post's n·D outputs X'[k] = post_k·f + Σ_j C[j,k]·X[j] (spec §3.2: fp32 math,
@@ -753,7 +792,7 @@ class OptimizedLayer:
         if sink.wants(tap):
             if stock_only:
                 zeros = torch.zeros(ctx.positions.shape[0], device=ctx.positions.device)
-                sink.emit(tap, ctx.positions, lost=zeros, miss=zeros, clamp_judged=zeros + 1)
+                sink.emit(tap, ctx.positions, lost=zeros, biased=zeros, miss=zeros, clamp_judged=zeros + 1)
             elif ctx.phase == "decode":
                 self._held_experts.append(_HeldExperts.kept(tap, op, ctx, out, inputs["y"], inputs["routing"]))
             else:
@@ -769,17 +808,20 @@ class OptimizedLayer:
         if op == "experts":  # the stock experts are the sum of these, bit for bit (base_ops.experts; asserted below)
             pairs = base_ops.expert_pairs(stock_ctx, **inputs)
             stock = pairs.sum(1)
-        else:
+            expert_ids, n_experts = inputs["routing"].expert_ids, self.cfg.n_routed_experts
+        else:  # the shared expert: one pair, one expert
             stock = stock_ctx.call(op, **inputs)
             pairs = stock.unsqueeze(1)
+            expert_ids, n_experts = torch.zeros(stock.shape[0], 1, dtype=torch.long, device=stock.device), 1
         lost = pair_site_loss(out, stock, pairs)
+        biased = expert_site_bias(out, stock, pairs, expert_ids, n_experts)
         del pairs  # [S, k, D]: not held while the stock op runs again
         miss = None
         if self.cfg.swiglu_limit > 0:
             unclamped = ctx.with_fields(cfg=dataclasses.replace(ctx.cfg, swiglu_limit=0.0))
             miss = clamp_site_miss(out, stock, self._stock(unclamped, False).call(op, **inputs))
         judged = torch.full_like(lost, float(miss is not None or self.cfg.swiglu_limit <= 0))
-        sink.emit(tap, positions, lost=lost, miss=torch.zeros_like(lost) if miss is None else miss,
+        sink.emit(tap, positions, lost=lost, biased=biased, miss=torch.zeros_like(lost) if miss is None else miss,
                   clamp_judged=judged)
 
     def emit_held_experts(self, sink: ProbeSink) -> None:

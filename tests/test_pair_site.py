@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from optimized.engine import OptimizedModel, pair_site_loss
+from optimized.engine import OptimizedModel, expert_site_bias, pair_site_loss
 from optimized.patching import Patch, PatchChoice
 from optimized.registry import default_registry
 from reference.config import TINY
@@ -56,10 +56,34 @@ def test_pair_site_loss_flags_a_pair_lost_repeated_or_misweighted_by_half_not_ro
     assert pair_site_loss(zero.sum(1), zero.sum(1), zero).tolist() == [0.0] * 7
 
 
-class _LossSink:
-    """Keeps the pair site's per-token flags, per tap and position."""
+def test_expert_site_bias_flags_an_expert_scaled_at_most_of_its_pairs():
+    """Unit cases (4 experts, k = 3 of them per token, D = 32): rounding-like noise on every token flags nothing; one
+    expert's pairs halved flags exactly the tokens routed to it; an expert with 15 pairs is not judged; a minority
+    of an expert's pairs lost moves its median by nothing."""
+    g = torch.Generator().manual_seed(0)
+    pairs = torch.randn(400, 3, 32, generator=g)
+    stock = pairs.sum(1)
+    ids = torch.stack([torch.randperm(4, generator=g)[:3] for _ in range(400)])
+    noisy = stock + 0.05 * stock.norm(dim=-1, keepdim=True) * torch.randn(400, 32, generator=g) / 32 ** 0.5
+    assert expert_site_bias(noisy, stock, pairs, ids, 4).sum() == 0
+    routed = (ids == 2).float()
+    halved = stock - 0.5 * (pairs * routed[..., None]).sum(1)
+    assert torch.equal(expert_site_bias(halved, stock, pairs, ids, 4), routed.amax(-1))
+    few = (ids == 2).any(-1).nonzero().squeeze(-1)[15:]  # keep only 15 of expert 2's tokens
+    keep = torch.ones(400, dtype=torch.bool)
+    keep[few] = False
+    assert expert_site_bias(halved[keep], stock[keep], pairs[keep], ids[keep], 4).sum() == 0
+    lost = stock.clone()
+    minority = (ids == 1).any(-1).nonzero().squeeze(-1)[::3]  # a third of expert 1's tokens lose its pair
+    lost[minority] -= (pairs[minority] * (ids[minority] == 1).float()[..., None]).sum(1)
+    assert expert_site_bias(lost, stock, pairs, ids, 4).sum() == 0
 
-    def __init__(self) -> None:
+
+class _LossSink:
+    """Keeps the pair site's and the expert site's per-token flags, per tap and position."""
+
+    def __init__(self, field: str = "lost") -> None:
+        self.field = field
         self.lost: dict[str, dict[int, float]] = {tap: {} for tap in SITES}
 
     def wants(self, tap: str) -> bool:
@@ -69,12 +93,12 @@ class _LossSink:
         return torch.zeros_like(positions, dtype=torch.bool)
 
     def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
-        self.lost[tap].update(zip(positions.tolist(), values["lost"].tolist()))
+        self.lost[tap].update(zip(positions.tolist(), values[self.field].tolist()))
 
 
-def _loss_rates(choices: list[PatchChoice], decode: int = 4) -> dict[str, dict[str, float]]:
-    """Share of tokens each site flags, prefill and decode apart, over tiny's five layers (96 prompt tokens in one
-    chunk, `decode` steps), each layer on the stock engine's input."""
+def _loss_rates(choices: list[PatchChoice], decode: int = 4, field: str = "lost") -> dict[str, dict[str, float]]:
+    """Share of tokens each site flags in `field`, prefill and decode apart, over tiny's five layers (96 prompt
+    tokens in one chunk, `decode` steps), each layer on the stock engine's input."""
     source = SyntheticWeights(TINY, 0)
     stock, model = OptimizedModel(source, []), OptimizedModel(source, choices)
     n = 96 + decode
@@ -82,7 +106,7 @@ def _loss_rates(choices: list[PatchChoice], decode: int = 4) -> dict[str, dict[s
     segments, x = segment_lengths(96, decode, 96), stock.embed(ids)
     flags: dict[str, dict[str, list[float]]] = {tap: {"prefill": [], "decode": []} for tap in SITES}
     for layer in range(TINY.num_hidden_layers):
-        sink = _LossSink()
+        sink = _LossSink(field)
         model.run_layer(model.layer(layer), x, ids, segments, 96, sink)
         x = stock.run_layer(stock.layer(layer), x, ids, segments, 96)
         for tap, by_position in sink.lost.items():
@@ -129,3 +153,21 @@ def test_the_pair_site_fails_experts_that_drop_or_repeat_pairs_and_passes_correc
 
     doubled = _loss_rates([_patch("first-twice", "experts", twice, ("decode",))])
     assert doubled["moe.experts.site"] == {"prefill": 0.0, "decode": 1.0}, doubled
+
+
+def test_the_expert_site_fails_an_expert_loaded_at_half_scale_and_passes_correct_experts():
+    """On tiny (five layers, 96 prefill tokens): a loader that dequantizes expert 0's w2 at half its scale is flagged
+    at the tokens routed to expert 0, in prefill (4 decode steps give expert 0 fewer than 16 pairs); the stock ops
+    and the W4A4 experts of nvfp4-experts at none; the pair site does not see the half (a = −1/2 < 3/4)."""
+    zero = {tap: {"prefill": 0.0, "decode": 0.0} for tap in SITES}
+    assert _loss_rates([], field="biased") == zero
+    assert _loss_rates(default_registry().choose("nvfp4-experts"), field="biased") == zero
+
+    def half(ctx, name, fmt):
+        w = ctx.base(name=name, fmt=fmt)
+        return w * 0.5 if name == "ffn.experts.0.w2.weight" else w
+
+    choice = _patch("expert-0-half", "load_weight", half)
+    biased = _loss_rates([choice], field="biased")
+    assert 0.05 < biased["moe.experts.site"]["prefill"] < 0.9 and biased["moe.shared.site"] == zero["moe.shared.site"]
+    assert _loss_rates([choice])["moe.experts.site"]["prefill"] == 0.0, "the pair site's share is 3/4"

@@ -19,7 +19,7 @@ PLUGIN = Path(__file__).resolve().parent / "data" / "serving_bugs.py"
 
 @pytest.mark.parametrize("patch, phase", [("window-short", "decode"), ("no-renorm", "prefill"),
                                           ("kv-rope-dropped", "decode"), ("kv-overwrite", "decode"),
-                                          ("capacity-drop", "prefill")])
+                                          ("capacity-drop", "prefill"), ("expert-scale", "prefill")])
 def test_a_serving_bug_fails_the_gate_and_is_triaged_to_its_patch_and_phase(tmp_path, patch, phase):
     out = tmp_path / "run"
     code = main(["run", "tiny-smoke", "--patches", patch, "--patch-module", str(PLUGIN), "--threads", "1",

@@ -155,6 +155,8 @@ METRICS: dict[str, MetricRule] = {
     "moe.clamp_site_miss": MetricRule(_EXPERTS_SITES, "upper", _ONE_POSITION, decisions="1"),
     # a token whose experts output lacks, repeats or misweighs a whole pair's contribution: one of the unit's positions
     "moe.pair_site_loss": MetricRule(_EXPERTS_SITES, "upper", _ONE_POSITION, decisions="1"),
+    # a token routed to an expert whose output is scaled at most of its pairs: one of the unit's positions
+    "moe.expert_site_bias": MetricRule(_EXPERTS_SITES, "upper", _ONE_POSITION, decisions="1"),
     "moe.twin_flip_rate": MetricRule(("moe.router.site",), "descriptive", None),
     "moe.twin_weight_err": MetricRule(("moe.router.site",), "descriptive", None),
     "mhc.twin_rel_err": MetricRule(_HC_SITES, "descriptive", None),

@@ -99,6 +99,8 @@ METRICS: dict[str, MetricInfo] = {
                                       "linear"),
     "moe.pair_site_loss": MetricInfo("moe", "MoE pair site: tokens missing, repeating or misweighing a pair",
                                      "lower", "linear"),
+    "moe.expert_site_bias": MetricInfo("moe", "MoE expert site: tokens routed to an expert scaled at most tokens",
+                                       "lower", "linear"),
     "attn.kv_site_mismatch": MetricInfo("attention", "KV cache site: rows that read back other than written", "lower",
                                         "linear"),
     "mhc.post_site_excess": MetricInfo("mhc", "mHC post site: outputs beyond fp32 rounding of the stock hc_post",

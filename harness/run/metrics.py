@@ -12,7 +12,7 @@ attn.{tv,kl,js,out_rel_l2,lse_delta,max_logit_delta}, indexer.{recall,mass_recal
 mhc.{pre_rel_err,post_rel_err,comb_rel_err,ds_residual}, moe.{flip_rate,weight_l1,out_rel_l2},
 the fp32 decision sites mhc.{site_rel_err,twin_rel_err,site_ds_residual,post_site_excess},
 moe.{site_flip_rate,twin_flip_rate,site_weight_err,twin_weight_err}, indexer.{site_recall,twin_recall,site_margin_loss,site_future},
-attn.{site_lse_err,twin_lse_err,kv_site_mismatch}, moe.{clamp_site_miss,pair_site_loss},
+attn.{site_lse_err,twin_lse_err,kv_site_mismatch}, moe.{clamp_site_miss,pair_site_loss,expert_site_bias},
 logits.{kl,top1_agree,top1_flip_strict}, ctx.{earlier_turn_mass_ref,earlier_turn_mass_opt,needle_mass_ref,
 needle_mass_opt,earlier_turn_recall,needle_recall,earlier_turn_pick_share,needle_pick_share}, compressor.rows_rel_l2,
 indexer.rows_rel_l2; the needle answers (ctx.needle_answer, …) come from harness.run.needles.
@@ -326,9 +326,11 @@ def compare_experts_site(pos, ref, var, ctx) -> list[MetricValues]:
     expert) output lacks, repeats or misweighs a whole pair's contribution of the stock op on the same input
     (optimized.engine.pair_site_loss), and `moe.clamp_site_miss`, 1 where it took the other side of the SwiGLU
     clamp's decision (optimized.engine.clamp_site_miss) — at the tokens whose call could judge the clamp only (both
-    computed where the tensors are)."""
+    computed where the tensors are); and `moe.expert_site_bias`, 1 where the token is routed to an expert whose
+    output the variant scales at most of the call's pairs of that expert (optimized.engine.expert_site_bias)."""
     judged = var["clamp_judged"] > 0
-    out = [MetricValues("moe.pair_site_loss", pos, _f64(var["lost"]))]
+    out = [MetricValues("moe.pair_site_loss", pos, _f64(var["lost"])),
+           MetricValues("moe.expert_site_bias", pos, _f64(var["biased"]))]
     if bool(judged.all()):
         out.append(MetricValues("moe.clamp_site_miss", pos, _f64(var["miss"])))
     elif bool(judged.any()):

@@ -1,7 +1,7 @@
 """Serving-stack bugs of classes the selftest does not inject, written with the public plugin API as a user would
 (tests/test_serving_bugs.py runs each through `dsv4-drift run tiny-smoke`). Each is a real kind of mistake: a
 window one row short, router weights not renormalised, a cache write that drops part of a row, a cache write one
-slot off, an expert-parallel MoE that drops the pairs past its capacity."""
+slot off, an expert-parallel MoE that drops the pairs past its capacity, a loader that scales one expert wrongly."""
 
 import dataclasses
 import math
@@ -74,3 +74,14 @@ def experts_with_capacity(ctx, y, routing):
     place = (onehot.cumsum(0) * onehot).sum(-1) - 1  # each pair's place among its expert's pairs
     kept = (place < capacity).view(tokens, k)
     return ctx.base(y=y, routing=dataclasses.replace(routing, weights=routing.weights * kept))
+
+
+expert_scale = Patch("expert-scale", phases=("prefill", "decode"),
+                     description="the loader dequantizes expert 0's w2 with half its scale (a scale read for another "
+                                 "block): one expert of many, a few tokens of each layer")
+
+
+@expert_scale.op("load_weight")
+def load_with_one_scale_wrong(ctx, name, fmt):
+    weight = ctx.base(name=name, fmt=fmt)
+    return weight * 0.5 if name == "ffn.experts.0.w2.weight" else weight

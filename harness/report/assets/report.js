@@ -788,7 +788,8 @@
     'mhc.post_site_excess@ffn.hc.post.site', 'moe.site_flip_rate', 'moe.site_weight_err',
     'indexer.site_recall', 'indexer.site_margin_loss', 'indexer.site_future', 'attn.site_lse_err', 'attn.kv_site_mismatch',
     'moe.clamp_site_miss@moe.experts.site', 'moe.clamp_site_miss@moe.shared.site', 'moe.clamp_site_miss',
-    'moe.pair_site_loss@moe.experts.site', 'moe.pair_site_loss@moe.shared.site', 'moe.pair_site_loss'];
+    'moe.pair_site_loss@moe.experts.site', 'moe.pair_site_loss@moe.shared.site', 'moe.pair_site_loss',
+    'moe.expert_site_bias@moe.experts.site', 'moe.expert_site_bias@moe.shared.site', 'moe.expert_site_bias'];
   section('layers', 'Per-layer drift', function (el) {
     var st = { variant: FOCUS, mode: 'global', agg: 'mean', phase: 'both', sort: null, asc: false };
     var cols = TABLE_COLUMNS.filter(function (k) { return D.metrics && D.metrics[k]; });
