@@ -188,26 +188,35 @@ def expert_site_bias(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor
     """Per token, 1 where one of its experts' outputs is scaled at most of that expert's pairs against the stock op's
     on the same inputs: each pair's coefficient a = ⟨d, pair⟩/‖pair‖² (d = out − stock: what the variant added along
     the pair's own output; −1 the pair lost, −1/2 it halved), its median over the call's pairs of each expert; an
-    expert counts where |median| > EXPERT_BIAS_FLOOR with at least EXPERT_BIAS_MIN_PAIRS pairs. What the pair site
-    leaves (a move under 3/4 of a pair) is judged here over the expert's tokens: a loader bug confined to one expert
-    of 256 touches ~2% of a layer's tokens, which the MoE's mean error hides. `pairs` [S, k, D] in (token, slot)
-    order, `expert_ids` [S, k] (the shared expert: k = 1, one expert). On the device, no host sync."""
-    d = (out - stock).double()
-    p = pairs.double()
-    norms = p.pow(2).sum(-1)
-    a = (torch.einsum("skd,sd->sk", p, d) / norms.clamp_min(torch.finfo(torch.float64).tiny)).flatten()
-    ids = expert_ids.flatten().long()
-    use = (norms.flatten() > 0) & torch.isfinite(a)
-    ids = torch.where(use, ids, torch.full_like(ids, n_experts))  # unusable pairs: an extra group, never judged
-    order = torch.sort(a.nan_to_num(0.0), stable=True).indices  # by a, then (stable) by expert: each expert's
-    order = order[torch.sort(ids[order], stable=True).indices]  # coefficients ascending, experts in turn
-    counts = torch.bincount(ids, minlength=n_experts + 1)
-    starts = torch.cumsum(counts, 0) - counts
-    at = (starts + counts // 2).clamp_max(max(a.numel() - 1, 0))[:n_experts]
-    median = a[order][at] if a.numel() else torch.zeros(n_experts, dtype=a.dtype, device=a.device)
-    biased = (counts[:n_experts] >= EXPERT_BIAS_MIN_PAIRS) & (median.abs() > EXPERT_BIAS_FLOOR)
-    biased = torch.cat([biased, biased.new_zeros(1)])  # the unusable group
+    expert counts where both middle values of its coefficients pass EXPERT_BIAS_FLOOR on the same side (more than half
+    of its pairs moved that way), with at least EXPERT_BIAS_MIN_PAIRS pairs. What the pair site leaves (a move under
+    3/4 of a pair) is judged here over the expert's tokens: a loader bug confined to one expert of 256 touches ~2% of
+    a layer's tokens, which the MoE's mean error hides. `pairs` [S, k, D] in (token, slot) order, `expert_ids` [S, k]
+    (the shared expert: k = 1, one expert). The coefficients in fp64, PAIR_SITE_BLOCK tokens at a time; the grouping
+    by sorting and searchsorted, on the device, without a host sync."""
+    a = torch.cat([_pair_coefficients(out[s : s + PAIR_SITE_BLOCK], stock[s : s + PAIR_SITE_BLOCK],
+                                      pairs[s : s + PAIR_SITE_BLOCK]) for s in range(0, out.shape[0], PAIR_SITE_BLOCK)]
+                  or [torch.zeros(0, pairs.shape[1], dtype=torch.float64, device=out.device)]).flatten()
+    usable = torch.isfinite(a)  # a pair of zero output (a zero routing weight) gives NaN: an extra group, never judged
+    ids = torch.where(usable, expert_ids.flatten().long(), torch.full_like(expert_ids.flatten().long(), n_experts))
+    order = torch.sort(a.nan_to_num(0.0, 0.0, 0.0), stable=True).indices  # by a, then (stable) by expert: each
+    order = order[torch.sort(ids[order], stable=True).indices]  # expert's coefficients ascending, experts in turn
+    sorted_ids, sorted_a = ids[order], a[order]
+    groups = torch.arange(n_experts + 1, device=ids.device)
+    starts = torch.searchsorted(sorted_ids, groups)
+    counts = torch.searchsorted(sorted_ids, groups, right=True) - starts
+    last = max(a.numel() - 1, 0)
+    lo = sorted_a[(starts + (counts - 1).clamp_min(0) // 2).clamp_max(last)] if a.numel() else starts.double()
+    hi = sorted_a[(starts + counts // 2).clamp_max(last)] if a.numel() else starts.double()
+    moved = ((lo > EXPERT_BIAS_FLOOR) & (hi > EXPERT_BIAS_FLOOR)) | ((lo < -EXPERT_BIAS_FLOOR) & (hi < -EXPERT_BIAS_FLOOR))
+    biased = (counts >= EXPERT_BIAS_MIN_PAIRS) & moved & (groups < n_experts)
     return biased[ids].view(expert_ids.shape).any(-1).float()
+
+
+def _pair_coefficients(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """a = ⟨out − stock, pair⟩/‖pair‖² per (token, slot) [S, k], in fp64; NaN for a pair of zero output."""
+    p = pairs.double()
+    return torch.einsum("skd,sd->sk", p, (out - stock).double()) / p.pow(2).sum(-1)
 
 
 def post_site_excess(out: torch.Tensor, stock: torch.Tensor, f: torch.Tensor, streams: torch.Tensor,
@@ -784,7 +793,8 @@ class OptimizedLayer:
 
     def _experts_site(self, ctx: OpContext, sink: ProbeSink, tap: str, op: str, **inputs: Any) -> torch.Tensor:
         """`op` (experts or shared_expert), and its site `tap`, against the stock op on the same inputs: per token,
-        `lost` (pair_site_loss: a pair's contribution lost, repeated or misweighted) and `miss` (clamp_site_miss: the
+        `lost` (pair_site_loss: a pair's contribution lost, repeated or misweighted), `biased` (expert_site_bias: the
+        token's expert scaled at most of its pairs) and `miss` (clamp_site_miss: the
         unclamped side of the SwiGLU clamp's decision), with `clamp_judged` (0 where too few tokens give the variant's
         own error to judge the clamp). No patch ran: 0 by construction (the stock op on the same inputs), not
         computed. A decode step's result is held and judged with the layer's other steps (emit_held_experts)."""
@@ -801,8 +811,8 @@ class OptimizedLayer:
 
     def _judge_experts(self, sink: ProbeSink, tap: str, op: str, ctx: OpContext, positions: torch.Tensor,
                        out: torch.Tensor, **inputs: Any) -> None:
-        """Emit `tap`: pair_site_loss of the variant's `out` against the stock op's pairs on `inputs` in `ctx`, and
-        clamp_site_miss against the stock op with and without the clamp (0 without a clamp: swiglu_limit ≤ 0, which
+        """Emit `tap`: pair_site_loss and expert_site_bias of the variant's `out` against the stock op's pairs on
+        `inputs` in `ctx`, and clamp_site_miss against the stock op with and without the clamp (0 without a clamp: swiglu_limit ≤ 0, which
         the official code skips; clamp_judged 0 where too few tokens can give the variant's own error)."""
         stock_ctx = self._stock(ctx, False)
         if op == "experts":  # the stock experts are the sum of these, bit for bit (base_ops.experts; asserted below)

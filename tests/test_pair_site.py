@@ -77,6 +77,13 @@ def test_expert_site_bias_flags_an_expert_scaled_at_most_of_its_pairs():
     minority = (ids == 1).any(-1).nonzero().squeeze(-1)[::3]  # a third of expert 1's tokens lose its pair
     lost[minority] -= (pairs[minority] * (ids[minority] == 1).float()[..., None]).sum(1)
     assert expert_site_bias(lost, stock, pairs, ids, 4).sum() == 0
+    one = torch.zeros(64, 1, dtype=torch.long)  # one expert, 64 pairs: half of them scaled up or down is no majority
+    for sign in (1, -1):
+        moved = pairs[:64].sum(1).clone()
+        moved[:32] += sign * 0.5 * pairs[:32, 0]
+        assert expert_site_bias(moved, pairs[:64].sum(1), pairs[:64, :1], one, 1).sum() == 0, sign
+        moved[32] += sign * 0.5 * pairs[32, 0]
+        assert expert_site_bias(moved, pairs[:64].sum(1), pairs[:64, :1], one, 1).sum() == 64, sign
 
 
 class _LossSink:

@@ -159,7 +159,7 @@ def resume_problem(manifest: dict[str, Any], spec: RunSpec) -> str | None:
         return None
     profile = manifest["model"]["weights"].get("profile")
     return (f"the synthetic weights' generator changed since the run began (profile {profile!r}: fingerprint {was}, "
-            f"now {now}), so the layers left would run on other weights than the layers done; rerun it, or resume it "
+            f"now {now or 'none'}), so the layers left would run on other weights than the layers done; rerun it, or resume it "
             "with the code it began with")
 
 

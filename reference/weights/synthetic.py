@@ -47,7 +47,8 @@ ATTENTION_INPUT_PROJECTIONS = ("attn.wq_a.weight", "attn.wkv.weight", "attn.comp
 def generator_fingerprint(profile: str) -> str:
     """What this code generates under `profile`, in 16 hex digits: sha256 of the stored bytes (codes and scales) of
     tiny's weights at seed 0 — its top level, its five layers (SWA, CSA and HCA, hash routing) and every embedding row
-    — and of flash-mini's layer 4 (a planted retrieval circuit; tiny has none). A profile's name stays while its code
+    — and of flash-mini's parts of a planted retrieval circuit, which tiny has none of (layer 4, its top level but the
+    head, its first 4,096 embedding rows and token codes, and the head's answer read-out constant). A profile's name stays while its code
     may change (`calibrated` gained its SwiGLU clamp channels on 2026-12-05), and a run's manifest names the profile:
     the fingerprint beside it lets `--resume` refuse to continue a run on weights other than the ones it started on.
     Made once per process and profile (~1 s on one CPU core)."""
@@ -67,6 +68,15 @@ def generator_fingerprint(profile: str) -> str:
             digest.update(name.encode())
             add(bundle.stored(name))
     add(tiny.embed_rows(torch.arange(TINY.vocab_size)))
+    # flash-mini's head is 8M elements (~1 s to make): its answer columns are ANSWER_READ times the token codes
+    for spec in (s for s in top_level_specs(FLASH_MINI) if s.name not in ("embed.weight", "head.weight")):
+        digest.update(spec.name.encode())
+        add(mini._make(spec, None, "cpu"))
+    sample = torch.arange(4096)
+    add(mini.embed_rows(sample))
+    if mini.retrieval is not None:
+        add(mini.token_codes(sample))
+        digest.update(repr(retrieval.ANSWER_READ).encode())
     return digest.hexdigest()[:16]
 
 
