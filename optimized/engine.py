@@ -131,28 +131,33 @@ kernel that otherwise computes in the stock precision leaves a residual of the o
 W4A4 experts, it hides in their rounding at most tokens (not identifiable per token; the drift checks' to find)."""
 
 
-def pair_site_loss(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-    """Per token, 1 where the variant's `out` [S, D] (its experts, or its shared expert) lacks, repeats or misweighs
+def pair_sites(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pair site per token, and each pair's own coefficient a = ⟨d, pair⟩/‖pair‖² [S, k] (expert_site_bias reads
+    them; NaN for a pair of zero output), in one fp64 pass over PAIR_SITE_BLOCK tokens at a time.
+
+    The site: 1 where the variant's `out` [S, D] (its experts, or its shared expert) lacks, repeats or misweighs
     a whole contribution of the stock op on the same inputs: `pairs` [S, k, D] are the stock op's routed pairs'
     weighted outputs (the shared expert: its output, k = 1), `stock` their sum. The move d = out − stock is fitted by
     Σ a_j·pair_j (least squares per token; a token whose pairs were all dropped has every a_j = −1); a pair j counts
-    where |a_j| > PAIR_SITE_SHARE (3/4) and its own part of the fit (what the fit loses without it, a_j² / (G⁻¹)_jj, the
-    others refitted) exceeds PAIR_SITE_DOMINANCE² × the residual's squared norm.
-    What it catches is a pair's output lost (an expert-parallel dispatch or a capacity limit dropping it), counted
-    twice (a combine reading a slot again), or weighted by another slot's or another scale's weight off by 3/4
-    or more — whatever the kernel's precision. In fp64, PAIR_SITE_BLOCK tokens at a time. A token whose output is not
-    finite counts 0 here: the probes' non-finite finding fails the run for it."""
-    return torch.cat([_pair_site_block(out[s : s + PAIR_SITE_BLOCK], stock[s : s + PAIR_SITE_BLOCK],
-                                       pairs[s : s + PAIR_SITE_BLOCK])
-                      for s in range(0, out.shape[0], PAIR_SITE_BLOCK)] or [out.new_zeros(0, dtype=torch.float32)])
+    where |a_j| > PAIR_SITE_SHARE (3/4) and its own part of the fit (what the fit loses without it, a_j² / (G⁻¹)_jj,
+    the others refitted) exceeds PAIR_SITE_DOMINANCE² × the residual's squared norm. What it catches is a pair's
+    output lost (an expert-parallel dispatch or a capacity limit dropping it), counted twice (a combine reading a slot
+    again), or weighted by another slot's or another scale's weight off by 3/4 or more — whatever the kernel's
+    precision. A token whose output is not finite counts 0 here: the probes' non-finite finding fails the run for it."""
+    blocks = [_pair_site_block(out[s : s + PAIR_SITE_BLOCK], stock[s : s + PAIR_SITE_BLOCK],
+                               pairs[s : s + PAIR_SITE_BLOCK]) for s in range(0, out.shape[0], PAIR_SITE_BLOCK)]
+    if not blocks:
+        return out.new_zeros(0, dtype=torch.float32), out.new_zeros(0, pairs.shape[1], dtype=torch.float64)
+    return torch.cat([lost for lost, _ in blocks]), torch.cat([own for _, own in blocks])
 
 
 PAIR_SITE_BLOCK = 1024
 """Tokens fitted at once: their pairs in fp64 ([block, k, D]: 200 MB at Flash's k = 6, D = 4096)."""
 
 
-def _pair_site_block(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-    """pair_site_loss over a block of tokens. The Gram matrices in fp64 from the fp32 values (products exact, sums to
+def _pair_site_block(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """pair_sites over a block of tokens. The Gram matrices in fp64 from the fp32 values (products exact, sums to
     2^-53): in fp32 their rounding exceeded what separates two nearly collinear pairs (a drop of one of two pairs
     differing by 1e-3 was counted at 40% of tokens, in fp64 at all)."""
     d = (out - stock).double()
@@ -168,7 +173,7 @@ def _pair_site_block(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor
     # nearly a combination of the others', whose moves could then stand in for its own
     own = a.pow(2) / inverse.diagonal(dim1=-2, dim2=-1)
     wrong = (a.abs() > PAIR_SITE_SHARE) & (own > PAIR_SITE_DOMINANCE ** 2 * residual[:, None])
-    return wrong.any(-1).float()
+    return wrong.any(-1).float(), rhs / diag  # each pair alone: ⟨d, pair⟩/‖pair‖²
 
 
 EXPERT_BIAS_FLOOR = 1 / 4
@@ -183,20 +188,18 @@ EXPERT_BIAS_MIN_PAIRS = 16
 judged together, and at Flash's 256 experts most experts still get too few of them there)."""
 
 
-def expert_site_bias(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor, expert_ids: torch.Tensor,
-                     n_experts: int) -> torch.Tensor:
+def expert_site_bias(coefficients: torch.Tensor, expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     """Per token, 1 where one of its experts' outputs is scaled at most of that expert's pairs against the stock op's
-    on the same inputs: each pair's coefficient a = ⟨d, pair⟩/‖pair‖² (d = out − stock: what the variant added along
-    the pair's own output; −1 the pair lost, −1/2 it halved), its median over the call's pairs of each expert; an
-    expert counts where both middle values of its coefficients pass EXPERT_BIAS_FLOOR on the same side (more than half
-    of its pairs moved that way), with at least EXPERT_BIAS_MIN_PAIRS pairs. What the pair site leaves (a move under
-    3/4 of a pair) is judged here over the expert's tokens: a loader bug confined to one expert of 256 touches ~2% of
-    a layer's tokens, which the MoE's mean error hides. `pairs` [S, k, D] in (token, slot) order, `expert_ids` [S, k]
-    (the shared expert: k = 1, one expert). The coefficients in fp64, PAIR_SITE_BLOCK tokens at a time; the grouping
-    by sorting and searchsorted, on the device, without a host sync."""
-    a = torch.cat([_pair_coefficients(out[s : s + PAIR_SITE_BLOCK], stock[s : s + PAIR_SITE_BLOCK],
-                                      pairs[s : s + PAIR_SITE_BLOCK]) for s in range(0, out.shape[0], PAIR_SITE_BLOCK)]
-                  or [torch.zeros(0, pairs.shape[1], dtype=torch.float64, device=out.device)]).flatten()
+    on the same inputs: each pair's `coefficients` a = ⟨d, pair⟩/‖pair‖² [S, k] (pair_sites; d = out − stock: what
+    the variant added along the pair's own output; −1 the pair lost, −1/2 it halved), their median over the call's
+    pairs of each expert; an expert counts where both middle values pass EXPERT_BIAS_FLOOR on the same side (more than
+    half of its pairs moved that way), with at least EXPERT_BIAS_MIN_PAIRS pairs. What the pair site leaves (a move
+    under 3/4 of a pair) is judged here over the expert's tokens: a loader bug confined to one expert of 256 touches
+    ~2% of a layer's tokens, which the MoE's mean error hides. `expert_ids` [S, k] (the shared expert: k = 1, one
+    expert). Grouped by sorting and searchsorted, on the device, without a host sync."""
+    a = coefficients.flatten()
+    if a.numel() == 0:
+        return coefficients.new_zeros(coefficients.shape[0], dtype=torch.float32)
     usable = torch.isfinite(a)  # a pair of zero output (a zero routing weight) gives NaN: an extra group, never judged
     ids = torch.where(usable, expert_ids.flatten().long(), torch.full_like(expert_ids.flatten().long(), n_experts))
     order = torch.sort(a.nan_to_num(0.0, 0.0, 0.0), stable=True).indices  # by a, then (stable) by expert: each
@@ -205,18 +208,11 @@ def expert_site_bias(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor
     groups = torch.arange(n_experts + 1, device=ids.device)
     starts = torch.searchsorted(sorted_ids, groups)
     counts = torch.searchsorted(sorted_ids, groups, right=True) - starts
-    last = max(a.numel() - 1, 0)
-    lo = sorted_a[(starts + (counts - 1).clamp_min(0) // 2).clamp_max(last)] if a.numel() else starts.double()
-    hi = sorted_a[(starts + counts // 2).clamp_max(last)] if a.numel() else starts.double()
-    moved = ((lo > EXPERT_BIAS_FLOOR) & (hi > EXPERT_BIAS_FLOOR)) | ((lo < -EXPERT_BIAS_FLOOR) & (hi < -EXPERT_BIAS_FLOOR))
-    biased = (counts >= EXPERT_BIAS_MIN_PAIRS) & moved & (groups < n_experts)
+    lo = sorted_a[(starts + (counts - 1).clamp_min(0) // 2).clamp_max(a.numel() - 1)]  # the two middle values,
+    hi = sorted_a[(starts + counts // 2).clamp_max(a.numel() - 1)]  # lo ≤ hi: both past the floor on one side
+    biased = (counts >= EXPERT_BIAS_MIN_PAIRS) & ((lo > EXPERT_BIAS_FLOOR) | (hi < -EXPERT_BIAS_FLOOR)) & (
+        groups < n_experts)
     return biased[ids].view(expert_ids.shape).any(-1).float()
-
-
-def _pair_coefficients(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-    """a = ⟨out − stock, pair⟩/‖pair‖² per (token, slot) [S, k], in fp64; NaN for a pair of zero output."""
-    p = pairs.double()
-    return torch.einsum("skd,sd->sk", p, (out - stock).double()) / p.pow(2).sum(-1)
 
 
 def post_site_excess(out: torch.Tensor, stock: torch.Tensor, f: torch.Tensor, streams: torch.Tensor,
@@ -793,7 +789,7 @@ class OptimizedLayer:
 
     def _experts_site(self, ctx: OpContext, sink: ProbeSink, tap: str, op: str, **inputs: Any) -> torch.Tensor:
         """`op` (experts or shared_expert), and its site `tap`, against the stock op on the same inputs: per token,
-        `lost` (pair_site_loss: a pair's contribution lost, repeated or misweighted), `biased` (expert_site_bias: the
+        `lost` (pair_sites: a pair's contribution lost, repeated or misweighted), `biased` (expert_site_bias: the
         token's expert scaled at most of its pairs) and `miss` (clamp_site_miss: the
         unclamped side of the SwiGLU clamp's decision), with `clamp_judged` (0 where too few tokens give the variant's
         own error to judge the clamp). No patch ran: 0 by construction (the stock op on the same inputs), not
@@ -811,9 +807,9 @@ class OptimizedLayer:
 
     def _judge_experts(self, sink: ProbeSink, tap: str, op: str, ctx: OpContext, positions: torch.Tensor,
                        out: torch.Tensor, **inputs: Any) -> None:
-        """Emit `tap`: pair_site_loss and expert_site_bias of the variant's `out` against the stock op's pairs on
-        `inputs` in `ctx`, and clamp_site_miss against the stock op with and without the clamp (0 without a clamp: swiglu_limit ≤ 0, which
-        the official code skips; clamp_judged 0 where too few tokens can give the variant's own error)."""
+        """Emit `tap`: pair_sites and expert_site_bias of the variant's `out` against the stock op's pairs on `inputs`
+        in `ctx`, and clamp_site_miss against the stock op with and without the clamp (0 without a clamp: swiglu_limit
+        ≤ 0, which the official code skips; clamp_judged 0 where too few tokens can give the variant's own error)."""
         stock_ctx = self._stock(ctx, False)
         if op == "experts":  # the stock experts are the sum of these, bit for bit (base_ops.experts; asserted below)
             pairs = base_ops.expert_pairs(stock_ctx, **inputs)
@@ -823,8 +819,8 @@ class OptimizedLayer:
             stock = stock_ctx.call(op, **inputs)
             pairs = stock.unsqueeze(1)
             expert_ids, n_experts = torch.zeros(stock.shape[0], 1, dtype=torch.long, device=stock.device), 1
-        lost = pair_site_loss(out, stock, pairs)
-        biased = expert_site_bias(out, stock, pairs, expert_ids, n_experts)
+        lost, coefficients = pair_sites(out, stock, pairs)
+        biased = expert_site_bias(coefficients, expert_ids, n_experts)
         del pairs  # [S, k, D]: not held while the stock op runs again
         miss = None
         if self.cfg.swiglu_limit > 0:

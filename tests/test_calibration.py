@@ -18,6 +18,7 @@ from reference.config import get_preset
 from reference.model import ReferenceModel
 from reference.ops.norms import rms_norm
 from reference.quant import mx32_to_nvfp4
+from reference.weights.source import stored_bytes
 from reference.weights import profiles
 from reference.weights.synthetic import SyntheticWeights
 
@@ -252,23 +253,16 @@ def _weights_digests(source: SyntheticWeights) -> dict[str, str]:
     """sha256 (first 16 hex) of every stored tensor's bytes (codes and scales) per bundle, and of every embed row."""
     import hashlib
 
-    def raw(t: torch.Tensor) -> bytes:
-        return t.contiguous().cpu().view(torch.uint8).numpy().tobytes()
-
     out = {}
     bundles = [("top", source.top_level())] + [(f"layer{L}", source.layer(L))
                                                for L in range(source.config.num_hidden_layers)]
     for key, bundle in bundles:
         h = hashlib.sha256()
         for name in sorted(bundle.names()):
-            value = bundle.stored(name)
             h.update(name.encode())
-            for part in (value,) if isinstance(value, torch.Tensor) else (value.codes, value.scale, value.global_scale,
-                                                                          value.input_scale):
-                if part is not None:
-                    h.update(raw(part))
+            h.update(stored_bytes(bundle.stored(name)))
         out[key] = h.hexdigest()[:16]
-    out["embed"] = hashlib.sha256(raw(source.embed_rows(torch.arange(source.config.vocab_size)))).hexdigest()[:16]
+    out["embed"] = hashlib.sha256(stored_bytes(source.embed_rows(torch.arange(source.config.vocab_size)))).hexdigest()[:16]
     return out
 
 

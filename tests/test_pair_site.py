@@ -5,7 +5,7 @@ compute every pair in low precision.
 Expert-parallel dispatch with a fixed buffer per expert, and MoE kernels with a capacity factor, drop the pairs past
 it: a few tokens per layer lose one expert's output, which the MoE's mean error hides (on the CPU demo a capacity
 factor of 1.25 failed one unit of `moe-out-rel-l2-patch`, by 6%, and one of `attn-lse-delta-patch` at layer 41). The site fits the variant's move from the stock
-op's output, per token, by the stock op's own pair outputs (optimized.engine.pair_site_loss).
+op's output, per token, by the stock op's own pair outputs (optimized.engine.pair_sites).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from optimized.engine import OptimizedModel, expert_site_bias, pair_site_loss
+from optimized.engine import OptimizedModel, expert_site_bias, pair_sites
 from optimized.patching import Patch, PatchChoice
 from optimized.registry import default_registry
 from reference.config import TINY
@@ -23,6 +23,16 @@ from reference.model import segment_lengths
 from reference.weights.synthetic import SyntheticWeights
 
 SITES = ("moe.experts.site", "moe.shared.site")
+
+
+def pair_site_loss(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """The pair site's per-token flags alone."""
+    return pair_sites(out, stock, pairs)[0]
+
+
+def bias(out: torch.Tensor, stock: torch.Tensor, pairs: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """expert_site_bias of the coefficients pair_sites gives, as the engine takes them."""
+    return expert_site_bias(pair_sites(out, stock, pairs)[1], ids, n)
 
 
 def test_pair_site_loss_flags_a_pair_lost_repeated_or_misweighted_by_half_not_rounding():
@@ -65,25 +75,25 @@ def test_expert_site_bias_flags_an_expert_scaled_at_most_of_its_pairs():
     stock = pairs.sum(1)
     ids = torch.stack([torch.randperm(4, generator=g)[:3] for _ in range(400)])
     noisy = stock + 0.05 * stock.norm(dim=-1, keepdim=True) * torch.randn(400, 32, generator=g) / 32 ** 0.5
-    assert expert_site_bias(noisy, stock, pairs, ids, 4).sum() == 0
+    assert bias(noisy, stock, pairs, ids, 4).sum() == 0
     routed = (ids == 2).float()
     halved = stock - 0.5 * (pairs * routed[..., None]).sum(1)
-    assert torch.equal(expert_site_bias(halved, stock, pairs, ids, 4), routed.amax(-1))
+    assert torch.equal(bias(halved, stock, pairs, ids, 4), routed.amax(-1))
     few = (ids == 2).any(-1).nonzero().squeeze(-1)[15:]  # keep only 15 of expert 2's tokens
     keep = torch.ones(400, dtype=torch.bool)
     keep[few] = False
-    assert expert_site_bias(halved[keep], stock[keep], pairs[keep], ids[keep], 4).sum() == 0
+    assert bias(halved[keep], stock[keep], pairs[keep], ids[keep], 4).sum() == 0
     lost = stock.clone()
     minority = (ids == 1).any(-1).nonzero().squeeze(-1)[::3]  # a third of expert 1's tokens lose its pair
     lost[minority] -= (pairs[minority] * (ids[minority] == 1).float()[..., None]).sum(1)
-    assert expert_site_bias(lost, stock, pairs, ids, 4).sum() == 0
+    assert bias(lost, stock, pairs, ids, 4).sum() == 0
     one = torch.zeros(64, 1, dtype=torch.long)  # one expert, 64 pairs: half of them scaled up or down is no majority
     for sign in (1, -1):
         moved = pairs[:64].sum(1).clone()
         moved[:32] += sign * 0.5 * pairs[:32, 0]
-        assert expert_site_bias(moved, pairs[:64].sum(1), pairs[:64, :1], one, 1).sum() == 0, sign
+        assert bias(moved, pairs[:64].sum(1), pairs[:64, :1], one, 1).sum() == 0, sign
         moved[32] += sign * 0.5 * pairs[32, 0]
-        assert expert_site_bias(moved, pairs[:64].sum(1), pairs[:64, :1], one, 1).sum() == 64, sign
+        assert bias(moved, pairs[:64].sum(1), pairs[:64, :1], one, 1).sum() == 64, sign
 
 
 class _LossSink:

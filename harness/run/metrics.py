@@ -324,7 +324,7 @@ def compare_kv_site(pos, ref, var, ctx) -> list[MetricValues]:
 def compare_experts_site(pos, ref, var, ctx) -> list[MetricValues]:
     """moe.experts.site / moe.shared.site, per token: `moe.pair_site_loss`, 1 where the variant's experts (or shared
     expert) output lacks, repeats or misweighs a whole pair's contribution of the stock op on the same input
-    (optimized.engine.pair_site_loss), and `moe.clamp_site_miss`, 1 where it took the other side of the SwiGLU
+    (optimized.engine.pair_sites), and `moe.clamp_site_miss`, 1 where it took the other side of the SwiGLU
     clamp's decision (optimized.engine.clamp_site_miss) — at the tokens whose call could judge the clamp only (both
     computed where the tensors are); and `moe.expert_site_bias`, 1 where the token is routed to an expert whose
     output the variant scales at most of the call's pairs of that expert (optimized.engine.expert_site_bias)."""

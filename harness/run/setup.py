@@ -159,8 +159,8 @@ def resume_problem(manifest: dict[str, Any], spec: RunSpec) -> str | None:
         return None
     profile = manifest["model"]["weights"].get("profile")
     return (f"the synthetic weights' generator changed since the run began (profile {profile!r}: fingerprint {was}, "
-            f"now {now or 'none'}), so the layers left would run on other weights than the layers done; rerun it, or resume it "
-            "with the code it began with")
+            f"now {now or 'none'}), so the layers left would run on other weights than the layers done; rerun it, or "
+            "resume it with the code it began with")
 
 
 def manifest_for(scenario: Scenario, scenario_text: str, overrides: Overrides, spec: RunSpec,

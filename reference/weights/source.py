@@ -19,6 +19,14 @@ from reference.quant import QuantizedTensor
 Stored = torch.Tensor | QuantizedTensor
 
 
+def stored_bytes(value: Stored) -> bytes:
+    """The bytes a stored tensor holds — a plain tensor's, or a quantized one's codes and scales in turn — for digests
+    that must change with any stored bit (reference.weights.synthetic.generator_fingerprint, the generator pins)."""
+    parts = (value,) if isinstance(value, torch.Tensor) else (value.codes, value.scale, value.global_scale,
+                                                              value.input_scale)
+    return b"".join(p.contiguous().cpu().view(torch.uint8).numpy().tobytes() for p in parts if p is not None)
+
+
 class WeightError(ValueError):
     """A missing, mis-shaped or mis-typed tensor; the message names the tensor (and file)."""
 

@@ -12,8 +12,8 @@ outlier channels, kv-norm gains that make attention peaky, non-zero sinks and ap
 near-identity mHC mixing, a random `tid2eid`. The profile (`reference.weights.profiles`) decides the rest:
 `calibrated` (the default) sets sink masses, router margins, w1/w3 scale spreads, an outlier channel and a
 channel per expert whose pre-activations pass the SwiGLU limit from public evidence, and plants retrieval circuits
-(`reference.weights.retrieval`); `uncalibrated` is the generator as it was before, bit for bit. Storage is **quantization-consistent**: FP8 tensors are
-generated, quantized to e4m3 with UE8M0 128x128 block scales, and kept in that form; experts likewise as
+(`reference.weights.retrieval`); `uncalibrated` is the generator as it was before, bit for bit. Storage is
+**quantization-consistent**: FP8 tensors are generated, quantized to e4m3 with UE8M0 128x128 block scales, and kept in that form; experts likewise as
 FP4 e2m1 with per-32 scales; BF16 tensors are rounded to bf16. The fp32 master value every stack sees is
 the exact dequantization, as with the real checkpoint, so the weight format is never counted as drift.
 """
@@ -31,7 +31,7 @@ from reference.quant import quantize_fp4_mx32, quantize_fp8_block128
 from reference.weights import profiles, retrieval
 from reference.weights.hashing import CHUNK, hash_u32, normal_of_hash, standard_normal, stream_key, uniform_int, uniforms
 from reference.weights.schema import TensorSpec, layer_specs, top_level_specs
-from reference.weights.source import Stored, TensorBundle
+from reference.weights.source import Stored, TensorBundle, stored_bytes
 
 RESIDUAL_OUTPUT_PROJECTIONS = ("attn.wo_b.weight", "ffn.shared_experts.w2.weight")
 """Projections whose output is added to the residual streams (with the routed experts' w2)."""
@@ -48,18 +48,14 @@ def generator_fingerprint(profile: str) -> str:
     """What this code generates under `profile`, in 16 hex digits: sha256 of the stored bytes (codes and scales) of
     tiny's weights at seed 0 — its top level, its five layers (SWA, CSA and HCA, hash routing) and every embedding row
     — and of flash-mini's parts of a planted retrieval circuit, which tiny has none of (layer 4, its top level but the
-    head, its first 4,096 embedding rows and token codes, and the head's answer read-out constant). A profile's name stays while its code
-    may change (`calibrated` gained its SwiGLU clamp channels on 2026-12-05), and a run's manifest names the profile:
-    the fingerprint beside it lets `--resume` refuse to continue a run on weights other than the ones it started on.
-    Made once per process and profile (~1 s on one CPU core)."""
+    head, its first 4,096 embedding rows and token codes, and the head's answer read-out constant). A profile's name
+    stays while its code may change (`calibrated` gained its SwiGLU clamp channels on 2026-12-05), and a run's
+    manifest names the profile: the fingerprint beside it lets `--resume` refuse to continue a run on weights other
+    than the ones it started on. Made once per process and profile (~1 s on one CPU core)."""
     digest = hashlib.sha256()
 
-    def add(value: Stored | torch.Tensor) -> None:
-        parts = (value,) if isinstance(value, torch.Tensor) else (value.codes, value.scale, value.global_scale,
-                                                                  value.input_scale)
-        for part in parts:
-            if part is not None:
-                digest.update(part.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    def add(value: Stored) -> None:
+        digest.update(stored_bytes(value))
 
     tiny, mini = SyntheticWeights(TINY, 0, profile), SyntheticWeights(FLASH_MINI, 0, profile)
     bundles = [tiny.top_level()] + [tiny.layer(layer) for layer in range(TINY.num_hidden_layers)] + [mini.layer(4)]
