@@ -832,3 +832,44 @@ def test_the_count_noise_allowance_fails_a_variant_at_its_allowed_rate_rarely(co
     variant = rng.poisson(sum(c * mu for c, mu in zip(coefficients, means)), draws)
     false_failures = float(np.mean(variant > allowed_count(references, 4.0) + 1))  # + 1: the floor's decision
     assert false_failures < 3.2e-4, false_failures
+
+
+def decode_steps(per_variant: dict[str, list[float]], mode: str = "global", layer: int = 1) -> list[dict]:
+    """attn.lse_delta rows of one layer's decode phase, one row per step (count 1), per variant."""
+    return [row(v, layer, "attn.lse_delta", x, phase="decode", mode=mode, count=1, pos_bin=1000 + s, step=s)
+            for v, xs in per_variant.items() for s, x in enumerate(xs)]
+
+
+def test_a_global_unit_allows_the_noise_of_a_draw_estimated_from_paired_rows(tmp_path):
+    """Global mode re-draws the carried noise (policy rule 5): a variant whose steps scatter around base's as a second
+    draw may pass base + 2×yardstick by z standard errors of the paired differences; the same rows in local mode,
+    where the triangle inequality holds position by position, may not; a shift at every step with little scatter
+    fails in global mode too."""
+    rng = np.random.default_rng(0)
+    steps = 32
+    base = rng.exponential(0.45, steps)  # |ΔLSE| per step: heavy-tailed, as chaotic decode steps are
+    drawn = rng.exponential(0.45, steps) + 0.2  # another draw, 0.2 higher on average: past 2×yardstick = 0.02
+    yard = np.full(steps, 0.01)
+    values = {"yardstick": yard.tolist(), "base": base.tolist(), "patched": drawn.tolist()}
+    d = drawn - base
+    se = d.std(ddof=1) / math.sqrt(steps)  # equal weights: the weighted formula reduces to sd/√n
+    plain = base.mean() + 2 * 0.01 + 2**-8  # the bound without the draw noise (floor: attn.lse_delta's 2^-8)
+    assert drawn.mean() > plain and drawn.mean() < plain + 4 * se  # the case this test is about
+
+    def unit(rows: list[dict], mode: str, name: str):
+        result = gate_run(make_run(tmp_path / name, rows), "default")
+        check = "attn-lse-delta-patch" if mode == "global" else "attn-lse-delta-local"  # base: 2 in each mode
+        (variant,) = next(c for c in result.checks if c.check.name == check).variants
+        return next(u for u in variant.units if u.mode == mode)
+
+    drawn_unit = unit(decode_steps(values), "global", "global")
+    assert drawn_unit.passed and drawn_unit.draw_allowance == pytest.approx(4 * se)
+    assert drawn_unit.limit == pytest.approx(plain + 4 * se)
+    local_unit = unit(decode_steps(values, mode="local"), "local", "local")
+    assert not local_unit.passed and local_unit.draw_allowance is None
+    assert local_unit.limit == pytest.approx(plain)
+    shifted = {**values, "patched": (base + 0.2 + rng.normal(0, 0.005, steps)).tolist()}
+    shifted_unit = unit(decode_steps(shifted), "global", "shifted")
+    assert not shifted_unit.passed and shifted_unit.draw_allowance < 0.01
+    result = gate_run(make_run(tmp_path / "text", decode_steps(shifted)), "default")
+    assert any("draw noise (z = 4)" in line for line in result.failure_lines())

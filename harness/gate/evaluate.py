@@ -175,6 +175,7 @@ class Unit:
     floor: float | None = None
     decisions: float | None = None  # counted bounds: the unit's N = positions × decisions per position
     allowance: float | None = None  # counted bounds: the count noise allowed above R (allowed_count/N − R)
+    draw_allowance: float | None = None  # drawn bounds in global mode: z × the standard error of value − base
     baseline: float | None = None
     baseline_limit: float | None = None
     baseline_allowance: float | None = None  # counted metrics: the count noise allowed above baseline·(1 + slack)
@@ -230,6 +231,7 @@ class Unit:
                 "value": _num(self.value), "limit": _num(self.limit), "status": "pass" if self.passed else "fail",
                 "yardstick": _num(self.yardstick), "base": _num(self.base), "twin": _num(self.twin),
                 "floor": _num(self.floor), "decisions": _num(self.decisions), "allowance": _num(self.allowance),
+                "draw_allowance": _num(self.draw_allowance),
                 "baseline": _num(self.baseline), "baseline_limit": _num(self.baseline_limit),
                 "baseline_allowance": _num(self.baseline_allowance), "notes": self.notes}
 
@@ -273,6 +275,7 @@ class CheckResult:
     floor: float | None = None  # None where it depends on the unit (positions, pick_share)
     slack: float | None = None
     poisson_z: float | None = None  # counted bounds and counted baselines only
+    draw_z: float | None = None  # drawn bounds (Check.drawn) only
 
     @property
     def status(self) -> str:
@@ -353,6 +356,9 @@ def explain_limit(c: CheckResult, u: Unit) -> str:
         n, allowed = u.decisions, (u.limit - u.allowance - u.floor) * u.decisions
         parts.append(f"{_fmt(u.limit)} = {relative[kind]} + count noise (z = {_fmt(c.poisson_z)}) "
                      f"{_fmt(u.allowance)} + floor {_fmt(u.floor)} (N = {n:.0f} decisions, A = {allowed:.3g})")
+    elif kind in relative and u.draw_allowance is not None:
+        parts.append(f"{_fmt(u.limit)} = {relative[kind]} + floor {_fmt(u.floor)} + draw noise "
+                     f"(z = {_fmt(c.draw_z)}) {_fmt(u.draw_allowance)}")
     elif kind in relative:
         parts.append(f"{_fmt(u.limit)} = {relative[kind]} + floor {_fmt(u.floor)}")
     if u.baseline_limit is not None:
@@ -536,11 +542,12 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
     factor = check.bound.value.evaluate(names, policy.file) if check.bound else None
     slack = check.baseline_slack.evaluate(names, policy.file) if check.baseline_slack is not None else None
     z = policy.poisson_z.evaluate(names, policy.file) if decisions is not None else None
+    draw_z = policy.draw_z.evaluate(names, policy.file) if check.drawn and "global" in check.modes else None
     bound = _Bound(kind, factor, floor, slack, decisions, z or 0.0, names, policy.file)
     fixed_floor = None if isinstance(floor, Expr) else floor
 
     def result(variants: list[VariantResult]) -> CheckResult:
-        return CheckResult(check, variants, factor, fixed_floor, slack, z)
+        return CheckResult(check, variants, factor, fixed_floor, slack, z, draw_z)
 
     variants = policy.variants_for(check, run.variants)
     if not variants:
@@ -564,6 +571,8 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
         if kind == "twin" else None
     shares = _aggregated(run, rule.pick_share, check, layers, set(variants), "mean", "upper")["loss"] \
         if PICK_SHARE in unit_names else None  # "upper": the share as it is
+    draws = draw_noise(run, check, layers, set(variants), policy.base_variant, rule.direction) \
+        if draw_z is not None else None
 
     results = []
     for variant in variants:
@@ -584,7 +593,8 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
             unit = _unit(check.scope, key, row)
             refs_at = (refs[YARDSTICK].get(key[1:]), refs[policy.base_variant].get(key[1:]),
                        None if twins is None else _value(twins, key))
-            units.append(_evaluate_unit(check, unit, bound, at, refs_at, baseline))
+            draw = None if draws is None or key not in draws.index else draw_z * float(draws[key])
+            units.append(_evaluate_unit(check, unit, bound, at, refs_at, baseline, draw))
         units.sort(key=_unit_order)
         if check.bound is None and (baseline is None or all(u.baseline is None for u in units)):
             results.append(VariantResult(variant, "skipped", units, reason="baseline-only check and no baseline value"))
@@ -603,6 +613,45 @@ def _aggregated(run: RunData, metric: str, check: Check, layers: Sequence[int], 
     rows = m[m["tap"].isin(check.taps) & m["mode"].isin(check.modes) & m["phase"].isin(check.phases)
              & m["layer"].isin(layers) & m["variant"].isin(variants)]
     return aggregate_units(scoped(loss_columns(rows, direction), check.scope), how, direction)
+
+
+ROW_KEYS = ["mode", "tap", "layer", "phase", "chunk", "step", "turn", "pos_bin"]
+"""What names one row of a variant's metric: the same bins (or decode steps) in every variant of a run."""
+
+
+def draw_noise(run: RunData, check: Check, layers: Sequence[int], variants: set[str], base: str,
+               direction: str) -> pd.Series:
+    """Per global-mode unit of `variants`, the standard error of (the variant's loss − base's loss), a mean over the
+    unit's rows: the noise of a draw (policy rule 5).
+
+    In global mode each stack runs on its own upstream output, and any change upstream — an fp32 re-association
+    included — re-draws which near-ties the stock engine flips; a flipped expert or indexer row carries an O(1) error
+    to its position and, through the caches, to later ones. A unit's accumulated loss is then one draw of that noise,
+    and a benign variant's draw and base's differ by it: at the CPU demo's layer 41 global decode (32 steps), |ΔLSE|
+    was 0.458 for base and 0.66–0.69 for a more precise experts op, `all` and bugs elsewhere in the model, against a
+    bound of 0.658 — the paired differences' standard error was 0.056–0.087. It is estimated from the unit's rows
+    paired with base's at the same bins or decode steps (batch means: a row is the mean of one bin, which keeps the
+    correlation of neighbouring positions inside it), weighted by the rows' counts:
+    SE² = n/(n − 1) · Σ w_i²·(d_i − d̄)² / (Σ w_i)², d̄ = Σ w_i·d_i / Σ w_i. Fewer than two paired rows: no estimate
+    (NaN, no allowance). Local mode needs none: the triangle inequality holds there position by position."""
+    m = run.rows_of(check.metric)
+    rows = m[m["tap"].isin(check.taps) & (m["mode"] == "global") & m["phase"].isin(check.phases)
+             & m["layer"].isin(layers) & m["variant"].isin(variants | {base})]
+    rows = scoped(loss_columns(rows, direction), check.scope)
+    paired = rows[rows["variant"] != base].merge(
+        rows.loc[rows["variant"] == base, ROW_KEYS + ["loss_value"]].rename(columns={"loss_value": "base_loss"}),
+        on=ROW_KEYS, how="inner")
+    if paired.empty:
+        return pd.Series([], dtype=float, index=pd.MultiIndex.from_tuples([], names=UNIT_KEYS))
+    w = paired["count"].astype(float)
+    d = paired["loss_value"] - paired["base_loss"]
+    by = [paired[k] for k in UNIT_KEYS]
+    total = w.groupby(by, sort=False).sum()
+    mean = (w * d).groupby(by, sort=False).sum() / total
+    centred = d - mean.reindex(pd.MultiIndex.from_frame(paired[UNIT_KEYS])).to_numpy()
+    n = w.groupby(by, sort=False).size().astype(float)
+    spread = (w * w * centred * centred).groupby(by, sort=False).sum() / (total * total)
+    return (spread * n / (n - 1)).where(n >= 2).pow(0.5)
 
 
 def _of(agg: pd.DataFrame, variant: str) -> pd.DataFrame:
@@ -624,8 +673,10 @@ def _unit(scope: str, key: tuple, row: Any) -> Unit:
 
 
 def _evaluate_unit(check: Check, unit: Unit, bound: _Bound, at: Mapping[str, float],
-                   refs: tuple[float | None, float | None, float | None], baseline: Baseline | None) -> Unit:
-    """Fill in the unit's limit and verdict from the bound and the yardstick's, base's and twin's losses there."""
+                   refs: tuple[float | None, float | None, float | None], baseline: Baseline | None,
+                   draw: float | None = None) -> Unit:
+    """Fill in the unit's limit and verdict from the bound and the yardstick's, base's and twin's losses there, and
+    for a drawn bound in global mode its draw noise `draw` (z × draw_noise; NaN or None: none)."""
     kind, factor = bound.kind, bound.factor
     yard, base, twin = refs
     floor = bound.floor_at(at)
@@ -655,7 +706,9 @@ def _evaluate_unit(check: Check, unit: Unit, bound: _Bound, at: Mapping[str, flo
         if n is not None and n > 0:  # counted (module docstring)
             allowed = allowed_count([(c, r * n) for c, r in terms], bound.poisson_z)
             unit.decisions, unit.allowance = n, allowed / n - relative
-        unit.limit = relative + (unit.allowance or 0.0) + floor
+        if draw is not None and math.isfinite(draw):
+            unit.draw_allowance = draw
+        unit.limit = relative + (unit.allowance or 0.0) + floor + (unit.draw_allowance or 0.0)
     unit.passed = _within(unit.value, unit.limit) if unit.limit is not None else True
     if kind in ("yardstick", "base"):
         unit.yardstick = yard

@@ -13,17 +13,18 @@ gate.json (format "dsv4-drift-gate/1"):
     failures: one line per failure (NaN/Inf findings first), what the console and banner print
     nonfinite: the run's NaN/Inf findings, each with a `message`
     checks:   [{name, description, metric, taps, layers, phases, modes, scope, aggregate, direction, order,
-                severity, bound: {kind, expression, value} | null, floor, baseline_slack, poisson_z, bound_text,
+                severity, bound: {kind, expression, value} | null, floor, baseline_slack, poisson_z, draw_z, bound_text,
                 status, variants: [{variant, status, reason, first_failure, worst,
                                     phases: {prefill|decode: {status, first_failing_layer, first_failure, worst}},
                                     units_total, units: [unit, …]}]}]
     notes
 
 A unit is {variant, mode, tap, layer, phase, scope, group, span, positions, value, limit, status, yardstick, base,
-twin, floor, decisions, allowance, baseline, baseline_limit, notes}: value is the aggregated loss (1 − x for
-recalls), limit the policy bound there; group is the chunk, turn, decode step or bin's first position (null: the
-whole layer and phase), span the unit's positions [first, end); decisions (N) and allowance (the count noise allowed
-above the relative part) are set for counted bounds. NaN and infinities are written as the strings "nan", "inf".
+twin, floor, decisions, allowance, draw_allowance, baseline, baseline_limit, notes}: value is the aggregated loss
+(1 − x for recalls), limit the policy bound there; group is the chunk, turn, decode step or bin's first position
+(null: the whole layer and phase), span the unit's positions [first, end); decisions (N) and allowance (the count
+noise allowed above the relative part) are set for counted bounds, draw_allowance (draw_z × the standard error of
+value − base, harness.gate.evaluate.draw_noise) for drawn bounds in global mode. NaN and infinities are written as the strings "nan", "inf".
 
 `units` holds every unit of a layer-scope check. A group scope has up to one unit per bin (a 27K-token run:
 ~10⁴ per check and variant), so for it `units` keeps the failing units and, per (mode, tap, layer, phase), the
@@ -93,7 +94,9 @@ def to_dict(result: GateResult) -> dict[str, Any]:
             "bound": {"kind": ch.bound.kind, "expression": ch.bound.value.text, "value": _num(c.factor)}
             if ch.bound else None,
             "floor": _num(c.floor), "baseline_slack": _num(c.slack), "poisson_z": _num(c.poisson_z),
-            "bound_text": ch.bound_text(poisson_z=_fmt(c.poisson_z) if c.poisson_z is not None else "z"),
+            "draw_z": _num(c.draw_z),
+            "bound_text": ch.bound_text(poisson_z=_fmt(c.poisson_z) if c.poisson_z is not None else "z",
+                                        draw_z=_fmt(c.draw_z) if c.draw_z is not None else "z"),
             "status": c.status, "variants": variants})
     return {
         "format": GATE_FORMAT, "verdict": result.verdict, "exit_code": result.exit_code, "created": result.created,

@@ -230,9 +230,17 @@ class Check(Model):
         """Bounded as a count of lost decisions: a relative bound on a discrete metric (harness.gate.evaluate)."""
         return self.rule.discrete and self.bound is not None and self.bound.kind in RELATIVE_KINDS
 
-    def bound_text(self, with_baseline: bool = True, poisson_z: str = "z") -> str:
+    @property
+    def drawn(self) -> bool:
+        """Its global-mode units allow the noise of a draw (harness.gate.evaluate.draw_noise): a base-relative bound
+        on a continuous metric, aggregated as a mean."""
+        return (not self.rule.discrete and self.bound is not None and self.bound.kind == "base"
+                and self.aggregate == "mean")
+
+    def bound_text(self, with_baseline: bool = True, poisson_z: str = "z", draw_z: str = "z") -> str:
         """The bound as one line, e.g. `≤ 16×yardstick + floor`; a counted bound adds the noise of its counts,
-        `count noise (z = 4)` (harness.gate.evaluate.allowed_count)."""
+        `count noise (z = 4)` (harness.gate.evaluate.allowed_count), a drawn one the noise of global mode's draws,
+        `draw noise in global mode (z = 4)` (harness.gate.evaluate.draw_noise)."""
         parts = []
         if self.bound is not None:
             v = self.bound.value.text
@@ -242,8 +250,11 @@ class Check(Model):
             else:
                 text = {"absolute": f"≤ {v}", "yardstick": f"≤ {v}×yardstick + floor",
                         "base": f"≤ base + {v}×yardstick + floor", "twin": f"≤ {v}×twin + floor"}[self.bound.kind]
-            parts.append(text.replace(" + floor", f" + count noise (z = {poisson_z}) + floor") if self.counted
-                         else text)
+            if self.counted:
+                text = text.replace(" + floor", f" + count noise (z = {poisson_z}) + floor")
+            elif self.drawn and "global" in self.modes:
+                text = text.replace(" + floor", f" + floor (global: + draw noise, z = {draw_z})")
+            parts.append(text)
         if self.baseline_slack is not None and with_baseline:
             noise = f" + count noise (z = {poisson_z})" if self.rule.discrete else ""
             parts.append(f"≤ baseline×(1+{self.baseline_slack.text}){noise} + floor")
@@ -279,6 +290,12 @@ class Policy(FileModel):
                     "N that their relative part allows, plus z standard deviations of the Poisson noise of the "
                     "variant's count and of the counts A is built from (harness.gate.evaluate.allowed_count), plus "
                     "the floor")
+    draw_z: ExprValue = Field(
+        Expr("4"), json_schema_extra={"default": 4},
+        description="[4] base-relative bounds on continuous metrics, in global mode, allow z standard errors of the "
+                    "difference between the variant's mean and base's over the unit's rows (each a bin of positions "
+                    "or a decode step): there a unit's accumulated loss is a draw of the noise carried from upstream "
+                    "flips (harness.gate.evaluate.draw_noise)")
     defaults: CheckDefaults = Field(default_factory=CheckDefaults)
     checks: tuple[Check, ...] = Field(min_length=1)
     _sha256: str = PrivateAttr("")
@@ -294,6 +311,7 @@ class Policy(FileModel):
                               first=("checks", names.index(name)))
         self.floors = {metric: expr.at(f"floors.{metric}", self.line_of) for metric, expr in self.floors.items()}
         self.poisson_z = self.poisson_z.at("poisson_z", self.line_of)
+        self.draw_z = self.draw_z.at("draw_z", self.line_of)
         self.checks = tuple(self._resolved(check, index) for index, check in enumerate(self.checks))
         return self
 
