@@ -873,3 +873,30 @@ def test_a_global_unit_allows_the_noise_of_a_draw_estimated_from_paired_rows(tmp
     assert not shifted_unit.passed and shifted_unit.draw_allowance < 0.01
     result = gate_run(make_run(tmp_path / "text", decode_steps(shifted)), "default")
     assert any("draw noise (z = 4)" in line for line in result.failure_lines())
+
+
+def test_a_global_units_baseline_allows_the_same_draw_noise(tmp_path):
+    """A baseline run's global value is another draw too (policy rule 5): `baseline: {slack: 0}` allows the unit's draw
+    noise above it, so a re-drawn benign variant passes its baseline, and a shift at every step beyond it fails."""
+    rng = np.random.default_rng(1)
+    steps = 32
+    base = rng.exponential(0.45, steps)
+    old = {"yardstick": [0.01] * steps, "base": base.tolist(),
+           "patched": np.abs(base + rng.normal(0, 0.3, steps)).tolist()}  # |ΔLSE| per step: another draw
+    redrawn = {**old, "patched": (rng.permutation(old["patched"]) + 0.08).tolist()}  # higher by 0.08, re-drawn
+    old_run = make_run(tmp_path / "old", decode_steps(old))
+
+    def unit(values: dict[str, list[float]], name: str):
+        result = gate_run(make_run(tmp_path / name, decode_steps(values)), "default", baseline=old_run)
+        (variant,) = next(c for c in result.checks if c.check.name == "attn-lse-delta-patch").variants
+        return result, next(u for u in variant.units if u.mode == "global")
+
+    old_value = np.mean(old["patched"])
+    _, again = unit(redrawn, "redrawn")
+    assert again.baseline == pytest.approx(old_value) and again.baseline_allowance == again.draw_allowance > 0
+    assert again.baseline_limit == pytest.approx(old_value + 2**-8 + again.draw_allowance)
+    assert again.value > old_value + 2**-8 and again.passed  # past the old rule's one rounding, within the draw
+    worse = {**old, "patched": (np.array(old["patched"]) + 0.5).tolist()}
+    result, shifted = unit(worse, "worse")
+    assert not shifted.passed and shifted.value > shifted.baseline_limit
+    assert "baseline" in " ".join(result.failure_lines()) and "draw noise (z = 4)" in " ".join(result.failure_lines())

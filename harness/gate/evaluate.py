@@ -178,7 +178,8 @@ class Unit:
     draw_allowance: float | None = None  # drawn bounds in global mode: z × the standard error of value − base
     baseline: float | None = None
     baseline_limit: float | None = None
-    baseline_allowance: float | None = None  # counted metrics: the count noise allowed above baseline·(1 + slack)
+    baseline_allowance: float | None = None  # the count noise (counted metrics) or the draw noise (drawn bounds in
+    # global mode: draw_allowance) allowed above baseline·(1 + slack)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -362,8 +363,12 @@ def explain_limit(c: CheckResult, u: Unit) -> str:
     elif kind in relative:
         parts.append(f"{_fmt(u.limit)} = {relative[kind]} + floor {_fmt(u.floor)}")
     if u.baseline_limit is not None:
-        noise = "" if u.baseline_allowance is None else \
-            f" + count noise (z = {_fmt(c.poisson_z)}) {_fmt(u.baseline_allowance)}"
+        if u.baseline_allowance is None:
+            noise = ""
+        elif u.draw_allowance is not None:
+            noise = f" + draw noise (z = {_fmt(c.draw_z)}) {_fmt(u.baseline_allowance)}"
+        else:
+            noise = f" + count noise (z = {_fmt(c.poisson_z)}) {_fmt(u.baseline_allowance)}"
         parts.append(f"{_fmt(u.baseline_limit)} = baseline {_fmt(u.baseline)}×(1+{_fmt(c.slack)}){noise} + floor "
                      f"{_fmt(u.floor)}")
     return " and ".join(parts) if parts else "no bound"
@@ -725,6 +730,9 @@ def _evaluate_unit(check: Check, unit: Unit, bound: _Bound, at: Mapping[str, flo
                 counted = allowed_count([(1 + bound.slack, unit.baseline * n)], bound.poisson_z) / n
                 unit.baseline_allowance = counted - allowed
                 allowed = counted
+            elif unit.draw_allowance is not None:  # a global unit: the baseline's value is another draw (rule 5)
+                unit.baseline_allowance = unit.draw_allowance
+                allowed += unit.draw_allowance
             unit.baseline_limit = allowed + (floor or 0.0)
             unit.passed = unit.passed and _within(unit.value, unit.baseline_limit)
     if kind in RELATIVE_KINDS or unit.baseline is not None:
