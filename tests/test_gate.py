@@ -840,63 +840,120 @@ def decode_steps(per_variant: dict[str, list[float]], mode: str = "global", laye
             for v, xs in per_variant.items() for s, x in enumerate(xs)]
 
 
+def batch_se(x: np.ndarray, w: np.ndarray) -> float:
+    """The standard error of the w-weighted mean of x by batch means, written out (harness.gate.evaluate._batch_se)."""
+    mean = (w * x).sum() / w.sum()
+    return math.sqrt(len(x) / (len(x) - 1) * (w * w * (x - mean) ** 2).sum() / w.sum() ** 2)
+
+
+def lse_unit(tmp_path: Path, rows: list[dict], name: str, check: str = "attn-lse-delta-patch", baseline=None,
+             variant: str = "patched"):
+    result = gate_run(make_run(tmp_path / name, rows), "default", baseline=baseline)
+    (part,) = [v for v in next(c for c in result.checks if c.check.name == check).variants if v.variant == variant]
+    return result, part.units[0]
+
+
 def test_a_global_unit_allows_the_noise_of_a_draw_estimated_from_paired_rows(tmp_path):
     """Global mode re-draws the carried noise (policy rule 5): a variant whose steps scatter around base's as a second
-    draw may pass base + 2×yardstick by z standard errors of the paired differences; the same rows in local mode,
-    where the triangle inequality holds position by position, may not; a shift at every step with little scatter
-    fails in global mode too."""
+    draw may pass base + 2×yardstick by z = 4 standard errors — the smaller of the paired differences' and √2 × base's
+    own; the same rows in local mode, where the triangle inequality holds position by position, may not; a shift at
+    every step fails in global mode too."""
     rng = np.random.default_rng(0)
     steps = 32
     base = rng.exponential(0.45, steps)  # |ΔLSE| per step: heavy-tailed, as chaotic decode steps are
     drawn = rng.exponential(0.45, steps) + 0.2  # another draw, 0.2 higher on average: past 2×yardstick = 0.02
-    yard = np.full(steps, 0.01)
-    values = {"yardstick": yard.tolist(), "base": base.tolist(), "patched": drawn.tolist()}
-    d = drawn - base
-    se = d.std(ddof=1) / math.sqrt(steps)  # equal weights: the weighted formula reduces to sd/√n
+    values = {"yardstick": [0.01] * steps, "base": base.tolist(), "patched": drawn.tolist()}
+    ones = np.ones(steps)
+    se = min(batch_se(drawn - base, ones), math.sqrt(2) * batch_se(base, ones))
     plain = base.mean() + 2 * 0.01 + 2**-8  # the bound without the draw noise (floor: attn.lse_delta's 2^-8)
-    assert drawn.mean() > plain and drawn.mean() < plain + 4 * se  # the case this test is about
+    assert plain < drawn.mean() < plain + 4 * se  # the case this test is about
 
-    def unit(rows: list[dict], mode: str, name: str):
-        result = gate_run(make_run(tmp_path / name, rows), "default")
-        check = "attn-lse-delta-patch" if mode == "global" else "attn-lse-delta-local"  # base: 2 in each mode
-        (variant,) = next(c for c in result.checks if c.check.name == check).variants
-        return next(u for u in variant.units if u.mode == mode)
-
-    drawn_unit = unit(decode_steps(values), "global", "global")
+    _, drawn_unit = lse_unit(tmp_path, decode_steps(values), "global")
     assert drawn_unit.passed and drawn_unit.draw_allowance == pytest.approx(4 * se)
     assert drawn_unit.limit == pytest.approx(plain + 4 * se)
-    local_unit = unit(decode_steps(values, mode="local"), "local", "local")
+    _, local_unit = lse_unit(tmp_path, decode_steps(values, mode="local"), "local", "attn-lse-delta-local")
     assert not local_unit.passed and local_unit.draw_allowance is None
     assert local_unit.limit == pytest.approx(plain)
     shifted = {**values, "patched": (base + 0.2 + rng.normal(0, 0.005, steps)).tolist()}
-    shifted_unit = unit(decode_steps(shifted), "global", "shifted")
+    result, shifted_unit = lse_unit(tmp_path, decode_steps(shifted), "shifted")
     assert not shifted_unit.passed and shifted_unit.draw_allowance < 0.01
-    result = gate_run(make_run(tmp_path / "text", decode_steps(shifted)), "default")
-    assert any("draw noise (z = 4)" in line for line in result.failure_lines())
+    assert any("+ draw noise (z = 4)" in line for line in result.failure_lines())
+
+
+def test_a_bug_confined_to_one_step_cannot_widen_its_own_draw_allowance(tmp_path):
+    """One decode step of 32 wrong by 20 nats: the paired differences' standard error alone would grow with it (an
+    allowance of 4× the excess, whatever its size); √2 × base's own caps it, and the unit fails."""
+    rng = np.random.default_rng(2)
+    base = rng.exponential(0.45, 32)
+    bad = base.copy()
+    bad[7] += 20.0
+    _, unit = lse_unit(tmp_path, decode_steps({"yardstick": [0.01] * 32, "base": base.tolist(),
+                                               "patched": bad.tolist()}), "one-step")
+    assert 4 * batch_se(bad - base, np.ones(32)) > 20 / 32  # what the paired estimate alone would have allowed
+    assert unit.draw_allowance == pytest.approx(4 * math.sqrt(2) * batch_se(base, np.ones(32)))
+    assert not unit.passed
+
+
+@pytest.mark.parametrize("case", ["few rows", "base lacks a row", "a NaN"])
+def test_no_draw_allowance_without_an_estimate(tmp_path, case):
+    """No allowance (the plain bound) for a unit of fewer than 16 rows (DRAW_MIN_ROWS: a t tail at 4 of 0.08 at two
+    rows), for a unit with a row base lacks (the estimate would cover other rows than the value), and for a unit
+    with a non-finite loss (it fails anyway)."""
+    rng = np.random.default_rng(3)
+    steps = 15 if case == "few rows" else 32
+    base, patched = rng.exponential(0.45, steps), rng.exponential(0.45, steps)
+    rows = decode_steps({"yardstick": [0.01] * steps, "base": base.tolist(), "patched": patched.tolist()})
+    if case == "base lacks a row":
+        rows = [r for r in rows if not (r["variant"] == "base" and r["step"] == 3)]
+    if case == "a NaN":
+        next(r for r in rows if r["variant"] == "patched" and r["step"] == 3)["value"] = math.nan
+    _, unit = lse_unit(tmp_path, rows, case.replace(" ", "-"))
+    assert unit.draw_allowance is None
+
+
+def test_draw_noise_matches_the_batch_means_formula_per_unit(tmp_path):
+    """Two variants, two layers, prefill bins of unequal counts: each unit's estimate is the smaller of the paired
+    and √2 × base's batch-means standard errors of its own rows (the groupby and its re-indexing keep units apart)."""
+    rng = np.random.default_rng(4)
+    counts = rng.integers(16, 200, 18)
+    rows, expected = [], {}
+    values = {"yardstick": {}, "base": {}, "patched": {}, "other": {}}
+    for layer in (1, 2):
+        for v in values:
+            values[v][layer] = rng.exponential(0.1 * layer, 18) + (0.05 if v == "other" else 0.0)
+            rows += [row(v, layer, "moe.out_rel_l2", float(x), count=int(c), pos_bin=int(counts[:i].sum()))
+                     for i, (x, c) in enumerate(zip(values[v][layer], counts))]
+        for v in ("patched", "other"):
+            w = counts.astype(float)
+            expected[(v, layer)] = min(batch_se(values[v][layer] - values["base"][layer], w),
+                                       math.sqrt(2) * batch_se(values["base"][layer], w))
+    result = gate_run(make_run(tmp_path / "run", rows, variants=("base", "patched", "other")), "default")
+    check = next(c for c in result.checks if c.check.name == "moe-out-rel-l2-patch")
+    got = {(v.variant, u.layer): u.draw_allowance / 4 for v in check.variants for u in v.units}
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-9), key
 
 
 def test_a_global_units_baseline_allows_the_same_draw_noise(tmp_path):
-    """A baseline run's global value is another draw too (policy rule 5): `baseline: {slack: 0}` allows the unit's draw
-    noise above it, so a re-drawn benign variant passes its baseline, and a shift at every step beyond it fails."""
+    """A baseline run's global value is another draw too (policy rule 5): `baseline: {slack: 0}` allows the unit's
+    draw noise above it — for the base-relative check and its yardstick-relative sibling alike — so a re-drawn benign
+    variant passes its baseline, and a shift at every step beyond it fails."""
     rng = np.random.default_rng(1)
     steps = 32
     base = rng.exponential(0.45, steps)
-    old = {"yardstick": [0.01] * steps, "base": base.tolist(),
+    old = {"yardstick": [0.05] * steps, "base": base.tolist(),  # 16×yardstick + floor: 0.80, above the draws
            "patched": np.abs(base + rng.normal(0, 0.3, steps)).tolist()}  # |ΔLSE| per step: another draw
     redrawn = {**old, "patched": (rng.permutation(old["patched"]) + 0.08).tolist()}  # higher by 0.08, re-drawn
     old_run = make_run(tmp_path / "old", decode_steps(old))
-
-    def unit(values: dict[str, list[float]], name: str):
-        result = gate_run(make_run(tmp_path / name, decode_steps(values)), "default", baseline=old_run)
-        (variant,) = next(c for c in result.checks if c.check.name == "attn-lse-delta-patch").variants
-        return result, next(u for u in variant.units if u.mode == "global")
-
     old_value = np.mean(old["patched"])
-    _, again = unit(redrawn, "redrawn")
-    assert again.baseline == pytest.approx(old_value) and again.baseline_allowance == again.draw_allowance > 0
-    assert again.baseline_limit == pytest.approx(old_value + 2**-8 + again.draw_allowance)
-    assert again.value > old_value + 2**-8 and again.passed  # past the old rule's one rounding, within the draw
+    for check in ("attn-lse-delta-patch", "attn-lse-delta"):
+        _, again = lse_unit(tmp_path, decode_steps(redrawn), f"redrawn-{check}", check, baseline=old_run)
+        assert again.baseline == pytest.approx(old_value) and again.baseline_allowance > 0
+        assert again.baseline_limit == pytest.approx(old_value + 2**-8 + again.baseline_allowance)
+        assert again.value > old_value + 2**-8 and again.passed  # past the old rule's one rounding, within the draw
     worse = {**old, "patched": (np.array(old["patched"]) + 0.5).tolist()}
-    result, shifted = unit(worse, "worse")
+    result, shifted = lse_unit(tmp_path, decode_steps(worse), "worse", "attn-lse-delta", baseline=old_run)
     assert not shifted.passed and shifted.value > shifted.baseline_limit
-    assert "baseline" in " ".join(result.failure_lines()) and "draw noise (z = 4)" in " ".join(result.failure_lines())
+    assert any(re.search(r"baseline [\d.]+×\(1\+0\) \+ draw noise \(z = 4\)", line)
+               for line in result.failure_lines())

@@ -175,11 +175,11 @@ class Unit:
     floor: float | None = None
     decisions: float | None = None  # counted bounds: the unit's N = positions × decisions per position
     allowance: float | None = None  # counted bounds: the count noise allowed above R (allowed_count/N − R)
-    draw_allowance: float | None = None  # drawn bounds in global mode: z × the standard error of value − base
+    draw_allowance: float | None = None  # base-relative drawn bounds in global mode: draw_z × draw_noise
     baseline: float | None = None
     baseline_limit: float | None = None
-    baseline_allowance: float | None = None  # the count noise (counted metrics) or the draw noise (drawn bounds in
-    # global mode: draw_allowance) allowed above baseline·(1 + slack)
+    baseline_allowance: float | None = None  # the count noise (discrete metrics) or the draw noise (drawn checks in
+    # global mode: draw_z × draw_noise) allowed above baseline·(1 + slack)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -276,7 +276,7 @@ class CheckResult:
     floor: float | None = None  # None where it depends on the unit (positions, pick_share)
     slack: float | None = None
     poisson_z: float | None = None  # counted bounds and counted baselines only
-    draw_z: float | None = None  # drawn bounds (Check.drawn) only
+    draw_z: float | None = None  # drawn checks (Check.drawn) only
 
     @property
     def status(self) -> str:
@@ -358,14 +358,14 @@ def explain_limit(c: CheckResult, u: Unit) -> str:
         parts.append(f"{_fmt(u.limit)} = {relative[kind]} + count noise (z = {_fmt(c.poisson_z)}) "
                      f"{_fmt(u.allowance)} + floor {_fmt(u.floor)} (N = {n:.0f} decisions, A = {allowed:.3g})")
     elif kind in relative and u.draw_allowance is not None:
-        parts.append(f"{_fmt(u.limit)} = {relative[kind]} + floor {_fmt(u.floor)} + draw noise "
-                     f"(z = {_fmt(c.draw_z)}) {_fmt(u.draw_allowance)}")
+        parts.append(f"{_fmt(u.limit)} = {relative[kind]} + draw noise (z = {_fmt(c.draw_z)}) "
+                     f"{_fmt(u.draw_allowance)} + floor {_fmt(u.floor)}")
     elif kind in relative:
         parts.append(f"{_fmt(u.limit)} = {relative[kind]} + floor {_fmt(u.floor)}")
     if u.baseline_limit is not None:
         if u.baseline_allowance is None:
             noise = ""
-        elif u.draw_allowance is not None:
+        elif not c.check.rule.discrete:
             noise = f" + draw noise (z = {_fmt(c.draw_z)}) {_fmt(u.baseline_allowance)}"
         else:
             noise = f" + count noise (z = {_fmt(c.poisson_z)}) {_fmt(u.baseline_allowance)}"
@@ -547,7 +547,7 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
     factor = check.bound.value.evaluate(names, policy.file) if check.bound else None
     slack = check.baseline_slack.evaluate(names, policy.file) if check.baseline_slack is not None else None
     z = policy.poisson_z.evaluate(names, policy.file) if decisions is not None else None
-    draw_z = policy.draw_z.evaluate(names, policy.file) if check.drawn and "global" in check.modes else None
+    draw_z = policy.draw_z.evaluate(names, policy.file) if check.drawn else None
     bound = _Bound(kind, factor, floor, slack, decisions, z or 0.0, names, policy.file)
     fixed_floor = None if isinstance(floor, Expr) else floor
 
@@ -577,7 +577,7 @@ def evaluate_check(check: Check, policy: Policy, run: RunData, baseline: Baselin
     shares = _aggregated(run, rule.pick_share, check, layers, set(variants), "mean", "upper")["loss"] \
         if PICK_SHARE in unit_names else None  # "upper": the share as it is
     draws = draw_noise(run, check, layers, set(variants), policy.base_variant, rule.direction) \
-        if draw_z is not None else None
+        if draw_z is not None and (kind == "base" or (slack is not None and baseline is not None)) else None
 
     results = []
     for variant in variants:
@@ -624,39 +624,69 @@ ROW_KEYS = ["mode", "tap", "layer", "phase", "chunk", "step", "turn", "pos_bin"]
 """What names one row of a variant's metric: the same bins (or decode steps) in every variant of a run."""
 
 
+DRAW_MIN_ROWS = 16
+"""Rows a unit needs for its draw noise to be estimated (fewer: no allowance). The allowance is z estimated standard
+errors, whose one-sided tail is Student's t with n − 1 degrees of freedom, not the normal's: P(T > 4) is 6·10⁻⁴ at
+16 rows and 2·10⁻⁴ at 32 (a decode phase of 32–64 steps; a prefill of 8K positions in 512-position bins: 16–20),
+against 0.08 at 2 rows."""
+
+
+def _batch_se(frame: pd.DataFrame, value: str, keys: list[str]) -> tuple[pd.Series, pd.Series]:
+    """Per group of `keys`, the standard error of the count-weighted mean of `value` over the group's rows (batch
+    means: SE² = n/(n − 1) · Σ w_i²·(x_i − x̄)² / (Σ w_i)², x̄ = Σ w_i·x_i / Σ w_i), and the group's row count."""
+    w, x = frame["count"].astype(float), frame[value].astype(float)
+    by = [frame[k] for k in keys]
+    total = w.groupby(by, sort=False).sum()
+    mean = (w * x).groupby(by, sort=False).sum() / total
+    centred = x - mean.reindex(pd.MultiIndex.from_frame(frame[keys])).to_numpy()
+    n = w.groupby(by, sort=False).size().astype(float)
+    spread = (w * w * centred * centred).groupby(by, sort=False).sum() / (total * total)
+    return (spread * n / (n - 1)).pow(0.5), n
+
+
 def draw_noise(run: RunData, check: Check, layers: Sequence[int], variants: set[str], base: str,
                direction: str) -> pd.Series:
     """Per global-mode unit of `variants`, the standard error of (the variant's loss − base's loss), a mean over the
-    unit's rows: the noise of a draw (policy rule 5).
+    unit's rows: the noise of a draw (policy rule 5); NaN where it is not estimated.
 
     In global mode each stack runs on its own upstream output, and any change upstream — an fp32 re-association
     included — re-draws which near-ties the stock engine flips; a flipped expert or indexer row carries an O(1) error
     to its position and, through the caches, to later ones. A unit's accumulated loss is then one draw of that noise,
     and a benign variant's draw and base's differ by it: at the CPU demo's layer 41 global decode (32 steps), |ΔLSE|
     was 0.458 for base and 0.66–0.69 for a more precise experts op, `all` and bugs elsewhere in the model, against a
-    bound of 0.658 — the paired differences' standard error was 0.056–0.087. It is estimated from the unit's rows
-    paired with base's at the same bins or decode steps (batch means: a row is the mean of one bin, which keeps the
-    correlation of neighbouring positions inside it), weighted by the rows' counts:
-    SE² = n/(n − 1) · Σ w_i²·(d_i − d̄)² / (Σ w_i)², d̄ = Σ w_i·d_i / Σ w_i. Fewer than two paired rows: no estimate
-    (NaN, no allowance). Local mode needs none: the triangle inequality holds there position by position."""
+    bound of 0.658 — the paired differences' standard error was 0.056–0.067, base's own 0.049 (×√2: 0.070).
+
+    Estimated by batch means (_batch_se: a row is the mean of one bin or decode step, which keeps the correlation of
+    neighbouring positions inside it), as the smaller of two estimates:
+    - the unit's rows paired with base's at the same bins or steps: pairing cancels what every variant shares (the
+      error's growth along the positions of a prefill), but a variant's own error inflates it — a bug confined to a
+      few rows would widen its own allowance at any size (one decode step of 32 wrong by δ: an allowance of 4× its
+      excess, whatever δ);
+    - √2 × the standard error of base's own rows (two independent draws of base's noise), which the variant cannot
+      move, but which a prefill's position trend inflates.
+    The estimate still assumes rows uncorrelated with one another; an early flip carried to later rows makes them
+    positively correlated and the estimate low (the bound then errs on the strict side). NaN (no allowance) for a
+    unit with fewer than DRAW_MIN_ROWS rows, with a non-finite loss in it (it fails anyway), or with a row base
+    lacks. Local mode needs none: the triangle inequality holds there position by position."""
     m = run.rows_of(check.metric)
     rows = m[m["tap"].isin(check.taps) & (m["mode"] == "global") & m["phase"].isin(check.phases)
              & m["layer"].isin(layers) & m["variant"].isin(variants | {base})]
     rows = scoped(loss_columns(rows, direction), check.scope)
+    base_rows = rows[rows["variant"] == base]
     paired = rows[rows["variant"] != base].merge(
-        rows.loc[rows["variant"] == base, ROW_KEYS + ["loss_value"]].rename(columns={"loss_value": "base_loss"}),
-        on=ROW_KEYS, how="inner")
+        base_rows[ROW_KEYS + ["loss_value"]].rename(columns={"loss_value": "base_loss"}), on=ROW_KEYS,
+        how="left", validate="many_to_one")  # row keys are unique per variant (the store's schema)
     if paired.empty:
         return pd.Series([], dtype=float, index=pd.MultiIndex.from_tuples([], names=UNIT_KEYS))
-    w = paired["count"].astype(float)
-    d = paired["loss_value"] - paired["base_loss"]
-    by = [paired[k] for k in UNIT_KEYS]
-    total = w.groupby(by, sort=False).sum()
-    mean = (w * d).groupby(by, sort=False).sum() / total
-    centred = d - mean.reindex(pd.MultiIndex.from_frame(paired[UNIT_KEYS])).to_numpy()
-    n = w.groupby(by, sort=False).size().astype(float)
-    spread = (w * w * centred * centred).groupby(by, sort=False).sum() / (total * total)
-    return (spread * n / (n - 1)).where(n >= 2).pow(0.5)
+    paired = paired.assign(difference=paired["loss_value"] - paired["base_loss"])
+    se, n = _batch_se(paired, "difference", UNIT_KEYS)
+    unfit = (~np.isfinite(paired["difference"])).groupby([paired[k] for k in UNIT_KEYS], sort=False).any()
+    group_keys = UNIT_KEYS[1:]  # a unit's place, without its variant
+    base_se = _batch_se(base_rows, "loss_value", group_keys)[0] * math.sqrt(2) if not base_rows.empty else None
+    own = se.index.droplevel("variant")
+    base_part = base_se.reindex(own).to_numpy() if base_se is not None else np.full(len(se), np.nan)
+    estimate = pd.Series(np.fmin(se.to_numpy(), base_part), index=se.index)  # fmin: base's NaN leaves the paired
+    return estimate.where((n >= DRAW_MIN_ROWS) & ~unfit)
 
 
 def _of(agg: pd.DataFrame, variant: str) -> pd.DataFrame:
@@ -681,7 +711,8 @@ def _evaluate_unit(check: Check, unit: Unit, bound: _Bound, at: Mapping[str, flo
                    refs: tuple[float | None, float | None, float | None], baseline: Baseline | None,
                    draw: float | None = None) -> Unit:
     """Fill in the unit's limit and verdict from the bound and the yardstick's, base's and twin's losses there, and
-    for a drawn bound in global mode its draw noise `draw` (z × draw_noise; NaN or None: none)."""
+    and, at a global unit of a drawn check, its draw noise `draw` (draw_z × draw_noise; NaN or None: none), which a
+    base-relative bound and a baseline bound allow."""
     kind, factor = bound.kind, bound.factor
     yard, base, twin = refs
     floor = bound.floor_at(at)
@@ -711,7 +742,7 @@ def _evaluate_unit(check: Check, unit: Unit, bound: _Bound, at: Mapping[str, flo
         if n is not None and n > 0:  # counted (module docstring)
             allowed = allowed_count([(c, r * n) for c, r in terms], bound.poisson_z)
             unit.decisions, unit.allowance = n, allowed / n - relative
-        if draw is not None and math.isfinite(draw):
+        if kind == "base" and draw is not None and math.isfinite(draw):
             unit.draw_allowance = draw
         unit.limit = relative + (unit.allowance or 0.0) + floor + (unit.draw_allowance or 0.0)
     unit.passed = _within(unit.value, unit.limit) if unit.limit is not None else True
@@ -730,9 +761,9 @@ def _evaluate_unit(check: Check, unit: Unit, bound: _Bound, at: Mapping[str, flo
                 counted = allowed_count([(1 + bound.slack, unit.baseline * n)], bound.poisson_z) / n
                 unit.baseline_allowance = counted - allowed
                 allowed = counted
-            elif unit.draw_allowance is not None:  # a global unit: the baseline's value is another draw (rule 5)
-                unit.baseline_allowance = unit.draw_allowance
-                allowed += unit.draw_allowance
+            elif draw is not None and math.isfinite(draw):  # a global unit: the baseline's is another draw (rule 5)
+                unit.baseline_allowance = draw
+                allowed += draw
             unit.baseline_limit = allowed + (floor or 0.0)
             unit.passed = unit.passed and _within(unit.value, unit.baseline_limit)
     if kind in RELATIVE_KINDS or unit.baseline is not None:

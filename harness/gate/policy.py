@@ -232,10 +232,11 @@ class Check(Model):
 
     @property
     def drawn(self) -> bool:
-        """Its global-mode units allow the noise of a draw (harness.gate.evaluate.draw_noise): a base-relative bound
-        on a continuous metric, aggregated as a mean."""
-        return (not self.rule.discrete and self.bound is not None and self.bound.kind == "base"
-                and self.aggregate == "mean")
+        """Its global-mode units are draws of the noise carried from upstream flips (harness.gate.evaluate.draw_noise):
+        a continuous metric aggregated as a mean over groups of several rows (layer, chunk or turn scope). Their
+        base-relative bound, and a baseline bound of any kind, allow that noise."""
+        return (not self.rule.discrete and self.aggregate == "mean" and self.scope in ("layer", "chunk", "turn")
+                and "global" in self.modes)
 
     def bound_text(self, with_baseline: bool = True, poisson_z: str = "z", draw_z: str = "z") -> str:
         """The bound as one line, e.g. `≤ 16×yardstick + floor`; a counted bound adds the noise of its counts,
@@ -252,11 +253,12 @@ class Check(Model):
                         "base": f"≤ base + {v}×yardstick + floor", "twin": f"≤ {v}×twin + floor"}[self.bound.kind]
             if self.counted:
                 text = text.replace(" + floor", f" + count noise (z = {poisson_z}) + floor")
-            elif self.drawn and "global" in self.modes:
+            elif self.drawn and self.bound.kind == "base":
                 text = text.replace(" + floor", f" + floor (global: + draw noise, z = {draw_z})")
             parts.append(text)
         if self.baseline_slack is not None and with_baseline:
-            noise = f" + count noise (z = {poisson_z})" if self.rule.discrete else ""
+            noise = f" + count noise (z = {poisson_z})" if self.rule.discrete else \
+                f" (global: + draw noise, z = {draw_z})" if self.drawn else ""
             parts.append(f"≤ baseline×(1+{self.baseline_slack.text}){noise} + floor")
         return "; ".join(parts)
 
