@@ -614,10 +614,16 @@ def _aggregated(run: RunData, metric: str, check: Check, layers: Sequence[int], 
                 direction: str) -> pd.DataFrame:
     """`metric`'s rows of `variants` at the check's taps, modes, phases and layers, aggregated per unit of the
     check's scope."""
-    m = run.rows_of(metric)
-    rows = m[m["tap"].isin(check.taps) & m["mode"].isin(check.modes) & m["phase"].isin(check.phases)
-             & m["layer"].isin(layers) & m["variant"].isin(variants)]
+    rows = _check_rows(run, metric, check, layers, variants, check.modes)
     return aggregate_units(scoped(loss_columns(rows, direction), check.scope), how, direction)
+
+
+def _check_rows(run: RunData, metric: str, check: Check, layers: Sequence[int], variants: set[str],
+                modes: Sequence[str]) -> pd.DataFrame:
+    """`metric`'s rows of `variants` at the check's taps and phases, in `modes`, at `layers`."""
+    m = run.rows_of(metric)
+    return m[m["tap"].isin(check.taps) & m["mode"].isin(modes) & m["phase"].isin(check.phases)
+             & m["layer"].isin(layers) & m["variant"].isin(variants)]
 
 
 ROW_KEYS = ["mode", "tap", "layer", "phase", "chunk", "step", "turn", "pos_bin"]
@@ -668,9 +674,7 @@ def draw_noise(run: RunData, check: Check, layers: Sequence[int], variants: set[
     positively correlated and the estimate low (the bound then errs on the strict side). NaN (no allowance) for a
     unit with fewer than DRAW_MIN_ROWS rows, with a non-finite loss in it (it fails anyway), or with a row base
     lacks. Local mode needs none: the triangle inequality holds there position by position."""
-    m = run.rows_of(check.metric)
-    rows = m[m["tap"].isin(check.taps) & (m["mode"] == "global") & m["phase"].isin(check.phases)
-             & m["layer"].isin(layers) & m["variant"].isin(variants | {base})]
+    rows = _check_rows(run, check.metric, check, layers, variants | {base}, ["global"])
     rows = scoped(loss_columns(rows, direction), check.scope)
     base_rows = rows[rows["variant"] == base]
     paired = rows[rows["variant"] != base].merge(
@@ -710,8 +714,8 @@ def _unit(scope: str, key: tuple, row: Any) -> Unit:
 def _evaluate_unit(check: Check, unit: Unit, bound: _Bound, at: Mapping[str, float],
                    refs: tuple[float | None, float | None, float | None], baseline: Baseline | None,
                    draw: float | None = None) -> Unit:
-    """Fill in the unit's limit and verdict from the bound and the yardstick's, base's and twin's losses there, and
-    and, at a global unit of a drawn check, its draw noise `draw` (draw_z × draw_noise; NaN or None: none), which a
+    """Fill in the unit's limit and verdict from the bound and the yardstick's, base's and twin's losses there, and,
+    at a global unit of a drawn check, from its draw noise `draw` (draw_z × draw_noise; NaN or None: none), which a
     base-relative bound and a baseline bound allow."""
     kind, factor = bound.kind, bound.factor
     yard, base, twin = refs

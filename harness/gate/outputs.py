@@ -23,8 +23,10 @@ A unit is {variant, mode, tap, layer, phase, scope, group, span, positions, valu
 twin, floor, decisions, allowance, draw_allowance, baseline, baseline_limit, notes}: value is the aggregated loss
 (1 − x for recalls), limit the policy bound there; group is the chunk, turn, decode step or bin's first position
 (null: the whole layer and phase), span the unit's positions [first, end); decisions (N) and allowance (the count
-noise allowed above the relative part) are set for counted bounds, draw_allowance (draw_z × the standard error of
-value − base, harness.gate.evaluate.draw_noise) for drawn bounds in global mode. NaN and infinities are written as the strings "nan", "inf".
+noise allowed above the relative part) are set for counted bounds, draw_allowance (draw_z × the estimated standard
+error of value − base, harness.gate.evaluate.draw_noise) for base-relative bounds on continuous metrics in global
+mode; baseline_allowance is the count or draw noise allowed above the baseline. NaN and infinities are written as the
+strings "nan", "inf".
 
 `units` holds every unit of a layer-scope check. A group scope has up to one unit per bin (a 27K-token run:
 ~10⁴ per check and variant), so for it `units` keeps the failing units and, per (mode, tap, layer, phase), the

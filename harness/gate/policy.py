@@ -240,8 +240,8 @@ class Check(Model):
 
     def bound_text(self, with_baseline: bool = True, poisson_z: str = "z", draw_z: str = "z") -> str:
         """The bound as one line, e.g. `≤ 16×yardstick + floor`; a counted bound adds the noise of its counts,
-        `count noise (z = 4)` (harness.gate.evaluate.allowed_count), a drawn one the noise of global mode's draws,
-        `draw noise in global mode (z = 4)` (harness.gate.evaluate.draw_noise)."""
+        `count noise (z = 4)` (harness.gate.evaluate.allowed_count), a drawn one (base-relative, or a baseline) the
+        noise of global mode's draws, `(global: + draw noise, z = 4)` (harness.gate.evaluate.draw_noise)."""
         parts = []
         if self.bound is not None:
             v = self.bound.value.text
@@ -257,8 +257,10 @@ class Check(Model):
                 text = text.replace(" + floor", f" + floor (global: + draw noise, z = {draw_z})")
             parts.append(text)
         if self.baseline_slack is not None and with_baseline:
-            noise = f" + count noise (z = {poisson_z})" if self.rule.discrete else \
-                f" (global: + draw noise, z = {draw_z})" if self.drawn else ""
+            if self.rule.discrete:
+                noise = f" + count noise (z = {poisson_z})"
+            else:
+                noise = f" (global: + draw noise, z = {draw_z})" if self.drawn else ""
             parts.append(f"≤ baseline×(1+{self.baseline_slack.text}){noise} + floor")
         return "; ".join(parts)
 
@@ -294,10 +296,10 @@ class Policy(FileModel):
                     "the floor")
     draw_z: ExprValue = Field(
         Expr("4"), json_schema_extra={"default": 4},
-        description="[4] base-relative bounds on continuous metrics, in global mode, allow z standard errors of the "
-                    "difference between the variant's mean and base's over the unit's rows (each a bin of positions "
-                    "or a decode step): there a unit's accumulated loss is a draw of the noise carried from upstream "
-                    "flips (harness.gate.evaluate.draw_noise)")
+        description="[4] base-relative bounds and baseline bounds on continuous metrics, in global mode, allow z "
+                    "standard errors of the difference between the variant's mean and base's over the unit's rows "
+                    "(each a bin of positions or a decode step): there a unit's accumulated loss is a draw of the "
+                    "noise carried from upstream flips (harness.gate.evaluate.draw_noise)")
     defaults: CheckDefaults = Field(default_factory=CheckDefaults)
     checks: tuple[Check, ...] = Field(min_length=1)
     _sha256: str = PrivateAttr("")
