@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device machine: python3 with torch/triton preinstalled, no package registry).
-# Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, compare, flash27k, mps, ranks
+# Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, compare, flash27k, flash30k, mps, ranks
 # pydantic (scenario and policy files) is not preinstalled: run bench/wheels.sh here first and carry .whl/ along.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -81,15 +81,18 @@ for i, row in enumerate(runs["new"][0]["layers"]):
           f"(means of {len(runs['old'])} and {len(runs['new'])} runs, order old new new old)")
 PY
       ;;
-    flash27k)
-      # Resumable across calls while the machine stays warm: the run lives in /tmp/flash27k, each call runs at most
-      # RUN_LIMIT seconds, and the measured files come back under $OUT/flash27k (report and gate run off-device).
-      # PATCHES (default none: reference, yardstick, base) picks the variants: base plus one with these patches.
-      P=${PATCHES:-none}; D=/tmp/flash27k-$P
+    flash27k|flash30k)
+      # Resumable across calls while the machine stays warm: the run lives in /tmp/<stage>-<patches>, each call runs at
+      # most RUN_LIMIT seconds, and the measured files come back under $OUT/<stage>-<patches> (report and gate run
+      # off-device). PATCHES (default none: reference, yardstick, base) picks the variants: base plus one with these
+      # patches. flash27k runs global mode only (the symptom's shape); flash30k is #14's budget shape (flash-30k:
+      # global and local, every probe), timed through the CLI as a user runs it.
+      P=${PATCHES:-none}; D=/tmp/$stage-$P
+      if [ $stage = flash27k ]; then fresh=(run flash-27k --no-local); else fresh=(run flash-30k); fi
       if [ -f $D/manifest.json ]; then args=(run --resume $D); else
-        args=(run flash-27k --device cuda --patches "$P" --no-local --out $D); fi
+        args=("${fresh[@]}" --device cuda --patches "$P" --out $D); fi
       timeout "${RUN_LIMIT:-540}" python3 -m harness.cli "${args[@]}" --no-report 2>&1 | grep -v "^\s*$" | tail -70
-      mkdir -p "$OUT/flash27k-$P" && cp $D/manifest.json $D/findings.json $D/metrics.parquet "$OUT/flash27k-$P/" 2>/dev/null
+      mkdir -p "$OUT/$stage-$P" && cp $D/manifest.json $D/findings.json $D/metrics.parquet "$OUT/$stage-$P/" 2>/dev/null
       python3 -c 'import json, sys; m=json.load(open(sys.argv[1])); print("status", m.get("status"), "wall", m.get("wall_seconds"), "peaks", m.get("peak_device_gib"), m.get("peak_host_rss_gib"), "segments", m.get("segments"))' $D/manifest.json ;;
     mps)
       # Two ranks sharing the one GPU under NVIDIA MPS against one process, on the first layers of flash-30k (the same
