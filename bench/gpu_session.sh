@@ -15,7 +15,7 @@ for stage in "$@"; do
     gputests)
       # the GPU tests by file: collecting all of tests/ needs the [test] extras the device image lacks (jsonschema)
       python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_kernels_gpu.py \
-        tests/test_host_lanes.py tests/test_distributed_gpu.py 2>&1 | tail -15 ;;
+        tests/test_host_lanes.py tests/test_distributed_gpu.py tests/test_streams.py 2>&1 | tail -15 ;;
     ranks)
       # Two ranks sharing the GPU (README, Several GPUs: crashing since 7447e92). TRIES runs of the failing command,
       # then one with CUDA_LAUNCH_BLOCKING=1 (the failing kernel raises where it was queued) and, when the image has

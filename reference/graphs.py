@@ -26,6 +26,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from reference.streams import private_stream
+
 MAX_ELEMENTS = 1 << 16
 """Inputs larger than this (in total) run eagerly. Decode inputs are ≤ 16K elements at Flash width (streams
 [1, 4, 4096]); a prefill chunk's are ≥ 8192 rows × 4 × 4096."""
@@ -112,15 +114,16 @@ class _Graph:
                            for t in tensors]
         for dst, src in zip(self.inputs, tensors):
             dst.copy_(src)
-        side = torch.cuda.Stream(tensors[0].device)  # warm-up off the capture (library handles, lazy init)
+        # the capture's own stream, which no other thread queues on (reference.streams: torch's pool streams alias)
+        side = private_stream(tensors[0].device, "capture")
         side.wait_stream(torch.cuda.current_stream(tensors[0].device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side):  # warm-up off the capture (library handles, lazy init)
             fn(*self.inputs, **static)
         torch.cuda.current_stream(tensors[0].device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: the weight prefetcher's thread keeps working on its own stream during the capture
         self.packed: tuple[torch.Tensor, Layout] | None = None
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs, **static)
             if packs_outputs(self.outputs):
                 # each output where the caching allocator would have put its clone (512-byte blocks): a kernel that

@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from reference.quant import QuantizedTensor
+from reference.streams import private_stream
 from reference.weights.source import TensorBundle, WeightSource
 
 
@@ -74,10 +75,12 @@ class PrefetchingSource:
         return bundle
 
     def _produce(self, layer: int, device: torch.device) -> tuple[TensorBundle, torch.cuda.Event | None]:
-        """The layer's tensors, and on CUDA the event that marks them written (they are made on a side stream)."""
+        """The layer's tensors, and on CUDA the event that marks them written (they are made on the prefetcher's own
+        side stream: a pool stream drawn per layer was at times the one a CUDA graph was being captured on, which
+        then recorded the weights' kernels instead of running them — reference.streams)."""
         if device.type != "cuda":
             return self.source.layer(layer, device), None
-        side = torch.cuda.Stream(device)
+        side = private_stream(device, "weights")
         with torch.cuda.stream(side):
             bundle = self.source.layer(layer, device)
             done = torch.cuda.Event()
