@@ -17,9 +17,9 @@ for stage in "$@"; do
       python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_kernels_gpu.py \
         tests/test_host_lanes.py tests/test_distributed_gpu.py tests/test_streams.py 2>&1 | tail -15 ;;
     ranks)
-      # Two ranks sharing the GPU (README, Several GPUs: crashing since 7447e92). TRIES runs of the failing command,
-      # then one with CUDA_LAUNCH_BLOCKING=1 (the failing kernel raises where it was queued) and, when the image has
-      # it, one under compute-sanitizer's memcheck (a use after free or out of bounds, with the kernel's name).
+      # Two ranks sharing the GPU (README, Several GPUs: they crashed from 7447e92 until the streams fix). TRIES runs,
+      # then one with CUDA_LAUNCH_BLOCKING=1 (a failing kernel raises where it was queued) and, when the image has it,
+      # one under compute-sanitizer's memcheck (a use after free or out of bounds, with the kernel's name).
       R=(run tiny-smoke --patches all --local --threads 1 --no-gate --no-report --device cuda --devices 2)
       for i in $(seq "${TRIES:-3}"); do
         timeout 120 python3 -m harness.cli "${R[@]}" --out /tmp/ranks-$i > "$OUT/ranks-$i.log" 2>&1

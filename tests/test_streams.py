@@ -74,9 +74,12 @@ def test_weights_prefetched_while_a_graph_is_captured_are_computed_not_captured(
         torch.cuda.Stream()
     source = SyntheticWeights(TINY, 0)
     prefetching = PrefetchingSource(source)
-    graph = torch.cuda.CUDAGraph()
+    graph, x = torch.cuda.CUDAGraph(), torch.ones(4, device="cuda")
     with torch.cuda.graph(graph, stream=capture, capture_error_mode="thread_local"):
+        y = x * 2  # the graph's own work (an empty graph draws a warning)
         bundle, done = prefetching._pool.submit(prefetching._produce, 1, torch.device("cuda")).result()  # noqa: SLF001
+    graph.replay()
+    assert torch.equal(y, x * 2)
     done.synchronize()
     expected = source.layer(1, "cuda")
     for name in expected.names():
