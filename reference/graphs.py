@@ -114,10 +114,11 @@ class _Graph:
                            for t in tensors]
         for dst, src in zip(self.inputs, tensors):
             dst.copy_(src)
-        # the capture's own stream, which no other thread queues on (reference.streams: torch's pool streams alias)
+        # the capture's own stream, on which no other thread of ours queues work (reference.streams: pool streams alias)
         side = private_stream(tensors[0].device, "capture")
         side.wait_stream(torch.cuda.current_stream(tensors[0].device))
-        with torch.cuda.stream(side):  # warm-up off the capture (library handles, lazy init)
+        # warm-up off the capture (library handles, lazy init, this stream's cuBLAS workspace)
+        with torch.cuda.stream(side):
             fn(*self.inputs, **static)
         torch.cuda.current_stream(tensors[0].device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
@@ -165,7 +166,7 @@ def replay(fn: Callable[..., Any], *tensors: torch.Tensor, **static: Any) -> Any
     with no host synchronisation inside."""
     first = tensors[0]
     if (not ENABLED or first.device.type != "cuda" or not small_enough(tensors)
-            or first.device.index != torch.cuda.current_device()  # the capture stream lives on the current device
+            or first.device.index != torch.cuda.current_device()  # a capture and its memory pool use the current device
             or torch.cuda.is_current_stream_capturing()):
         return fn(*tensors, **static)
     key = (fn, tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors), tuple(sorted(static.items())))

@@ -1,19 +1,20 @@
-"""Side streams that no other part of the run shares: the CUDA graph capture's and the weight prefetcher's.
+"""Side streams of our own roles, never one another's: the CUDA graph capture's and the weight prefetcher's.
 
 `torch.cuda.Stream()` creates nothing: it hands out the next of 32 streams preallocated per device and priority,
 round-robin (pytorch/pytorch#9938), so two calls 32 draws apart return the same CUDA stream. That matters for a
-stream that captures a CUDA graph (reference.graphs): whatever another thread queues on that stream during the
-capture is recorded into the graph instead of being run (in "thread_local" capture mode nothing stops it). The weight
-prefetcher used to draw a fresh pool stream per layer on its own thread; when it drew the capture stream, its layer's
-weights were captured and never computed (garbage: "per-32 scales span more than 17 binades"), its host-to-device
-copies failed the capture ("Cannot copy between CPU and CUDA tensors during CUDA graph capture"), and the graph's
-replays later wrote into memory freed since (device-side asserts, segfaults). Which draw aliases which depends on how
-many captures came before, so it showed as a crash of two ranks sharing one GPU after an unrelated change (README,
-Several GPUs).
+stream that captures a CUDA graph (reference.graphs): kernels another thread queues on that stream during the capture
+are recorded into the graph instead of being run (a capture mode only governs calls such as synchronize and malloc,
+never a kernel launch). The weight prefetcher used to draw a fresh pool stream per layer on its own thread; when it
+drew the capture stream, its layer's weights were captured and never computed (garbage: "per-32 scales span more
+than 17 binades"), its host-to-device copies failed the capture ("Cannot copy between CPU and CUDA tensors during
+CUDA graph capture"), and the graph's replays later wrote into memory freed since (device-side asserts, segfaults).
+Which draw aliases which depends on how many captures came before, so it showed as a crash of two ranks sharing one
+GPU after an unrelated change (README, Several GPUs).
 
 Here each role gets one stream per device for the whole process, drawn so that its CUDA stream is none of the other
-roles' (`private_stream`). Pool draws by other code (a library's own side streams) are not ours to control; within
-this repository nothing else draws one.
+roles' (`private_stream`). That is all it guarantees: other code's pool draws (a library's side streams, such as
+the NCCL process group's, drawn when the group starts) may still be handed the same stream. None of them queues
+work from another thread while a graph is captured; within this repository nothing else draws a pool stream.
 """
 
 from __future__ import annotations
