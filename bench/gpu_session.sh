@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device machine: python3 with torch/triton preinstalled, no package registry).
-# Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, compare, flash27k, flash30k, mps, ranks
+# Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, compare, flash27k, flash30k, mps
 # pydantic (scenario and policy files) is not preinstalled: run bench/wheels.sh here first and carry .whl/ along.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -16,23 +16,6 @@ for stage in "$@"; do
       # the GPU tests by file: collecting all of tests/ needs the [test] extras the device image lacks (jsonschema)
       python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_kernels_gpu.py \
         tests/test_host_lanes.py tests/test_distributed_gpu.py tests/test_streams.py 2>&1 | tail -15 ;;
-    ranks)
-      # Two ranks sharing the GPU (README, Several GPUs: they crashed from 7447e92 until the streams fix). TRIES runs,
-      # then one with CUDA_LAUNCH_BLOCKING=1 (a failing kernel raises where it was queued) and, when the image has it,
-      # one under compute-sanitizer's memcheck (a use after free or out of bounds, with the kernel's name).
-      R=(run tiny-smoke --patches all --local --threads 1 --no-gate --no-report --device cuda --devices 2)
-      for i in $(seq "${TRIES:-3}"); do
-        timeout 120 python3 -m harness.cli "${R[@]}" --out /tmp/ranks-$i > "$OUT/ranks-$i.log" 2>&1
-        echo "try $i: exit $? $(grep -aoE 'rank [0-9]+ of [0-9]+ (failed|died).{0,120}' "$OUT/ranks-$i.log" | head -1)"
-      done
-      CUDA_LAUNCH_BLOCKING=1 timeout 200 python3 -m harness.cli "${R[@]}" --out /tmp/ranks-blocking \
-        > "$OUT/ranks-blocking.log" 2>&1
-      echo "blocking: exit $?"; grep -aE "Error|error|assert|File \"" "$OUT/ranks-blocking.log" | head -30
-      if command -v compute-sanitizer >/dev/null; then
-        timeout 400 compute-sanitizer --tool memcheck --target-processes all python3 -m harness.cli "${R[@]}" \
-          --out /tmp/ranks-memcheck > "$OUT/ranks-memcheck.log" 2>&1
-        echo "memcheck: exit $?"; grep -aE "=========" "$OUT/ranks-memcheck.log" | head -40
-      else echo "compute-sanitizer: not in this image"; fi ;;
     smoke)
       nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv
       python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'

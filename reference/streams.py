@@ -53,5 +53,8 @@ def private_stream(device: torch.device | str, role: str) -> torch.cuda.Stream:
     with _lock:
         if key not in _streams:
             taken = {s.cuda_stream for (_, d), s in _streams.items() if d == device}
-            _streams[key] = distinct_draw(lambda: torch.cuda.Stream(device), lambda s: s.cuda_stream, taken)
+            try:
+                _streams[key] = distinct_draw(lambda: torch.cuda.Stream(device), lambda s: s.cuda_stream, taken)
+            except RuntimeError as e:
+                raise RuntimeError(f"the {role!r} stream on {device}: {e}") from None
         return _streams[key]

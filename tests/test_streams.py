@@ -2,8 +2,8 @@
 
 torch's pool hands out 32 streams per device round-robin, so a stream drawn per layer by the prefetcher was at times
 the stream a graph was being captured on: the layer's weights were recorded into the graph instead of computed (two
-ranks sharing one GPU crashed from 7447e92 on). The pool's arithmetic is tested here on
-any machine; the GPU tests build the collision the old code hit and check that the weights come out right."""
+ranks sharing one GPU crashed from 7447e92 on). The pool's arithmetic is tested here on any machine; the GPU tests
+build the collision the old code hit and check that the weights come out right."""
 
 from __future__ import annotations
 
