@@ -20,7 +20,7 @@ from optimized.numerics import bf16, bf16_linear, constant, exact_matmul, exact_
 from optimized.ops import OpContext, Routing
 from optimized.paged_cache import quantize_fp8_per_row
 from reference.graphs import replay
-from reference.quant import QuantizedTensor, mx32_to_nvfp4, mx32_to_nvfp4_forms, nvfp4_forms_from_mx
+from reference.quant import QuantizedTensor, mx32_to_nvfp4, mx32_to_nvfp4_forms, nvfp4_factors_from_mx
 from reference.layer import share_rows
 from reference.ops.attention import KeySet
 from reference.ops.compressor import pool_new_windows, visible_rows
@@ -158,19 +158,36 @@ def _nvfp4_global_key(name: str, fmt: str) -> str:
     return f"{name}#{fmt}#global"
 
 
-def nvfp4_form_kept(ctx: OpContext, name: str, fmt: str) -> bool:
-    """Whether the layer's dense cache holds the NVFP4 form of `name` (load_weight would convert nothing)."""
-    return _nvfp4_key(name, fmt) in ctx.dense
+def _nvfp4_factor_key(name: str, fmt: str) -> str:
+    """The dense cache's name for the fp32 factor c that makes a weight's NVFP4 block products from its cached fp32
+    copy (reference.quant.nvfp4_factors_from_mx; a 0-dim tensor on the device)."""
+    return f"{name}#{fmt}#factor"
 
 
-def nvfp4_global_scale(ctx: OpContext, name: str, fmt: str, value: torch.Tensor) -> torch.Tensor | None:
-    """The global scale g of `value` when it is the cache's own NVFP4 form of `name` (what load_weight converted, not
-    a tensor a load_weight patch returned) and g was kept with it: then value = fl(code·b · g) with code·b exact in
-    ≤ 6 significant bits, so bf16(value / g) is code·b (numerics.scaled_bf16_products). None otherwise."""
-    if not ctx.dense.holds(_nvfp4_key(name, fmt), value):
+@dataclass(frozen=True)
+class Nvfp4Operand:
+    """An NVFP4 expert weight as a tensor-core GEMM reads it (numerics.scaled_bf16_products): its block products
+    code·b are bf16(source · factor) — from the weight's cached fp32 copy — or, with no factor, bf16(source /
+    global_scale) — from its cached NVFP4 form — and global_scale is its fp32 global scale (0-dim, on the device)."""
+
+    source: torch.Tensor
+    factor: torch.Tensor | None
+    global_scale: torch.Tensor
+
+
+def nvfp4_operand(ctx: OpContext, name: str, fmt: str) -> Nvfp4Operand | None:
+    """The tensor-core operand of `name`'s NVFP4 form from what the layer's dense cache keeps — the fp32 copy and its
+    factor (prepare_nvfp4_forms), else the form load_weight converted and its global scale — without converting or
+    dequantizing anything; None when it keeps neither (the products then stay fp32 GEMMs of load_weight's forms)."""
+    factor, global_key = _nvfp4_factor_key(name, fmt), _nvfp4_global_key(name, fmt)
+    if global_key not in ctx.dense:
         return None
-    key = _nvfp4_global_key(name, fmt)
-    return ctx.dense.get(key, None, ctx.device) if key in ctx.dense else None
+    g = ctx.dense.get(global_key, None, ctx.device)
+    if factor in ctx.dense and name in ctx.dense:
+        return Nvfp4Operand(ctx.dense.get(name, None, ctx.device), ctx.dense.get(factor, None, ctx.device), g)
+    if _nvfp4_key(name, fmt) in ctx.dense:
+        return Nvfp4Operand(ctx.dense.get(_nvfp4_key(name, fmt), None, ctx.device), None, g)
+    return None
 
 
 def _keep_global_scale(ctx: OpContext, name: str, fmt: str, global_scale: torch.Tensor) -> None:
@@ -178,9 +195,22 @@ def _keep_global_scale(ctx: OpContext, name: str, fmt: str, global_scale: torch.
     ctx.dense.put(_nvfp4_global_key(name, fmt), global_scale.reshape(()).float().to(ctx.device))
 
 
+def _derived_nvfp4_form(ctx: OpContext, name: str, fmt: str) -> torch.Tensor | None:
+    """fl(fl(mx·c)·g) — the NVFP4 form's bits (reference.quant.nvfp4_factors_from_mx) — from the cached fp32 copy mx
+    of `name` and its kept factor c and global scale g: one pass over the copy instead of a conversion from the codes
+    (~70 launches and three host reads); None when they are not kept."""
+    factor = _nvfp4_factor_key(name, fmt)
+    if factor not in ctx.dense or name not in ctx.dense:
+        return None
+    mx = ctx.dense.get(name, None, ctx.device)
+    g = ctx.dense.get(_nvfp4_global_key(name, fmt), None, ctx.device)
+    return (mx * ctx.dense.get(factor, None, ctx.device)).mul_(g)
+
+
 def load_weight(ctx: OpContext, name: str, fmt: str) -> torch.Tensor:
     """Exact fp32 dequantization of the stored tensor (cached for the layer); 'nvfp4' / 'nvfp4-pow2' give the NVFP4
-    form of an FP4 expert weight (the checkpoint's own when it is stored as NVFP4), reference.quant.mx32_to_nvfp4."""
+    form of an FP4 expert weight (the checkpoint's own when it is stored as NVFP4), reference.quant.mx32_to_nvfp4:
+    derived from the weight's cached fp32 copy when prepare_nvfp4_forms kept its factors, the same bits."""
     stored = ctx.weights.stored(name)
     if fmt == "stored":
         return ctx.dense.get(name, stored, ctx.device)
@@ -190,7 +220,10 @@ def load_weight(ctx: OpContext, name: str, fmt: str) -> torch.Tensor:
         raise ValueError(f"'{name}' is not an FP4 or NVFP4 weight; it has no NVFP4 form")
     rule = NVFP4_FORMATS[fmt]
 
-    def as_nvfp4() -> QuantizedTensor:  # on a miss only; its global scale kept beside the form
+    def as_nvfp4() -> QuantizedTensor | torch.Tensor:  # on a miss only; its global scale kept beside the form
+        derived = _derived_nvfp4_form(ctx, name, fmt)
+        if derived is not None:
+            return derived
         q = stored if stored.format == "nvfp4" else mx32_to_nvfp4(stored, rule, name)
         _keep_global_scale(ctx, name, fmt, q.global_scale)
         return q
@@ -198,34 +231,66 @@ def load_weight(ctx: OpContext, name: str, fmt: str) -> torch.Tensor:
 
 
 NVFP4_GROUP = 8
-"""FP4 expert matrices converted to their NVFP4 form together (prepare_nvfp4_forms): at Flash width a group's
-temporaries are at most 5 fp32 copies of its matrices (e2m1 values, |values|, expanded block scales, the product,
-the dense forms: harness.run.memory counts them), 8 × 2048 × 4096 × 4 B × 5 = 1.3 GB (two ranks sharing an H200
-have a few GB to spare), and a layer's 768 take 96 groups instead of 768 conversions of ~70 launches and three
-host reads each."""
+"""FP4 expert matrices converted to their NVFP4 form from their codes together (prepare_nvfp4_forms, when the cache
+does not hold their fp32 copies): at Flash width a group's temporaries are at most 5 fp32 copies of its matrices
+(e2m1 values, |values|, expanded block scales, the product, the dense forms: harness.run.memory counts them),
+8 × 2048 × 4096 × 4 B × 5 = 1.3 GB (two ranks sharing an H200 have a few GB to spare), and a layer's 768 take 96
+groups instead of 768 conversions of ~70 launches and three host reads each."""
+
+NVFP4_FACTOR_GROUP = 128
+"""FP4 expert matrices whose NVFP4 factors are found together from their cached fp32 copies (prepare_nvfp4_forms:
+one host read per group). The temporaries are their block maxima and block exponents, a few 1/32 copies: at Flash
+width 128 × 2048 × 128 × 4 B = 128 MB each, and a layer's 768 matrices take 6 host reads."""
 
 
 def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
-    """Put the NVFP4 forms that the stock `load_weight(name, fmt)` would convert one at a time into the layer's dense
-    cache in groups of NVFP4_GROUP (reference.quant.mx32_to_nvfp4_forms, or nvfp4_forms_from_mx from the group's fp32
-    copies when the cache holds them: the same bits either way), while the cache has room for a whole group; what
-    does not fit is converted on use, as before. Only FP4-stored names not cached yet are converted. Nothing is
-    prepared when a patch overrides load_weight in this phase (it may never ask the stock op for these forms), and a
-    group that cannot be converted (scales spanning too many binades) is left to its use, which raises for the tensor
-    actually loaded."""
+    """Make the NVFP4 forms of `names` cheap for load_weight(name, fmt) and the tensor-core path (nvfp4_operand), a
+    layer's 768 Flash expert matrices at once instead of a conversion from the codes on each use:
+
+    - FP4-stored names whose fp32 copies the layer's dense cache holds: their factors and global scales are kept (two
+      numbers per matrix, NVFP4_FACTOR_GROUP at a time): load_weight derives each form from the copy on use, and the
+      tensor-core path reads the block products from the copy — no second fp32 copy of every expert is needed, so a
+      GPU whose cache holds the layer's copies (an H100's) runs the NVFP4 experts as fast as one with room for both;
+    - other FP4-stored names: converted from their codes in groups of NVFP4_GROUP (reference.quant.
+      mx32_to_nvfp4_forms) into the cache, while the cache has room for a whole group; what does not fit is
+      converted on use, as before;
+    - NVFP4-stored names (a checkpoint's own forms): loaded into the cache with their global scales while they fit.
+
+    The same bits every way. Only names without a kept form or factor are handled. Nothing is prepared when a patch
+    overrides load_weight in this phase (it may never ask the stock op for these forms), and a group that cannot be
+    converted (scales spanning too many binades) is left to its use, which raises for the tensor actually loaded."""
     if fmt not in NVFP4_FORMATS:
         raise ValueError(f"prepare_nvfp4_forms: unknown format {fmt!r} (nvfp4 or nvfp4-pow2)")
     if ctx.table.patched("load_weight"):
         return
+    rule = NVFP4_FORMATS[fmt]
     todo: dict[tuple, list[str]] = {}  # by shape (w1/w3 and w2 differ) and device: a group is one stack
+    derivable: dict[tuple, list[str]] = {}
     for name in dict.fromkeys(names):
         stored = ctx.weights.stored(name)
-        if _nvfp4_key(name, fmt) in ctx.dense or not isinstance(stored, QuantizedTensor):
+        if _nvfp4_key(name, fmt) in ctx.dense or _nvfp4_factor_key(name, fmt) in ctx.dense \
+                or not isinstance(stored, QuantizedTensor):
             continue
         if stored.format == "fp4_mx32":
-            todo.setdefault((stored.shape, stored.device), []).append(name)
+            (derivable if name in ctx.dense else todo).setdefault((stored.shape, stored.device), []).append(name)
         elif stored.format == "nvfp4" and ctx.dense.room_for(stored.shape[0] * stored.shape[1] * 4):
             load_weight(ctx, name, fmt)  # the checkpoint's own NVFP4 form, kept with its global scale
+    for same in derivable.values():
+        for i in range(0, len(same), NVFP4_FACTOR_GROUP):
+            group = same[i:i + NVFP4_FACTOR_GROUP]
+            qs = [ctx.weights.stored(n) for n in group]
+            try:
+                c, global_scales, ok = nvfp4_factors_from_mx([ctx.dense.get(n, q, ctx.device) for n, q in
+                                                              zip(group, qs)], qs, rule, group)
+            except ValueError:
+                continue
+            c, global_scales = c.to(ctx.device), global_scales.float().to(ctx.device)  # one copy for the group
+            for name, factor, global_scale, kept in zip(group, c, global_scales, ok.tolist()):
+                if kept:
+                    ctx.dense.put(_nvfp4_factor_key(name, fmt), factor)
+                    ctx.dense.put(_nvfp4_global_key(name, fmt), global_scale)
+                else:  # a factor below fp32's normal range: converted from the codes
+                    todo.setdefault((qs[0].shape, qs[0].device), []).append(name)
     for (shape, _), same in todo.items():
         for i in range(0, len(same), NVFP4_GROUP):
             group = same[i:i + NVFP4_GROUP]
@@ -233,11 +298,7 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
                 break  # a smaller group of the other shape may still fit
             qs = [ctx.weights.stored(n) for n in group]
             try:
-                if all(n in ctx.dense for n in group):  # their fp32 copies (the layer's fill): ~2x faster from those
-                    mx = torch.stack([ctx.dense.get(n, q, ctx.device) for n, q in zip(group, qs)])
-                    dense, global_scales = nvfp4_forms_from_mx(mx, qs, NVFP4_FORMATS[fmt], group)
-                else:
-                    dense, global_scales = mx32_to_nvfp4_forms(qs, NVFP4_FORMATS[fmt], group)
+                dense, global_scales = mx32_to_nvfp4_forms(qs, rule, group)
             except ValueError:
                 continue
             global_scales = global_scales.float().to(ctx.device)  # one copy for the group

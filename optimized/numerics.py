@@ -177,13 +177,17 @@ def _bf16_product_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> N
 
 
 def scaled_bf16_products(x: torch.Tensor, weights: list[torch.Tensor], rows: list[slice], x_scales: list[float],
-                         w_scales: list[torch.Tensor]) -> torch.Tensor:
+                         w_scales: list[torch.Tensor], w_factors: list[torch.Tensor | None] | None = None
+                         ) -> torch.Tensor:
     """[P, N] fp32: x[rows[i]] @ weights[i]ᵀ for NVFP4 operands — x = fl(x̃·s) with s = x_scales[i] (the activations'
     global input scale, 1.0 for bf16 activations), w = fl(w̃·g) with g = w_scales[i] (the weight's fp32 global scale,
     0-dim on the device) — where x̃ (e2m1 code × e4m3 block scale) and w̃ (likewise) have ≤ 6 significant bits: then
     fl(x / s) and fl(w / g) lie within 2^-22 of them and round to them exactly in bf16, so x̃·w̃ products are exact on
     bf16 tensor cores, and the result is fl(Σ x̃·w̃ · fl(s·g)) — the deployed NVFP4 GEMM's own form (block products on
     tensor cores, one fp32 alpha at the end), which the fp32 GEMM of fl(x·w) products equals but for fp32 rounding.
+    Where w_factors[i] is given (0-dim, on the device), weights[i] is the weight's MX copy instead and w̃ =
+    bf16(weights[i] · w_factors[i]), exact (reference.quant.nvfp4_factors_from_mx): the same w̃, read from the copy a
+    layer's dense cache holds anyway.
 
     One weight conversion and one GEMM per expert, as the fp32 loop has one GEMM and one copy: on an H200 a prefill
     chunk's 256 Flash expert matrices took 25 ms as fp32 SIMT GEMMs (host 8 ms)."""
@@ -195,8 +199,11 @@ def scaled_bf16_products(x: torch.Tensor, weights: list[torch.Tensor], rows: lis
         for span, s in zip(rows, x_scales):
             torch.div(x[span], s, out=xt[span])
     wt = torch.empty(weights[0].shape, dtype=torch.bfloat16, device=x.device)  # reused: the stream orders each
-    for w, span, g in zip(weights, rows, w_scales):  # GEMM's read before the next expert's conversion writes it
-        torch.div(w, g, out=wt)
+    for w, span, g, k in zip(weights, rows, w_scales, w_factors or [None] * len(weights)):  # GEMM's read before the
+        if k is None:  # next expert's conversion writes it
+            torch.div(w, g, out=wt)
+        else:
+            torch.mul(w, k, out=wt)
         _bf16_product_into(xt[span], wt, out[span])
     counts = _on_device([span.stop - span.start for span in rows], torch.int64, x.device)
     scales = _on_device(x_scales, torch.float32, x.device)  # s in fp32, as the activations' quantizer used it

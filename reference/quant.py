@@ -371,33 +371,60 @@ def mx32_to_nvfp4_forms(qs: list[QuantizedTensor], global_rule: str = "modelopt"
 def nvfp4_forms_from_mx(mx: torch.Tensor, qs: list[QuantizedTensor], global_rule: str = "modelopt",
                         names: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """mx32_to_nvfp4_forms(qs, global_rule, names), the same bits and global scales, from mx [G, out, in]: the
-    tensors' own fp32 values (QuantizedTensor.dequantize, as a layer's dense cache holds them), on mx's device.
-
-    Why it is the same: every non-zero 32-block's NVFP4 block scale is its MX scale 2^e times a per-tensor factor c —
-    modelopt b = 2^(e−emax+7)·f, so c = 2^(7−emax)·f; pow2 b = 2^(e−emax+8), so c = 2^(8−emax) — and an all-zero
-    block's values are ±0 whatever its scale. So code·b = (code·2^e)·c = mx·c, and both are exact (≤ 6 significant
-    bits, normal: |code·b| ≥ 0.5·2^-9), which makes fl(fl(mx·c)·global) the dequantization's fl(fl(code·b)·global)
-    bit for bit. It also finds the per-tensor numbers (all-zero blocks, amax) from mx: a block is all zero exactly
-    when its codes are, and max|mx| is the largest block's max|code|·2^e, as every code·2^e is exact in fp32 (UE8M0
-    gives e ≥ −127, and 0.5·2^-127 is a subnormal). c must be a normal fp32 (emax ≥ −119): a stack with a tensor of
-    smaller values is converted from its codes.
+    tensors' own fp32 values (QuantizedTensor.dequantize, as a layer's dense cache holds them), on mx's device:
+    fl(fl(mx·c)·global) with each tensor's factors (nvfp4_factors_from_mx, which says why that is the same). A stack
+    with a tensor whose factor is not a normal fp32 is converted from its codes.
     Measured on an H200 (8 Flash expert matrices): 2.9 ms from the codes (decode, a repeat_interleave'd block scale,
     two reductions), ~1.5 ms from mx (one reduction pass, two products)."""
     names = _checked_fp4_names(qs, names, "nvfp4_forms_from_mx")
     if tuple(mx.shape) != (len(qs), *qs[0].shape):
         raise ValueError(f"nvfp4_forms_from_mx: mx is {tuple(mx.shape)}, expected {(len(qs), *qs[0].shape)} for "
                          f"{names[0]} and the rest of its stack")
-    scale = torch.stack([q.scale for q in qs]).to(mx.device)
-    lo, hi = torch.aminmax(mx.unflatten(-1, (-1, 32)), dim=-1)
-    block_amax = torch.maximum(hi, -lo)  # max |mx| per 32-block: exact (negation and max)
-    rule = _nvfp4_rule(scale.to(torch.int32) - 127, block_amax == 0, block_amax.flatten(1).amax(1), global_rule, names)
-    if rule.top_exponent.min() < -119:
+    c, global_scale, derivable = nvfp4_factors_from_mx(list(mx.unbind(0)), qs, global_rule, names)
+    if not derivable.all():
         dense, global_scale = mx32_to_nvfp4_forms(qs, global_rule, names)
         return dense.to(mx.device), global_scale
+    return (mx * c.to(mx.device)[:, None, None]).mul_(global_scale.to(mx.device)[:, None, None]), global_scale
+
+
+def nvfp4_factors_from_mx(mx: list[torch.Tensor], qs: list[QuantizedTensor], global_rule: str = "modelopt",
+                          names: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-tensor numbers that make each FP4 tensor's NVFP4 form from its own fp32 values mx[i] ([out, in],
+    QuantizedTensor.dequantize of qs[i], as a layer's dense cache holds them; one device): (c, global_scale,
+    derivable), each [G] on the host, c and global_scale fp32. Where derivable[i]:
+
+    - bf16(mx[i]·c[i]) is the form's block products code·b, exactly (optimized.numerics.scaled_bf16_products reads
+      them on tensor cores), and
+    - fl(fl(mx[i]·c[i])·global_scale[i]) is mx32_to_nvfp4(qs[i], global_rule).dequantize(), bit for bit.
+
+    So a run keeps two numbers per matrix instead of a second fp32 copy of every expert (25.8 GB per Flash layer).
+
+    Why: every non-zero 32-block's NVFP4 block scale is its MX scale 2^e times a per-tensor factor c — modelopt
+    b = 2^(e−emax+7)·f, so c = 2^(7−emax)·f; pow2 b = 2^(e−emax+8), so c = 2^(8−emax) — and an all-zero block's
+    values are ±0 whatever its scale. So code·b = (code·2^e)·c = mx·c, and both are exact (≤ 6 significant bits,
+    normal: |code·b| ≥ 0.5·2^-9), which makes fl(fl(mx·c)·global) the dequantization's fl(fl(code·b)·global) bit for
+    bit. The per-tensor numbers (all-zero blocks, amax) come from mx too: a block is all zero exactly when its codes
+    are, and max|mx| is the largest block's max|code|·2^e, as every code·2^e is exact in fp32 (UE8M0 gives e ≥ −127,
+    and 0.5·2^-127 is a subnormal). c must be a normal fp32 (emax ≥ −119): derivable[i] is False for a tensor of
+    smaller values (its form comes from its codes). Raises ValueError, naming the tensor, when a tensor has no
+    lossless NVFP4 form (the pow2 rule's scales spanning more than 17 binades). One host read; the temporaries are
+    1/32 of a tensor per tensor (its block maxima), so large stacks cost no more memory than their maxima."""
+    names = _checked_fp4_names(qs, names, "nvfp4_factors_from_mx")
+    if len(mx) != len(qs) or any(tuple(m.shape) != tuple(qs[0].shape) for m in mx):
+        raise ValueError(f"nvfp4_factors_from_mx: {len(mx)} fp32 tensors of shapes "
+                         f"{sorted({tuple(m.shape) for m in mx})} for {len(qs)} tensors of shape {tuple(qs[0].shape)} "
+                         f"({names[0]} and the rest of its stack)")
+    rows, cols = qs[0].shape
+    device = mx[0].device
+    block_amax = torch.empty(len(mx), rows, cols // 32, device=device)
+    for i, m in enumerate(mx):  # max |mx| per 32-block: exact (negation and max)
+        lo, hi = torch.aminmax(m.unflatten(-1, (-1, 32)), dim=-1)
+        torch.maximum(hi, -lo, out=block_amax[i])
+    scale = torch.stack([q.scale for q in qs]).to(device)
+    rule = _nvfp4_rule(scale.to(torch.int32) - 127, block_amax == 0, block_amax.flatten(1).amax(1), global_rule, names)
     c = torch.where(rule.modelopt_host, torch.ldexp(torch.ones_like(rule.f), 7 - rule.top_exponent) * rule.f,
                     torch.ldexp(torch.ones_like(rule.f), 8 - rule.top_exponent)).float()
-    return (mx * c.to(mx.device)[:, None, None]).mul_(rule.global_scale.to(mx.device)[:, None, None]), \
-        rule.global_scale
+    return c, rule.global_scale, rule.top_exponent >= -119
 
 
 def _checked_fp4_names(qs: list[QuantizedTensor], names: list[str] | None, caller: str) -> list[str]:

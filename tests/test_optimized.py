@@ -368,43 +368,57 @@ def test_nvfp4_forms_stored_in_the_checkpoint_are_prepared_with_their_global_sca
     c = SimpleNamespace(weights=SimpleNamespace(stored=stored.__getitem__), dense=DenseCache(2 * 32 * 64 * 4 + 8),
                         device=torch.device("cpu"), table=SimpleNamespace(patched=lambda op: False))
     base_ops.prepare_nvfp4_forms(c, list(stored), "nvfp4")
-    assert [base_ops.nvfp4_form_kept(c, n, "nvfp4") for n in stored] == [True, True, False]  # the budget: two
-    for name in ("w0", "w1"):
-        form = c.dense.get(f"{name}#nvfp4", None, c.device)
-        assert torch.equal(form, stored[name].dequantize())
-        assert float(base_ops.nvfp4_global_scale(c, name, "nvfp4", form)) == float(stored[name].global_scale)
+    operands = [base_ops.nvfp4_operand(c, n, "nvfp4") for n in stored]
+    assert [o is not None for o in operands] == [True, True, False]  # the budget: two
+    for name, operand in zip(("w0", "w1"), operands):
+        assert operand.factor is None and c.dense.holds(f"{name}#nvfp4", operand.source)  # the form, no fp32 copy
+        assert torch.equal(operand.source, stored[name].dequantize())
+        assert float(operand.global_scale) == float(stored[name].global_scale)
 
 
-def test_nvfp4_forms_come_from_the_cached_fp32_copies_when_the_cache_holds_them(monkeypatch):
-    """prepare_nvfp4_forms converts a group from the fp32 copies the layer's fill made (nvfp4_forms_from_mx) when the
-    cache holds all of the group's, else from the codes; the forms are the same bits either way, and so are the
-    global scales kept beside them."""
+def test_nvfp4_forms_are_derived_from_the_cached_fp32_copies_when_the_cache_holds_them(monkeypatch):
+    """prepare_nvfp4_forms keeps each FP4 matrix's factor and global scale when the layer's dense cache holds its fp32
+    copy (reference.quant.nvfp4_factors_from_mx) — converting nothing from the codes and keeping no second fp32 copy
+    (an H100's cache holds a Flash layer's copies, not their forms as well) — and load_weight derives the form from
+    the copy on use; matrices whose copies are not cached are converted from their codes, in groups. The forms are
+    mx32_to_nvfp4's bits either way, and so are the global scales; a derived form's tensor-core operand is the copy
+    and its factor, whose product is the form's block products code·b in bf16."""
     from types import SimpleNamespace
 
     from optimized import base_ops
-    from reference.quant import quantize_fp4_mx32
+    from reference.quant import e2m1_decode, mx32_to_nvfp4, quantize_fp4_mx32, unpack_e2m1
     from reference.weights.dense_cache import DenseCache
 
     gen = torch.Generator().manual_seed(7)
-    stored = {f"w{i}": quantize_fp4_mx32(torch.randn(32, 64, generator=gen)) for i in range(2 * base_ops.NVFP4_GROUP)}
-    calls = {"from_mx": 0, "from_codes": 0}
+    stored = {f"w{i}": quantize_fp4_mx32(torch.randn(32, 64, generator=gen) * 2.0 ** (i % 5 - 2))
+              for i in range(2 * base_ops.NVFP4_GROUP)}
+    calls = {"factors": 0, "from_codes": 0}
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return fn(*args, **kwargs)
         return wrapper
-    monkeypatch.setattr(base_ops, "nvfp4_forms_from_mx", counted("from_mx", base_ops.nvfp4_forms_from_mx))
+    monkeypatch.setattr(base_ops, "nvfp4_factors_from_mx", counted("factors", base_ops.nvfp4_factors_from_mx))
     monkeypatch.setattr(base_ops, "mx32_to_nvfp4_forms", counted("from_codes", base_ops.mx32_to_nvfp4_forms))
-    forms = []
-    for filled in (list(stored), list(stored)[:base_ops.NVFP4_GROUP]):  # every copy; the first group's only
+    first = list(stored)[:base_ops.NVFP4_GROUP]
+    for filled in (list(stored), first):  # every copy; the first group's only
         c = SimpleNamespace(weights=SimpleNamespace(stored=stored.__getitem__), dense=DenseCache(1 << 30),
                             device=torch.device("cpu"), table=SimpleNamespace(patched=lambda op: False))
         assert c.dense.fill(filled, stored.__getitem__, c.device)
         base_ops.prepare_nvfp4_forms(c, list(stored), "nvfp4")
-        forms.append([c.dense.get(f"{n}#nvfp4{part}", None, c.device) for n in stored for part in ("", "#global")])
-    assert calls == {"from_mx": 3, "from_codes": 1}
-    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*forms))
+        assert [f"w{i}#nvfp4" in c.dense for i in range(len(stored))] == [n not in filled for n in stored]
+        for name, q in stored.items():
+            expected = mx32_to_nvfp4(q, "modelopt", name)
+            assert torch.equal(base_ops.load_weight(c, name, "nvfp4").view(torch.int32),
+                               expected.dequantize().view(torch.int32)), name
+            operand = base_ops.nvfp4_operand(c, name, "nvfp4")
+            assert float(operand.global_scale) == float(expected.global_scale), name
+            if name in filled:
+                assert operand.factor is not None and c.dense.holds(name, operand.source)
+                blocks = e2m1_decode(unpack_e2m1(expected.codes)) * expected.scale.float().repeat_interleave(16, -1)
+                assert torch.equal((operand.source * operand.factor).bfloat16().float(), blocks), name
+    assert calls == {"factors": 2, "from_codes": 1}
 
 
 def test_a_weight_is_rounded_for_a_low_precision_gemm_once_per_layer():
@@ -575,7 +589,7 @@ def test_nvfp4_products_factored_into_block_products_and_one_alpha_are_the_fp32_
     fp32 (x and w: 2^-24 each); the fp32 GEMM of x and w stays inside the same bound."""
     from optimized import numerics
     from optimized.patches.nvfp4_experts import nvfp4_activation
-    from reference.quant import mx32_to_nvfp4_forms, quantize_fp4_mx32
+    from reference.quant import mx32_to_nvfp4_forms, nvfp4_factors_from_mx, quantize_fp4_mx32
 
     g = torch.Generator().manual_seed(5)
     rows, K, N = [9, 1, 30, 17], 128, 48
@@ -593,6 +607,13 @@ def test_nvfp4_products_factored_into_block_products_and_one_alpha_are_the_fp32_
     fp32 = torch.cat([x[sp] @ w.T for sp, w in zip(spans, forms)])
     assert bool(((got.double() - exact).abs() <= bound).all()) and bool(((fp32.double() - exact).abs() <= bound).all())
     assert not torch.equal(got, fp32), "another rounding of the same sums: other bits somewhere (the test's teeth)"
+    # read from the MX copies a layer's dense cache holds, with their factors (base_ops.nvfp4_operand): the same w̃
+    mx = [q.dequantize() for q in qs]
+    factors, _, derivable = nvfp4_factors_from_mx(mx, qs, "modelopt")
+    assert bool(derivable.all())
+    from_copies = numerics.scaled_bf16_products(x, mx, spans, x_scales, list(w_scales.unbind()),
+                                                list(factors.unbind()))
+    assert torch.equal(from_copies, got)
 
 
 def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_only_with_the_caches_own_forms(monkeypatch):
@@ -635,9 +656,9 @@ def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_only_with_the_cac
 
     ctx = SimpleNamespace(table=SimpleNamespace(patched=lambda op: op == "load_weight"),
                           options={"global_scale": "modelopt"}, dense=DenseCache())
-    assert nv._tensor_core_forms(ctx, ["ffn.experts.0.w1.weight"]) is None, "a patched load_weight: fp32 GEMMs"
+    assert nv._tensor_core_operands(ctx, ["ffn.experts.0.w1.weight"]) is None, "a patched load_weight: fp32 GEMMs"
     ctx.table = SimpleNamespace(patched=lambda op: False)
-    assert nv._tensor_core_forms(ctx, ["ffn.experts.0.w1.weight"]) is None, "a form not kept: fp32 GEMMs"
+    assert nv._tensor_core_operands(ctx, ["ffn.experts.0.w1.weight"]) is None, "nothing kept: fp32 GEMMs"
 
 
 def test_on_tensor_cores_the_engine_sends_only_bf16_valued_operands_and_moves_by_rounding_only(monkeypatch):

@@ -7,8 +7,8 @@ import torch
 
 from reference.quant import (E2M1_VALUES, FP8_MAX, QuantizedTensor, ceil_log2, e2m1_decode, e2m1_encode,
                              e8m0_decode, e8m0_encode, fp4_fake_quant, fp8_fake_quant, mx32_to_nvfp4,
-                             mx32_to_nvfp4_forms, nvfp4_forms_from_mx, pack_e2m1, quantize_fp4_mx32,
-                             quantize_fp8_block128, round_to_e2m1, round_to_e4m3, unpack_e2m1)
+                             mx32_to_nvfp4_forms, nvfp4_factors_from_mx, nvfp4_forms_from_mx, pack_e2m1,
+                             quantize_fp4_mx32, quantize_fp8_block128, round_to_e2m1, round_to_e4m3, unpack_e2m1)
 
 
 def brute_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -175,6 +175,24 @@ def test_nvfp4_from_fp32_copies_below_its_range_converts_from_the_codes():
     mx = q.dequantize()[None]
     assert torch.equal(nvfp4_forms_from_mx(mx, [q])[0].view(torch.int32),
                        mx32_to_nvfp4_forms([q])[0].view(torch.int32))
+    plain = quantize_fp4_mx32(torch.randn(32, 64))
+    assert nvfp4_factors_from_mx([mx[0], plain.dequantize()], [q, plain])[2].tolist() == [False, True]
+
+
+def test_nvfp4_factors_make_the_block_products_and_the_forms_from_each_fp32_copy():
+    """nvfp4_factors_from_mx, tensor by tensor from a list of fp32 copies (no stack of them is made): bf16(mx·c) is
+    each NVFP4 form's block products code·b and fl(fl(mx·c)·g) its dequantization, every bit (−0 included), for every
+    kind of stack and both rules."""
+    qs = _fp4_stack_of_every_kind()
+    mx = [q.dequantize() for q in qs]
+    for rule in ("modelopt", "pow2"):
+        c, g, derivable = nvfp4_factors_from_mx(mx, qs, rule)
+        assert bool(derivable.all()) and c.dtype == g.dtype == torch.float32
+        for i, q in enumerate(qs):
+            one = mx32_to_nvfp4(q, rule)
+            blocks = e2m1_decode(unpack_e2m1(one.codes)) * one.scale.float().repeat_interleave(16, -1)
+            assert torch.equal((mx[i] * c[i]).bfloat16().float().view(torch.int32), blocks.view(torch.int32))
+            assert torch.equal(((mx[i] * c[i]) * g[i]).view(torch.int32), one.dequantize().view(torch.int32))
 
 
 def test_nvfp4_stack_errors_name_the_tensor():

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from optimized import numerics
-from optimized.base_ops import FEW_PAIRS, PairLayout, joined_products, nvfp4_form_kept, nvfp4_global_scale, \
+from optimized.base_ops import FEW_PAIRS, Nvfp4Operand, PairLayout, joined_products, nvfp4_operand, \
     prepare_nvfp4_forms, swiglu_fp32
 from optimized.numerics import bf16
 from optimized.ops import OpContext, Routing
@@ -86,16 +86,21 @@ def _act_rows(act, x: torch.Tensor, scales: list[float | None], spans: list[slic
     return out
 
 
-def _tensor_core_forms(ctx: OpContext, names: list[str]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    """The NVFP4 forms of `names` and their global scales, when every form is the dense cache's own (load_weight not
-    patched, every form converted and kept: none is converted here) — what numerics.scaled_bf16_products needs to put
-    the products on tensor cores; else None (the products stay fp32 GEMMs of the forms load_weight gives)."""
-    fmt = _nvfp4_format(ctx)
-    if ctx.table.patched("load_weight") or not all(nvfp4_form_kept(ctx, n, fmt) for n in names):
+def _tensor_core_operands(ctx: OpContext, names: list[str]) -> list[Nvfp4Operand] | None:
+    """The tensor-core operands of `names`' NVFP4 forms (base_ops.nvfp4_operand: from the dense cache's fp32 copies
+    and kept factors, or its kept forms; load_weight not patched, nothing converted here) — what
+    numerics.scaled_bf16_products needs to put the products on tensor cores; else None (the products stay fp32 GEMMs
+    of the forms load_weight gives)."""
+    if ctx.table.patched("load_weight"):
         return None
-    forms = [_nvfp4_weight(ctx, n) for n in names]
-    scales = [nvfp4_global_scale(ctx, n, fmt, w) for n, w in zip(names, forms)]
-    return None if any(g is None for g in scales) else (forms, scales)
+    fmt = _nvfp4_format(ctx)
+    operands = []
+    for name in names:
+        operand = nvfp4_operand(ctx, name, fmt)
+        if operand is None:
+            return None
+        operands.append(operand)
+    return operands
 
 
 @PATCH.op("experts")
@@ -118,9 +123,9 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
     tokens = layout.tokens
     names = {e: [f"ffn.experts.{e}.{p}.weight" for p in ("w1", "w3", "w2")] for e, _ in layout.spans}
     scales = {e: [scale_of(_input_scale(ctx, n)) for n in names[e]] for e in names}
-    prepare_nvfp4_forms(ctx, [n for e in names for n in names[e]], _nvfp4_format(ctx))  # in groups, while they fit
-    # weights are loaded inside the GEMM loops, one at a time: the NVFP4 forms the dense cache cannot hold (a GPU
-    # shared by ranks, a CPU at Flash width) are dequantized on use, and a whole layer's at once is 25.8 GB
+    prepare_nvfp4_forms(ctx, [n for e in names for n in names[e]], _nvfp4_format(ctx))  # factors, or forms in groups
+    # weights are loaded inside the GEMM loops, one at a time: the NVFP4 forms the dense cache does not hold are
+    # derived from its fp32 copies or converted on use, and a whole layer's at once is 25.8 GB
     # the routed input is quantized per token, independent of the expert: once per input scale, and gathered into
     # pair rows once (for w1 and w3 together) when every expert shares that scale — each expert's GEMM then reads a
     # slice of them, and the stock experts op's working set is not exceeded
@@ -162,18 +167,20 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
 def _on_tensor_cores(ctx: OpContext, y: torch.Tensor, routing: Routing, layout: PairLayout,
                      names: dict[int, list[str]], scales: dict[int, list[float | None]], act) -> torch.Tensor | None:
     """The experts op over a prefill chunk with its GEMMs on bf16 tensor cores (numerics.scaled_bf16_products: the
-    NVFP4 operands' exact block products, one fp32 alpha per expert), when every form is the cache's own
-    (_tensor_core_forms); None otherwise. The same quantizers, SwiGLU, routing weight and roundings as the fp32 path,
+    NVFP4 operands' exact block products, one fp32 alpha per expert), when the dense cache keeps every operand
+    (_tensor_core_operands); None otherwise. The same quantizers, SwiGLU, routing weight and roundings as the fp32 path,
     over the same pair rows; only the GEMMs' fp32 rounding differs."""
     experts_in_order = [e for e, _ in layout.spans]
     spans = [rows for _, rows in layout.spans]
-    forms = [_tensor_core_forms(ctx, [names[e][m] for e in experts_in_order]) for m in range(3)]
-    if any(f is None for f in forms):
+    operands = [_tensor_core_operands(ctx, [names[e][m] for e in experts_in_order]) for m in range(3)]
+    if any(o is None for o in operands):
         return None
 
     def products(x: torch.Tensor, m: int) -> torch.Tensor:
         x_scales = [1.0 if scales[e][m] is None else scales[e][m] for e in experts_in_order]
-        return numerics.scaled_bf16_products(x, forms[m][0], spans, x_scales, forms[m][1])
+        ws = operands[m]
+        return numerics.scaled_bf16_products(x, [w.source for w in ws], spans, x_scales, [w.global_scale for w in ws],
+                                             [w.factor for w in ws])
 
     def quantized_pairs(m: int) -> torch.Tensor:
         """The pair rows of matrix m's input: quantized per token once and gathered (the quantizer works within a

@@ -25,10 +25,12 @@ CPU_BUDGET_BYTES = 4 << 30
 experts used most; the small presets' layers fit whole (flash-mini's experts: 1.5 MB)."""
 
 DEVICE_BUDGET_FRACTION = 0.35
-"""On a GPU: this share of the device's memory (52.5 GB of an H200, which torch reports as 150.1 GB). A Flash layer's
-tensors are 26.4 GB in fp32, 25.8 GB of them experts (256·3·2048·4096·4 B), and their NVFP4 forms (nvfp4-experts)
-25.8 GB again: 52.15 GB, which fits with 0.4 GB to spare (measured), leaving the rest of a 100 GB peak budget to
-streams, taps and caches. harness.run.host_lanes runs a second host thread only while a layer fits whole."""
+"""On a GPU: this share of the device's memory (52.5 GB of an H200, which torch reports as 150.1 GB; 29.9 GB of an
+H100 80GB). A Flash layer's tensors are 26.4 GB in fp32, 25.8 GB of them experts (256·3·2048·4096·4 B), so both
+GPUs hold a layer whole. The NVFP4 forms (nvfp4-experts) are derived from these copies (optimized.base_ops.
+prepare_nvfp4_forms: two numbers per matrix) and kept on use while there is room; a 25.8 GB second copy of every
+expert is never needed. harness.run.host_lanes runs a second host thread only while a layer fits whole with its
+forms (52.15 GB: an H200)."""
 
 
 class DenseCache:
