@@ -199,12 +199,11 @@ def _derived_nvfp4_form(ctx: OpContext, name: str, fmt: str) -> torch.Tensor | N
     """fl(fl(mx·c)·g) — the NVFP4 form's bits (reference.quant.nvfp4_factors_from_mx) — from the cached fp32 copy mx
     of `name` and its kept factor c and global scale g: one pass over the copy instead of a conversion from the codes
     (~70 launches and three host reads); None when they are not kept."""
-    factor = _nvfp4_factor_key(name, fmt)
-    if factor not in ctx.dense or name not in ctx.dense:
+    factor, global_key = _nvfp4_factor_key(name, fmt), _nvfp4_global_key(name, fmt)
+    if factor not in ctx.dense or global_key not in ctx.dense or name not in ctx.dense:
         return None
     mx = ctx.dense.get(name, None, ctx.device)
-    g = ctx.dense.get(_nvfp4_global_key(name, fmt), None, ctx.device)
-    return (mx * ctx.dense.get(factor, None, ctx.device)).mul_(g)
+    return (mx * ctx.dense.get(factor, None, ctx.device)).mul_(ctx.dense.get(global_key, None, ctx.device))
 
 
 def load_weight(ctx: OpContext, name: str, fmt: str) -> torch.Tensor:
@@ -257,8 +256,9 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
     - NVFP4-stored names (a checkpoint's own forms): loaded into the cache with their global scales while they fit.
 
     The same bits every way. Only names without a kept form or factor are handled. Nothing is prepared when a patch
-    overrides load_weight in this phase (it may never ask the stock op for these forms), and a group that cannot be
-    converted (scales spanning too many binades) is left to its use, which raises for the tensor actually loaded."""
+    overrides load_weight in this phase (it may never ask the stock op for these forms), and a tensor that cannot be
+    converted (scales spanning too many binades) is left to its use, which raises for it: alone among copies
+    (_keep_nvfp4_factors), with its group of NVFP4_GROUP among codes."""
     if fmt not in NVFP4_FORMATS:
         raise ValueError(f"prepare_nvfp4_forms: unknown format {fmt!r} (nvfp4 or nvfp4-pow2)")
     if ctx.table.patched("load_weight"):
@@ -275,22 +275,9 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
             (derivable if name in ctx.dense else todo).setdefault((stored.shape, stored.device), []).append(name)
         elif stored.format == "nvfp4" and ctx.dense.room_for(stored.shape[0] * stored.shape[1] * 4):
             load_weight(ctx, name, fmt)  # the checkpoint's own NVFP4 form, kept with its global scale
-    for same in derivable.values():
+    for key, same in derivable.items():
         for i in range(0, len(same), NVFP4_FACTOR_GROUP):
-            group = same[i:i + NVFP4_FACTOR_GROUP]
-            qs = [ctx.weights.stored(n) for n in group]
-            try:
-                c, global_scales, ok = nvfp4_factors_from_mx([ctx.dense.get(n, q, ctx.device) for n, q in
-                                                              zip(group, qs)], qs, rule, group)
-            except ValueError:
-                continue
-            c, global_scales = c.to(ctx.device), global_scales.float().to(ctx.device)  # one copy for the group
-            for name, factor, global_scale, kept in zip(group, c, global_scales, ok.tolist()):
-                if kept:
-                    ctx.dense.put(_nvfp4_factor_key(name, fmt), factor)
-                    ctx.dense.put(_nvfp4_global_key(name, fmt), global_scale)
-                else:  # a factor below fp32's normal range: converted from the codes
-                    todo.setdefault((qs[0].shape, qs[0].device), []).append(name)
+            todo.setdefault(key, []).extend(_keep_nvfp4_factors(ctx, same[i:i + NVFP4_FACTOR_GROUP], fmt))
     for (shape, _), same in todo.items():
         for i in range(0, len(same), NVFP4_GROUP):
             group = same[i:i + NVFP4_GROUP]
@@ -305,6 +292,29 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
             for name, value, global_scale in zip(group, dense.to(ctx.device), global_scales):
                 ctx.dense.put(_nvfp4_key(name, fmt), value)
                 ctx.dense.put(_nvfp4_global_key(name, fmt), global_scale)
+
+
+def _keep_nvfp4_factors(ctx: OpContext, group: list[str], fmt: str) -> list[str]:
+    """Keep the factor and global scale of each of `group` (FP4 names of one shape whose fp32 copies the dense cache
+    holds), found with one host read; return the names whose forms must come from their codes instead (a factor past
+    fp32's range: values below ~2^-119). A group holding a tensor with no lossless NVFP4 form (the pow2 rule's scales
+    spanning more than 17 binades) is found again tensor by tensor, so that only that tensor is left to its use,
+    which raises for it."""
+    qs = [ctx.weights.stored(n) for n in group]
+    try:
+        c, global_scales, derivable = nvfp4_factors_from_mx([ctx.dense.get(n, q, ctx.device) for n, q in
+                                                             zip(group, qs)], qs, NVFP4_FORMATS[fmt], group)
+    except ValueError:
+        return [] if len(group) == 1 else [n for one in group for n in _keep_nvfp4_factors(ctx, [one], fmt)]
+    c, global_scales = c.to(ctx.device), global_scales.float().to(ctx.device)  # one copy for the group
+    from_codes = []
+    for name, factor, global_scale, kept in zip(group, c, global_scales, derivable.tolist()):
+        if kept:  # the global scale first: a form counts as derivable once its factor is kept
+            ctx.dense.put(_nvfp4_global_key(name, fmt), global_scale)
+            ctx.dense.put(_nvfp4_factor_key(name, fmt), factor)
+        else:
+            from_codes.append(name)
+    return from_codes
 
 
 def kv_store(ctx: OpContext, cache: str, rows: torch.Tensor) -> None:

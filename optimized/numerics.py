@@ -198,9 +198,10 @@ def scaled_bf16_products(x: torch.Tensor, weights: list[torch.Tensor], rows: lis
     else:
         for span, s in zip(rows, x_scales):
             torch.div(x[span], s, out=xt[span])
-    wt = torch.empty(weights[0].shape, dtype=torch.bfloat16, device=x.device)  # reused: the stream orders each
-    for w, span, g, k in zip(weights, rows, w_scales, w_factors or [None] * len(weights)):  # GEMM's read before the
-        if k is None:  # next expert's conversion writes it
+    # one bf16 weight buffer, reused: the stream orders each GEMM's read before the next expert's conversion writes it
+    wt = torch.empty(weights[0].shape, dtype=torch.bfloat16, device=x.device)
+    for w, span, g, k in zip(weights, rows, w_scales, w_factors or [None] * len(weights), strict=True):
+        if k is None:
             torch.div(w, g, out=wt)
         else:
             torch.mul(w, k, out=wt)

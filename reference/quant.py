@@ -368,25 +368,6 @@ def mx32_to_nvfp4_forms(qs: list[QuantizedTensor], global_rule: str = "modelopt"
     return vals * s * global_scale.to(vals.device)[:, None, None], global_scale
 
 
-def nvfp4_forms_from_mx(mx: torch.Tensor, qs: list[QuantizedTensor], global_rule: str = "modelopt",
-                        names: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """mx32_to_nvfp4_forms(qs, global_rule, names), the same bits and global scales, from mx [G, out, in]: the
-    tensors' own fp32 values (QuantizedTensor.dequantize, as a layer's dense cache holds them), on mx's device:
-    fl(fl(mx·c)·global) with each tensor's factors (nvfp4_factors_from_mx, which says why that is the same). A stack
-    with a tensor whose factor is not a normal fp32 is converted from its codes.
-    Measured on an H200 (8 Flash expert matrices): 2.9 ms from the codes (decode, a repeat_interleave'd block scale,
-    two reductions), ~1.5 ms from mx (one reduction pass, two products)."""
-    names = _checked_fp4_names(qs, names, "nvfp4_forms_from_mx")
-    if tuple(mx.shape) != (len(qs), *qs[0].shape):
-        raise ValueError(f"nvfp4_forms_from_mx: mx is {tuple(mx.shape)}, expected {(len(qs), *qs[0].shape)} for "
-                         f"{names[0]} and the rest of its stack")
-    c, global_scale, derivable = nvfp4_factors_from_mx(list(mx.unbind(0)), qs, global_rule, names)
-    if not derivable.all():
-        dense, global_scale = mx32_to_nvfp4_forms(qs, global_rule, names)
-        return dense.to(mx.device), global_scale
-    return (mx * c.to(mx.device)[:, None, None]).mul_(global_scale.to(mx.device)[:, None, None]), global_scale
-
-
 def nvfp4_factors_from_mx(mx: list[torch.Tensor], qs: list[QuantizedTensor], global_rule: str = "modelopt",
                           names: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The per-tensor numbers that make each FP4 tensor's NVFP4 form from its own fp32 values mx[i] ([out, in],

@@ -331,8 +331,8 @@ def test_nvfp4_forms_prepared_in_groups_are_load_weights_bits_and_stop_at_the_bu
 
 def test_an_nvfp4_group_that_cannot_convert_is_left_to_its_use():
     """A matrix whose per-32 scales span more than 17 binades has no lossless NVFP4 form (pow2 rule): preparing a
-    group that holds it skips that group (the error is load_weight's, for the tensor actually loaded), and the other
-    groups are still prepared."""
+    group from the codes that holds it skips that group (the error is load_weight's, for the tensor actually loaded),
+    and the other groups are still prepared; from the fp32 copies, only that matrix is skipped."""
     from types import SimpleNamespace
 
     from optimized import base_ops
@@ -350,6 +350,19 @@ def test_an_nvfp4_group_that_cannot_convert_is_left_to_its_use():
     base_ops.prepare_nvfp4_forms(c, list(stored), "nvfp4-pow2")
     assert [f"w{i}#nvfp4-pow2" in c.dense for i in range(len(stored))] == \
         [False] * base_ops.NVFP4_GROUP + [True] * base_ops.NVFP4_GROUP
+    with pytest.raises(ValueError, match="w0: per-32 scales span more than 17 binades"):
+        base_ops.load_weight(c, "w0", "nvfp4-pow2")
+    # from the fp32 copies: only the tensor that cannot convert is left to its use, and one whose factor is past
+    # fp32's range (an all-zero matrix: emax −122) is converted from its codes
+    stored["w1"] = quantize_fp4_mx32(torch.zeros(32, 64))
+    c.dense = DenseCache(1 << 30)
+    assert c.dense.fill(list(stored), stored.__getitem__, c.device)
+    base_ops.prepare_nvfp4_forms(c, list(stored), "nvfp4-pow2")
+    assert [f"w{i}#nvfp4-pow2#factor" in c.dense for i in range(len(stored))] == [False, False] + [True] * (
+        len(stored) - 2)
+    assert "w1#nvfp4-pow2" in c.dense and "w0#nvfp4-pow2" not in c.dense
+    for name in list(stored)[1:]:
+        assert torch.equal(base_ops.load_weight(c, name, "nvfp4-pow2"), stored[name].dequantize()), name  # pow2: MX
     with pytest.raises(ValueError, match="w0: per-32 scales span more than 17 binades"):
         base_ops.load_weight(c, "w0", "nvfp4-pow2")
 
@@ -401,24 +414,31 @@ def test_nvfp4_forms_are_derived_from_the_cached_fp32_copies_when_the_cache_hold
         return wrapper
     monkeypatch.setattr(base_ops, "nvfp4_factors_from_mx", counted("factors", base_ops.nvfp4_factors_from_mx))
     monkeypatch.setattr(base_ops, "mx32_to_nvfp4_forms", counted("from_codes", base_ops.mx32_to_nvfp4_forms))
+    expected = {name: mx32_to_nvfp4(q, "modelopt", name) for name, q in stored.items()}
     first = list(stored)[:base_ops.NVFP4_GROUP]
-    for filled in (list(stored), first):  # every copy; the first group's only
-        c = SimpleNamespace(weights=SimpleNamespace(stored=stored.__getitem__), dense=DenseCache(1 << 30),
+    copies = len(stored) * 32 * 64 * 4
+    # every copy (with room for the forms; without: derived at every use); the first group's only
+    for filled, budget in ((list(stored), 1 << 30), (list(stored), copies + 64), (first, 1 << 30)):
+        one_by_one = base_ops.mx32_to_nvfp4
+        monkeypatch.setattr(base_ops, "mx32_to_nvfp4", lambda q, rule, name: pytest.fail(f"{name} converted from its "
+                            "codes") if name in filled else one_by_one(q, rule, name))
+        c = SimpleNamespace(weights=SimpleNamespace(stored=stored.__getitem__), dense=DenseCache(budget),
                             device=torch.device("cpu"), table=SimpleNamespace(patched=lambda op: False))
         assert c.dense.fill(filled, stored.__getitem__, c.device)
         base_ops.prepare_nvfp4_forms(c, list(stored), "nvfp4")
         assert [f"w{i}#nvfp4" in c.dense for i in range(len(stored))] == [n not in filled for n in stored]
-        for name, q in stored.items():
-            expected = mx32_to_nvfp4(q, "modelopt", name)
-            assert torch.equal(base_ops.load_weight(c, name, "nvfp4").view(torch.int32),
-                               expected.dequantize().view(torch.int32)), name
+        for name, form in expected.items():
+            for _ in range(2):  # a derived form is kept while there is room; else derived again, the same bits
+                assert torch.equal(base_ops.load_weight(c, name, "nvfp4").view(torch.int32),
+                                   form.dequantize().view(torch.int32)), name
+            assert (f"{name}#nvfp4" in c.dense) == (budget > copies + 64), name
             operand = base_ops.nvfp4_operand(c, name, "nvfp4")
-            assert float(operand.global_scale) == float(expected.global_scale), name
+            assert float(operand.global_scale) == float(form.global_scale), name
             if name in filled:
                 assert operand.factor is not None and c.dense.holds(name, operand.source)
-                blocks = e2m1_decode(unpack_e2m1(expected.codes)) * expected.scale.float().repeat_interleave(16, -1)
+                blocks = e2m1_decode(unpack_e2m1(form.codes)) * form.scale.float().repeat_interleave(16, -1)
                 assert torch.equal((operand.source * operand.factor).bfloat16().float(), blocks), name
-    assert calls == {"factors": 2, "from_codes": 1}
+    assert calls == {"factors": 3, "from_codes": 1}
 
 
 def test_a_weight_is_rounded_for_a_low_precision_gemm_once_per_layer():
@@ -616,14 +636,16 @@ def test_nvfp4_products_factored_into_block_products_and_one_alpha_are_the_fp32_
     assert torch.equal(from_copies, got)
 
 
-def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_only_with_the_caches_own_forms(monkeypatch):
+def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_only_with_what_the_cache_keeps(monkeypatch):
     """With tensor cores (forced here; bf16_mm emulated as exact products summed once, since the CPU's torch has no bf16
     GEMM with fp32 output) the nvfp4-experts op runs a prefill chunk's three expert GEMMs through
     scaled_bf16_products, and the run's logits move as much as one fp32 ulp of noise on the fp32 GEMMs' products moves
     them — no more: W4A4 re-quantizes the SwiGLU output to e2m1, so an fp32-rounding change that flips one bf16 or
     e2m1 rounding moves that element by up to a third, and tiny's routing amplifies it (measured over seeds 3–5:
     6.4–8.6e-2 of the logits' norm against 7.9–8.6e-2 for the ulp noise; the engine's drift from the reference is
-    0.10–0.12). A load_weight patch's forms are never read so: the op then keeps its fp32 GEMMs."""
+    0.10–0.12). The operands are the kept forms, or — once the layer's cache holds the experts' fp32 copies — the
+    copies and their factors, to the same bits. A load_weight patch's forms are never read so: the op then keeps its
+    fp32 GEMMs, and so it does when the cache keeps neither."""
     from types import SimpleNamespace
 
     from optimized import numerics
@@ -642,9 +664,14 @@ def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_only_with_the_cac
     monkeypatch.setattr(nv, "joined_products", one_ulp_off)
     ulp_noise = OptimizedModel(src, choices).forward(ids[:296], ids[296:], 128).logits
     monkeypatch.setattr(nv, "joined_products", joined)
-    calls = []
+    calls, factored = [], []
     scaled = numerics.scaled_bf16_products
-    monkeypatch.setattr(numerics, "scaled_bf16_products", lambda *a: calls.append(a[0].shape[0]) or scaled(*a))
+
+    def counted(*a):
+        calls.append(a[0].shape[0])
+        factored.append(len(a) > 5 and all(k is not None for k in a[5]))
+        return scaled(*a)
+    monkeypatch.setattr(numerics, "scaled_bf16_products", counted)
     monkeypatch.setattr(numerics, "on_tensor_cores", lambda x: numerics._rows(x) >= numerics.TENSOR_CORE_MIN_ROWS)
     monkeypatch.setattr(numerics, "bf16_mm", lambda x, w: (x.double() @ w.double().T).float())
     fast = OptimizedModel(src, choices).forward(ids[:296], ids[296:], 128).logits
@@ -652,6 +679,20 @@ def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_only_with_the_cac
     moved = float((fast - plain).norm() / plain.norm())
     by_noise = float((ulp_noise - plain).norm() / plain.norm())
     assert torch.isfinite(fast).all() and 0 < moved < 1.5 * by_noise, (moved, by_noise)
+    assert not any(factored), "no fp32 copies cached here: the operands are the kept forms"
+    # with the experts' fp32 copies in the layer's cache (a run fills it before the layer's first stack), the operands
+    # are the copies and their factors (base_ops.nvfp4_operand): the same block products, so the same bits
+    prepare = nv.prepare_nvfp4_forms
+
+    def filled_first(ctx, names, fmt):
+        assert ctx.dense.fill(names, ctx.weights.stored, ctx.device)
+        prepare(ctx, names, fmt)
+    monkeypatch.setattr(nv, "prepare_nvfp4_forms", filled_first)
+    calls.clear()
+    factored.clear()
+    from_copies = OptimizedModel(src, choices).forward(ids[:296], ids[296:], 128).logits
+    assert len(calls) == 3 * 3 * TINY.num_hidden_layers and all(factored)
+    assert torch.equal(from_copies, fast)
     from reference.weights.dense_cache import DenseCache
 
     ctx = SimpleNamespace(table=SimpleNamespace(patched=lambda op: op == "load_weight"),

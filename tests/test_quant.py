@@ -7,7 +7,7 @@ import torch
 
 from reference.quant import (E2M1_VALUES, FP8_MAX, QuantizedTensor, ceil_log2, e2m1_decode, e2m1_encode,
                              e8m0_decode, e8m0_encode, fp4_fake_quant, fp8_fake_quant, mx32_to_nvfp4,
-                             mx32_to_nvfp4_forms, nvfp4_factors_from_mx, nvfp4_forms_from_mx, pack_e2m1,
+                             mx32_to_nvfp4_forms, nvfp4_factors_from_mx, pack_e2m1,
                              quantize_fp4_mx32, quantize_fp8_block128, round_to_e2m1, round_to_e4m3, unpack_e2m1)
 
 
@@ -118,89 +118,65 @@ def _fp4_stack_of_every_kind() -> list[QuantizedTensor]:
     return [plain, zero_blocks, zero_byte, negative_zero, quantize_fp4_mx32(wide), tiny]
 
 
-def test_nvfp4_forms_from_the_fp32_copies_are_the_conversions_bits(monkeypatch):
-    """nvfp4_forms_from_mx derives the NVFP4 forms from the tensors' own fp32 values (what a layer's dense cache
-    holds) instead of their codes: every kind of stack, both rules, the same bits — −0 included — as
-    mx32_to_nvfp4_forms and as each tensor's mx32_to_nvfp4().dequantize(), without falling back to the codes."""
-    from reference import quant
-
+def test_nvfp4_factors_make_the_forms_and_block_products_from_each_fp32_copy():
+    """nvfp4_factors_from_mx, tensor by tensor from a list of fp32 copies (what a layer's dense cache holds; no stack
+    of them is made): fl(fl(mx·c)·g) is each tensor's NVFP4 form — the bits, −0 included, of mx32_to_nvfp4's
+    dequantization and of mx32_to_nvfp4_forms — g is its global scale, and bf16(mx·c) its block products code·b
+    (which numerics.scaled_bf16_products reads on tensor cores). Every kind of stack, both rules."""
     qs = _fp4_stack_of_every_kind()
-    mx = torch.stack([q.dequantize() for q in qs])
+    mx = [q.dequantize() for q in qs]
     for rule in ("modelopt", "pow2"):
-        expected = mx32_to_nvfp4_forms(qs, rule)[0]
-        with monkeypatch.context() as patched:
-            patched.setattr(quant, "mx32_to_nvfp4_forms", lambda *a, **k: pytest.fail("fell back to the codes"))
-            got = nvfp4_forms_from_mx(mx, qs, rule)[0]
-        assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), f"{rule}: the bits differ"
+        c, g, derivable = nvfp4_factors_from_mx(mx, qs, rule)
+        assert bool(derivable.all()) and c.dtype == g.dtype == torch.float32
+        stacked, stacked_g = mx32_to_nvfp4_forms(qs, rule)
+        assert torch.equal(g, stacked_g)
         for i, q in enumerate(qs):
-            one = mx32_to_nvfp4(q, rule).dequantize()
-            assert torch.equal(got[i].view(torch.int32), one.view(torch.int32)), f"{rule}, tensor {i}"
-    assert torch.equal(nvfp4_forms_from_mx(mx, qs, "pow2")[0], mx), "pow2 forms are the MX values themselves"
-    empty = quantize_fp4_mx32(torch.zeros(32, 64))  # emax −122: converted from its codes, to the same bits
-    stack = [qs[0], empty]
-    mx = torch.stack([q.dequantize() for q in stack])
-    assert torch.equal(nvfp4_forms_from_mx(mx, stack)[0].view(torch.int32),
-                       mx32_to_nvfp4_forms(stack)[0].view(torch.int32))
-    assert (mx32_to_nvfp4_forms(qs[:1])[0] != mx[0]).any(), \
+            one = mx32_to_nvfp4(q, rule)
+            assert float(one.global_scale) == float(g[i]), f"{rule}, tensor {i}"
+            form = (mx[i] * c[i]) * g[i]
+            assert torch.equal(form.view(torch.int32), one.dequantize().view(torch.int32)), f"{rule}, tensor {i}"
+            assert torch.equal(form.view(torch.int32), stacked[i].view(torch.int32)), f"{rule}, tensor {i}"
+            blocks = e2m1_decode(unpack_e2m1(one.codes)) * one.scale.float().repeat_interleave(16, -1)
+            assert torch.equal((mx[i] * c[i]).bfloat16().float().view(torch.int32), blocks.view(torch.int32))
+        if rule == "pow2":
+            assert all(torch.equal((m * ci) * gi, m) for m, ci, gi in zip(mx, c, g)), "pow2 forms are the MX values"
+    assert (mx32_to_nvfp4_forms(qs[:1])[0][0] != mx[0]).any(), \
         "modelopt's global scale moves some values (the test's teeth)"
 
 
 def test_nvfp4_forms_over_their_global_scale_are_bf16_block_products():
-    """The global scales returned beside the NVFP4 forms (mx32_to_nvfp4_forms, nvfp4_forms_from_mx: the same numbers,
-    each tensor's mx32_to_nvfp4().global_scale) make the tensor-core path of optimized.numerics.scaled_bf16_products
-    exact: dense = fl(code·b · g) with code·b of ≤ 6 significant bits, so fl(dense / g) rounds in bf16 to code·b —
-    which times g rounds back to dense, every bit (−0 included) — and code·b is the decoded codes times the block
-    scales. Every kind of stack, both rules."""
+    """The global scales returned beside the NVFP4 forms (mx32_to_nvfp4_forms: each tensor's
+    mx32_to_nvfp4().global_scale) make the tensor-core path of optimized.numerics.scaled_bf16_products exact for a
+    kept form: dense = fl(code·b · g) with code·b of ≤ 6 significant bits, so fl(dense / g) rounds in bf16 to code·b —
+    which times g rounds back to dense, every bit (−0 included). Every kind of stack, both rules."""
     qs = _fp4_stack_of_every_kind()
-    mx = torch.stack([q.dequantize() for q in qs])
     for rule in ("modelopt", "pow2"):
         dense, g = mx32_to_nvfp4_forms(qs, rule)
-        dense_mx, g_mx = nvfp4_forms_from_mx(mx, qs, rule)
-        assert torch.equal(g, g_mx) and g.dtype == torch.float32
-        assert torch.equal(dense.view(torch.int32), dense_mx.view(torch.int32))
+        assert g.dtype == torch.float32
         for i, q in enumerate(qs):
             one = mx32_to_nvfp4(q, rule)
-            assert float(one.global_scale) == float(g[i]), f"{rule}, tensor {i}"
             blocks = e2m1_decode(unpack_e2m1(one.codes)) * one.scale.float().repeat_interleave(16, -1)
             unscaled = (dense[i] / g[i]).bfloat16().float()
             assert torch.equal(unscaled, blocks), f"{rule}, tensor {i}: dense / g is not code·b in bf16"
             assert torch.equal((unscaled * g[i]).view(torch.int32), dense[i].view(torch.int32)), f"{rule}, tensor {i}"
 
 
-def test_nvfp4_from_fp32_copies_below_its_range_converts_from_the_codes():
-    """A tensor whose largest block exponent is below −119 has no normal per-tensor factor 2^(7−emax)·f: the stack
-    is converted from its codes instead, to the same bits."""
+def test_an_nvfp4_factor_past_fp32s_range_is_not_derivable():
+    """A tensor whose largest block exponent is below −119 has no normal per-tensor factor 2^(7−emax)·f (its forms come
+    from its codes: optimized.base_ops.prepare_nvfp4_forms); an all-zero tensor (emax −122) is such a tensor too."""
     scale = torch.full((32, 2), 5, dtype=torch.uint8)  # every block 2^-122
-    q = QuantizedTensor("fp4_mx32", quantize_fp4_mx32(torch.randn(32, 64)).codes, scale)
-    mx = q.dequantize()[None]
-    assert torch.equal(nvfp4_forms_from_mx(mx, [q])[0].view(torch.int32),
-                       mx32_to_nvfp4_forms([q])[0].view(torch.int32))
-    plain = quantize_fp4_mx32(torch.randn(32, 64))
-    assert nvfp4_factors_from_mx([mx[0], plain.dequantize()], [q, plain])[2].tolist() == [False, True]
-
-
-def test_nvfp4_factors_make_the_block_products_and_the_forms_from_each_fp32_copy():
-    """nvfp4_factors_from_mx, tensor by tensor from a list of fp32 copies (no stack of them is made): bf16(mx·c) is
-    each NVFP4 form's block products code·b and fl(fl(mx·c)·g) its dequantization, every bit (−0 included), for every
-    kind of stack and both rules."""
-    qs = _fp4_stack_of_every_kind()
-    mx = [q.dequantize() for q in qs]
-    for rule in ("modelopt", "pow2"):
-        c, g, derivable = nvfp4_factors_from_mx(mx, qs, rule)
-        assert bool(derivable.all()) and c.dtype == g.dtype == torch.float32
-        for i, q in enumerate(qs):
-            one = mx32_to_nvfp4(q, rule)
-            blocks = e2m1_decode(unpack_e2m1(one.codes)) * one.scale.float().repeat_interleave(16, -1)
-            assert torch.equal((mx[i] * c[i]).bfloat16().float().view(torch.int32), blocks.view(torch.int32))
-            assert torch.equal(((mx[i] * c[i]) * g[i]).view(torch.int32), one.dequantize().view(torch.int32))
+    low = QuantizedTensor("fp4_mx32", quantize_fp4_mx32(torch.randn(32, 64)).codes, scale)
+    empty, plain = quantize_fp4_mx32(torch.zeros(32, 64)), quantize_fp4_mx32(torch.randn(32, 64))
+    stack = [low, plain, empty]
+    assert nvfp4_factors_from_mx([q.dequantize() for q in stack], stack)[2].tolist() == [False, True, False]
 
 
 def test_nvfp4_stack_errors_name_the_tensor():
     plain, other = quantize_fp4_mx32(torch.randn(32, 64)), quantize_fp4_mx32(torch.randn(64, 64))
     with pytest.raises(ValueError, match="w3: shape \\(64, 64\\) differs from w1's \\(32, 64\\)"):
         mx32_to_nvfp4_forms([plain, other], names=["w1", "w3"])
-    with pytest.raises(ValueError, match="mx is \\(1, 32, 64\\), expected \\(2, 32, 64\\) for w1"):
-        nvfp4_forms_from_mx(plain.dequantize()[None], [plain, plain], names=["w1", "w2"])
+    with pytest.raises(ValueError, match="1 fp32 tensors of shapes \\[\\(32, 64\\)\\] for 2 tensors .*w1 and the rest"):
+        nvfp4_factors_from_mx([plain.dequantize()], [plain, plain], names=["w1", "w2"])
 
 
 def test_fake_quant_blocks_use_power_of_two_scales():

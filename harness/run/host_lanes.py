@@ -34,7 +34,12 @@ def cache_holds_every_form(spec: Any, layer: int, budget_bytes: float) -> bool:
     The lanes need it: a cache that runs out admits whichever thread asks first, and a weight it did not admit is
     multiplied on another path (DenseCache.bf16_exact: fp32 GEMMs instead of tensor cores), so the bits would follow
     the threads' interleaving. The built-in `nvfp4-experts` asks for one format (its global_scale option); a plugin
-    may ask for either. (A Flash layer with `nvfp4-experts`: 52.15 GB against an H200's 52.54 GB budget.)"""
+    may ask for either. (A Flash layer with `nvfp4-experts`: 52.15 GB against an H200's 52.54 GB budget.) Since the
+    forms of FP4-stored experts are derived from the fp32 copies (optimized.base_ops.prepare_nvfp4_forms: the
+    tensor-core operands need only a copy and its factor, and a derived form has the same bits kept or not), counting
+    them is stricter than those bits need — an H100, whose cache holds the copies only, runs one lane — but a
+    checkpoint's own NVFP4 forms still take the path their admission gives; a rule that tells the two apart is left
+    until it can be measured on a GPU."""
     format_of_rule = {rule: fmt for fmt, rule in NVFP4_FORMATS.items()}  # the global_scale option's load format
     formats: set[str] = set()
     for variant in spec.variants:

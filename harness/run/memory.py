@@ -32,7 +32,8 @@ what would not fit and which setting changes it:
 - **experts site** (a variant with patches): the stock experts' output and the variant's, held while the stock op
   runs again without the SwiGLU clamp (optimized.engine.OptimizedLayer._judge_experts);
 - **NVFP4 conversion** (with `nvfp4-experts`): the temporaries of one group of expert matrices converted together
-  (optimized.base_ops.prepare_nvfp4_forms).
+  from their codes (optimized.base_ops.prepare_nvfp4_forms; a group whose fp32 copies the cache holds only finds two
+  numbers per matrix, from block maxima of 1/32 its size: NVFP4_FACTOR_GROUP, less than this term).
 
 On a GPU the device holds all of it and the host a copy of the streams when the resume state is saved; on a CPU
 the host holds everything. The estimate is checked against a measured peak in `dsv4-drift bench`'s output.
