@@ -249,7 +249,8 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
     - FP4-stored names whose fp32 copies the layer's dense cache holds: their factors and global scales are kept (two
       numbers per matrix, NVFP4_FACTOR_GROUP at a time): load_weight derives each form from the copy on use, and the
       tensor-core path reads the block products from the copy — no second fp32 copy of every expert is needed, so a
-      GPU whose cache holds the layer's copies (an H100's) runs the NVFP4 experts as fast as one with room for both;
+      GPU whose cache holds the layer's copies but not a second copy of its experts (an H100's) converts no form
+      from its codes;
     - other FP4-stored names: converted from their codes in groups of NVFP4_GROUP (reference.quant.
       mx32_to_nvfp4_forms) into the cache, while the cache has room for a whole group; what does not fit is
       converted on use, as before;
