@@ -386,8 +386,8 @@ def nvfp4_factors_from_mx(mx: list[torch.Tensor], qs: list[QuantizedTensor], glo
     normal: |code·b| ≥ 0.5·2^-9), which makes fl(fl(mx·c)·global) the dequantization's fl(fl(code·b)·global) bit for
     bit. The per-tensor numbers (all-zero blocks, amax) come from mx too: a block is all zero exactly when its codes
     are, and max|mx| is the largest block's max|code|·2^e, as every code·2^e is exact in fp32 (UE8M0 gives e ≥ −127,
-    and 0.5·2^-127 is a subnormal). c must be a normal fp32 (emax ≥ −119): derivable[i] is False for a tensor of
-    smaller values (its form comes from its codes). Raises ValueError, naming the tensor, when a tensor has no
+    and 0.5·2^-127 is a subnormal). c = 2^(7−emax)·f must be a finite fp32, which emax ≥ −119 ensures: derivable[i]
+    is False for a tensor of smaller values, an all-zero one included (its form comes from its codes). Raises ValueError, naming the tensor, when a tensor has no
     lossless NVFP4 form (the pow2 rule's scales spanning more than 17 binades). One host read; the temporaries are
     1/32 of a tensor per tensor (its block maxima), so large stacks cost no more memory than their maxima."""
     names = _checked_fp4_names(qs, names, "nvfp4_factors_from_mx")
