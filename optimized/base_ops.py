@@ -199,11 +199,10 @@ def _derived_nvfp4_form(ctx: OpContext, name: str, fmt: str) -> torch.Tensor | N
     """fl(fl(mx·c)·g) — the NVFP4 form's bits (reference.quant.nvfp4_factors_from_mx) — from the cached fp32 copy mx
     of `name` and its kept factor c and global scale g: one pass over the copy instead of a conversion from the codes
     (~70 launches and three host reads); None when they are not kept."""
-    factor, global_key = _nvfp4_factor_key(name, fmt), _nvfp4_global_key(name, fmt)
-    if factor not in ctx.dense or global_key not in ctx.dense or name not in ctx.dense:
+    operand = nvfp4_operand(ctx, name, fmt)
+    if operand is None or operand.factor is None:
         return None
-    mx = ctx.dense.get(name, None, ctx.device)
-    return (mx * ctx.dense.get(factor, None, ctx.device)).mul_(ctx.dense.get(global_key, None, ctx.device))
+    return (operand.source * operand.factor).mul_(operand.global_scale)
 
 
 def load_weight(ctx: OpContext, name: str, fmt: str) -> torch.Tensor:
@@ -292,7 +291,7 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
             global_scales = global_scales.float().to(ctx.device)  # one copy for the group
             for name, value, global_scale in zip(group, dense.to(ctx.device), global_scales):
                 ctx.dense.put(_nvfp4_key(name, fmt), value)
-                ctx.dense.put(_nvfp4_global_key(name, fmt), global_scale)
+                _keep_global_scale(ctx, name, fmt, global_scale)
 
 
 def _keep_nvfp4_factors(ctx: OpContext, group: list[str], fmt: str) -> list[str]:
@@ -311,7 +310,7 @@ def _keep_nvfp4_factors(ctx: OpContext, group: list[str], fmt: str) -> list[str]
     from_codes = []
     for name, factor, global_scale, kept in zip(group, c, global_scales, derivable.tolist()):
         if kept:  # the global scale first: a form counts as derivable once its factor is kept
-            ctx.dense.put(_nvfp4_global_key(name, fmt), global_scale)
+            _keep_global_scale(ctx, name, fmt, global_scale)
             ctx.dense.put(_nvfp4_factor_key(name, fmt), factor)
         else:
             from_codes.append(name)

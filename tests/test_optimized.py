@@ -416,7 +416,7 @@ def test_nvfp4_forms_are_derived_from_the_cached_fp32_copies_when_the_cache_hold
     monkeypatch.setattr(base_ops, "mx32_to_nvfp4_forms", counted("from_codes", base_ops.mx32_to_nvfp4_forms))
     expected = {name: mx32_to_nvfp4(q, "modelopt", name) for name, q in stored.items()}
     first = list(stored)[:base_ops.NVFP4_GROUP]
-    copies = len(stored) * 32 * 64 * 4
+    copies = len(stored) * 32 * 64 * 4  # fp32 bytes of every copy; copies + 64 leaves no room for one 8 KB form
     # every copy (with room for the forms; without: derived at every use); the first group's only
     for filled, budget in ((list(stored), 1 << 30), (list(stored), copies + 64), (first, 1 << 30)):
         one_by_one = base_ops.mx32_to_nvfp4
