@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from bench_common import bench_parser, bench_run_spec, bench_setup
-from harness.run.host_lanes import cache_holds_every_form, lanes_of
+from harness.run.host_lanes import cache_holds_every_copy, lanes_of
 from harness.run.runner import LockstepRunner
 from harness.run.store import RunStore
 from reference.weights.dense_cache import DenseCache
@@ -51,9 +51,9 @@ def main() -> None:
     if len(lanes_of(spec, spec.stacks())) < 2:
         sys.exit(f"lanes_ab: variants {args.variants} give one lane (stock stacks only, or patched only): nothing to "
                  "compare")
-    if not cache_holds_every_form(spec, args.layer, DenseCache.for_device(device).budget_bytes):
-        sys.exit(f"lanes_ab: layer {args.layer}'s dense cache cannot hold every weight in every form on {device}, so "
-                 "the runner keeps one lane (harness.run.host_lanes.cache_holds_every_form): nothing to compare")
+    if not cache_holds_every_copy(spec, args.layer, DenseCache.for_device(device).budget_bytes):
+        sys.exit(f"lanes_ab: layer {args.layer}'s dense cache cannot hold every weight's fp32 copy on {device}, so "
+                 "the runner keeps one lane (harness.run.host_lanes.cache_holds_every_copy): nothing to compare")
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     print(f"{args.model} layer {args.layer} ({cfg.layer_kind(args.layer)}), {args.tokens} + {args.decode} tokens, "
           f"variants {args.variants}, {device}, {torch.get_num_threads()} torch threads", flush=True)

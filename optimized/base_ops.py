@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from optimized import numerics
-from optimized.numerics import bf16, bf16_linear, constant, exact_matmul, exact_product, fp8_activation, fp8_linear, \
-    fp32_linear, rms_norm_bf16, tensor_core_queries
+from optimized.numerics import Nvfp4Operand, bf16, bf16_linear, constant, exact_matmul, exact_product, \
+    fp8_activation, fp8_linear, fp32_linear, rms_norm_bf16, tensor_core_queries
 from optimized.ops import OpContext, Routing
 from optimized.paged_cache import quantize_fp8_per_row
 from reference.graphs import replay
@@ -164,17 +164,6 @@ def _nvfp4_factor_key(name: str, fmt: str) -> str:
     return f"{name}#{fmt}#factor"
 
 
-@dataclass(frozen=True)
-class Nvfp4Operand:
-    """An NVFP4 expert weight as a tensor-core GEMM reads it (numerics.scaled_bf16_products): its block products
-    code·b are bf16(source · factor) — from the weight's cached fp32 copy — or, with no factor, bf16(source /
-    global_scale) — from its cached NVFP4 form — and global_scale is its fp32 global scale (0-dim, on the device)."""
-
-    source: torch.Tensor
-    factor: torch.Tensor | None
-    global_scale: torch.Tensor
-
-
 def nvfp4_operand(ctx: OpContext, name: str, fmt: str) -> Nvfp4Operand | None:
     """The tensor-core operand of `name`'s NVFP4 form from what the layer's dense cache keeps — the fp32 copy and its
     factor (prepare_nvfp4_forms), else the form load_weight converted and its global scale — without converting or
@@ -188,6 +177,16 @@ def nvfp4_operand(ctx: OpContext, name: str, fmt: str) -> Nvfp4Operand | None:
     if _nvfp4_key(name, fmt) in ctx.dense:
         return Nvfp4Operand(ctx.dense.get(_nvfp4_key(name, fmt), None, ctx.device), None, g)
     return None
+
+
+def nvfp4_operand_made(ctx: OpContext, name: str, fmt: str) -> Nvfp4Operand:
+    """The tensor-core operand of `name`'s NVFP4 form when nvfp4_operand finds none kept: the form load_weight gives
+    (kept while the cache has room, else made for this use only) and its global scale, which load_weight keeps on its
+    miss. The same block products as a kept operand's (numerics.scaled_bf16_products), so a GEMM takes the tensor-core
+    path whatever the cache kept: its bits do not follow admission, which the host lanes need
+    (harness.run.host_lanes)."""
+    form = load_weight(ctx, name, fmt)
+    return Nvfp4Operand(form, None, ctx.dense.get(_nvfp4_global_key(name, fmt), None, ctx.device))
 
 
 def _keep_global_scale(ctx: OpContext, name: str, fmt: str, global_scale: torch.Tensor) -> None:

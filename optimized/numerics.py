@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
@@ -176,36 +177,55 @@ def _bf16_product_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> N
         torch.mm(x.float(), w.float().T, out=out)
 
 
-def scaled_bf16_products(x: torch.Tensor, weights: list[torch.Tensor], rows: list[slice], x_scales: list[float],
-                         w_scales: list[torch.Tensor], w_factors: list[torch.Tensor | None] | None = None
-                         ) -> torch.Tensor:
-    """[P, N] fp32: x[rows[i]] @ weights[i]ᵀ for NVFP4 operands — x = fl(x̃·s) with s = x_scales[i] (the activations'
-    global input scale, 1.0 for bf16 activations), w = fl(w̃·g) with g = w_scales[i] (the weight's fp32 global scale,
-    0-dim on the device) — where x̃ (e2m1 code × e4m3 block scale) and w̃ (likewise) have ≤ 6 significant bits: then
-    fl(x / s) and fl(w / g) lie within 2^-22 of them and round to them exactly in bf16, so x̃·w̃ products are exact on
-    bf16 tensor cores, and the result is fl(Σ x̃·w̃ · fl(s·g)) — the deployed NVFP4 GEMM's own form (block products on
-    tensor cores, one fp32 alpha at the end), which the fp32 GEMM of fl(x·w) products equals but for fp32 rounding.
-    Where w_factors[i] is given (0-dim, on the device), weights[i] is the weight's MX copy instead and w̃ =
-    bf16(weights[i] · w_factors[i]), exact (reference.quant.nvfp4_factors_from_mx): the same w̃, read from the copy a
-    layer's dense cache holds anyway.
+@dataclass(frozen=True)
+class Nvfp4Operand:
+    """An NVFP4 weight as scaled_bf16_products reads it: its block products code·b are bf16(source · factor) — source
+    the weight's MX copy (reference.quant.nvfp4_factors_from_mx) — or, with no factor, bf16(source / global_scale) —
+    source its NVFP4 form — and global_scale is its fp32 global scale (0-dim, on the device)."""
+
+    source: torch.Tensor
+    factor: torch.Tensor | None
+    global_scale: torch.Tensor
+
+
+def scaled_bf16_products(x: torch.Tensor, weights: Sequence[Nvfp4Operand | Callable[[], Nvfp4Operand]],
+                         rows: list[slice], x_scales: list[float]) -> torch.Tensor:
+    """[P, N] fp32: x[rows[i]] @ wᵀ for NVFP4 operands — x = fl(x̃·s) with s = x_scales[i] (the activations' global
+    input scale, 1.0 for bf16 activations), w = fl(w̃·g) the form of weights[i] with g its global scale — where x̃
+    (e2m1 code × e4m3 block scale) and w̃ (likewise) have ≤ 6 significant bits: then fl(x / s) and fl(w / g) lie
+    within 2^-22 of them and round to them exactly in bf16, so x̃·w̃ products are exact on bf16 tensor cores, and the
+    result is fl(Σ x̃·w̃ · fl(s·g)) — the deployed NVFP4 GEMM's own form (block products on tensor cores, one fp32
+    alpha at the end), which the fp32 GEMM of fl(x·w) products equals but for fp32 rounding. An operand with a
+    factor k reads w̃ = bf16(source · k) from the weight's MX copy instead, exact (Nvfp4Operand): the same w̃.
+
+    weights[i] may be a callable that makes its operand: it is called right before that expert's GEMM, so a form
+    made for this use only (one the layer's dense cache could not keep) lives for one GEMM, not the whole matrix
+    kind's 256 — and the path, so the bits, do not depend on what the cache kept.
 
     One weight conversion and one GEMM per expert, as the fp32 loop has one GEMM and one copy: on an H200 a prefill
     chunk's 256 Flash expert matrices took 25 ms as fp32 SIMT GEMMs (host 8 ms)."""
-    out = torch.empty(x.shape[0], weights[0].shape[0], dtype=torch.float32, device=x.device)
     xt = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     if len(set(x_scales)) == 1:
         torch.div(x, x_scales[0], out=xt)
     else:
         for span, s in zip(rows, x_scales):
             torch.div(x[span], s, out=xt[span])
-    # one bf16 weight buffer, reused: the stream orders each GEMM's read before the next expert's conversion writes it
-    wt = torch.empty(weights[0].shape, dtype=torch.bfloat16, device=x.device)
-    for w, span, g, k in zip(weights, rows, w_scales, w_factors or [None] * len(weights), strict=True):
-        if k is None:
-            torch.div(w, g, out=wt)
+    # one bf16 weight buffer, reused: the stream orders each GEMM's read before the next expert's conversion writes it;
+    # it and the output are made once the first operand is (its shape is the weights')
+    out = wt = None
+    w_scales = []
+    for weight, span in zip(weights, rows, strict=True):
+        w = weight() if callable(weight) else weight
+        if wt is None:
+            wt = torch.empty(w.source.shape, dtype=torch.bfloat16, device=x.device)
+            out = torch.empty(x.shape[0], w.source.shape[0], dtype=torch.float32, device=x.device)
+        if w.factor is None:
+            torch.div(w.source, w.global_scale, out=wt)
         else:
-            torch.mul(w, k, out=wt)
+            torch.mul(w.source, w.factor, out=wt)
         _bf16_product_into(xt[span], wt, out[span])
+        w_scales.append(w.global_scale)
+        del w  # a form made for this GEMM is freed once it is queued (the allocator orders its reuse on the stream)
     counts = _on_device([span.stop - span.start for span in rows], torch.int64, x.device)
     scales = _on_device(x_scales, torch.float32, x.device)  # s in fp32, as the activations' quantizer used it
     alpha = torch.repeat_interleave(torch.stack(w_scales) * scales, counts, output_size=x.shape[0])  # fl(g·s) per row

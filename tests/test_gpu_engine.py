@@ -245,7 +245,12 @@ def test_nvfp4_tensor_core_products_are_the_fp32_gemms_but_for_rounding():
     spans = [slice(e - r, e) for e, r in zip(ends, rows)]
     y = torch.randn(sum(rows), K, generator=g).cuda() * 3
     x = torch.cat([nvfp4_activation(y[sp], s) for sp, s in zip(spans, x_scales)])
-    got = numerics.scaled_bf16_products(x, forms, spans, x_scales, w_scales).double()
+    operands = [numerics.Nvfp4Operand(f, None, s) for f, s in zip(forms, w_scales)]
+    got = numerics.scaled_bf16_products(x, operands, spans, x_scales).double()
+    # an operand made when its GEMM runs (a form the dense cache could not keep): the same bits
+    made = numerics.scaled_bf16_products(x, [lambda o=o: numerics.Nvfp4Operand(o.source.clone(), None, o.global_scale)
+                                             for o in operands], spans, x_scales).double()
+    assert torch.equal(made, got)
     fp32 = torch.cat([x[sp] @ w.T for sp, w in zip(spans, forms)]).double()
     exact = torch.cat([x[sp].double() @ w.double().T for sp, w in zip(spans, forms)])
     bound = (K + 4) * 2.0 ** -24 * torch.cat([x[sp].double().abs() @ w.double().abs().T for sp, w in zip(spans, forms)])

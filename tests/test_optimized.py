@@ -9,6 +9,8 @@ so one near-tie flip in an early layer cannot be mistaken for a precision proble
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -620,7 +622,8 @@ def test_nvfp4_products_factored_into_block_products_and_one_alpha_are_the_fp32_
     spans = [slice(e - r, e) for e, r in zip(ends, rows)]
     y = torch.randn(sum(rows), K, generator=g) * 4
     x = torch.cat([nvfp4_activation(y[sp], s) for sp, s in zip(spans, x_scales)])
-    got = numerics.scaled_bf16_products(x, list(forms), spans, x_scales, list(w_scales.unbind()))
+    got = numerics.scaled_bf16_products(x, [numerics.Nvfp4Operand(f, None, s) for f, s in zip(forms, w_scales)], spans,
+                                        x_scales)
     exact = torch.cat([x[sp].double() @ w.double().T for sp, w in zip(spans, forms)])
     size = torch.cat([x[sp].double().abs() @ w.double().abs().T for sp, w in zip(spans, forms)])
     bound = (K * 2.0 ** -24 + 4 * 2.0 ** -24) * size
@@ -631,12 +634,21 @@ def test_nvfp4_products_factored_into_block_products_and_one_alpha_are_the_fp32_
     mx = [q.dequantize() for q in qs]
     factors, _, derivable = nvfp4_factors_from_mx(mx, qs, "modelopt")
     assert bool(derivable.all())
-    from_copies = numerics.scaled_bf16_products(x, mx, spans, x_scales, list(w_scales.unbind()),
-                                                list(factors.unbind()))
+    from_copies = numerics.scaled_bf16_products(x, [numerics.Nvfp4Operand(m, k, s) for m, k, s in
+                                                    zip(mx, factors, w_scales)], spans, x_scales)
     assert torch.equal(from_copies, got)
+    # operands made as their GEMMs run (forms a layer's dense cache could not keep), one at a time: the same bits
+    made = []
+
+    def made_on_use(i: int) -> numerics.Nvfp4Operand:
+        made.append(i)
+        return numerics.Nvfp4Operand(forms[i].clone(), None, w_scales[i])
+    on_use = numerics.scaled_bf16_products(x, [functools.partial(made_on_use, i) for i in range(len(rows))], spans,
+                                           x_scales)
+    assert torch.equal(on_use, got) and made == list(range(len(rows)))
 
 
-def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_only_with_what_the_cache_keeps(monkeypatch):
+def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_whatever_the_cache_keeps(monkeypatch):
     """With tensor cores (forced here; bf16_mm emulated as exact products summed once, since the CPU's torch has no bf16
     GEMM with fp32 output) the nvfp4-experts op runs a prefill chunk's three expert GEMMs through
     scaled_bf16_products, and the run's logits move as much as one fp32 ulp of noise on the fp32 GEMMs' products moves
@@ -644,8 +656,8 @@ def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_only_with_what_th
     e2m1 rounding moves that element by up to a third, and tiny's routing amplifies it (measured over seeds 3–5:
     6.4–8.6e-2 of the logits' norm against 7.9–8.6e-2 for the ulp noise; the engine's drift from the reference is
     0.10–0.12). The operands are the kept forms, or — once the layer's cache holds the experts' fp32 copies — the
-    copies and their factors, to the same bits. A load_weight patch's forms are never read so: the op then keeps its
-    fp32 GEMMs, and so it does when the cache keeps neither."""
+    copies and their factors, or forms made as each GEMM runs, all to the same bits. A load_weight patch's forms are
+    never read so: the op then keeps its fp32 GEMMs."""
     from types import SimpleNamespace
 
     from optimized import numerics
@@ -669,7 +681,7 @@ def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_only_with_what_th
 
     def counted(*a):
         calls.append(a[0].shape[0])
-        factored.append(len(a) > 5 and all(k is not None for k in a[5]))
+        factored.append(all(not callable(o) and o.factor is not None for o in a[1]))
         return scaled(*a)
     monkeypatch.setattr(numerics, "scaled_bf16_products", counted)
     monkeypatch.setattr(numerics, "on_tensor_cores", lambda x: numerics._rows(x) >= numerics.TENSOR_CORE_MIN_ROWS)
@@ -693,13 +705,50 @@ def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_only_with_what_th
     from_copies = OptimizedModel(src, choices).forward(ids[:296], ids[296:], 128).logits
     assert len(calls) == 3 * 3 * TINY.num_hidden_layers and all(factored)
     assert torch.equal(from_copies, fast)
+    # nothing kept (an H100's cache at Flash width keeps the copies, not the forms as well): every operand is made as
+    # its GEMM runs (base_ops.nvfp4_operand_made), the same block products, so the same bits — the path does not
+    # follow what the cache admitted, which the host lanes rely on (harness.run.host_lanes.cache_holds_every_copy)
+    monkeypatch.setattr(nv, "prepare_nvfp4_forms", prepare)
+    monkeypatch.setattr(nv, "nvfp4_operand", lambda ctx, name, fmt: None)
+    calls.clear()
+    factored.clear()
+    on_use = OptimizedModel(src, choices).forward(ids[:296], ids[296:], 128).logits
+    assert len(calls) == 3 * 3 * TINY.num_hidden_layers and not any(factored)
+    assert torch.equal(on_use, fast)
+    ctx = SimpleNamespace(table=SimpleNamespace(patched=lambda op: op == "load_weight"),
+                          options={"global_scale": "modelopt"})
+    assert nv._tensor_core_operands(ctx, ["ffn.experts.0.w1.weight"]) is None, "a patched load_weight: fp32 GEMMs"
+
+
+def test_an_nvfp4_operand_the_cache_cannot_keep_is_made_on_use_with_the_kept_operands_bits():
+    """base_ops.nvfp4_operand_made: with no room for a form (budget 0), the tensor-core operand is the form load_weight
+    makes for this use — converted from the FP4 codes, or a checkpoint's own NVFP4 form — and its global scale (kept:
+    4 bytes); nothing else is kept. It is the operand a roomy cache keeps, bit for bit, so nvfp4-experts' GEMMs take
+    one path whatever the cache admitted."""
+    from types import SimpleNamespace
+
+    from optimized import base_ops
+    from reference.quant import mx32_to_nvfp4, quantize_fp4_mx32
     from reference.weights.dense_cache import DenseCache
 
-    ctx = SimpleNamespace(table=SimpleNamespace(patched=lambda op: op == "load_weight"),
-                          options={"global_scale": "modelopt"}, dense=DenseCache())
-    assert nv._tensor_core_operands(ctx, ["ffn.experts.0.w1.weight"]) is None, "a patched load_weight: fp32 GEMMs"
-    ctx.table = SimpleNamespace(patched=lambda op: False)
-    assert nv._tensor_core_operands(ctx, ["ffn.experts.0.w1.weight"]) is None, "nothing kept: fp32 GEMMs"
+    gen = torch.Generator().manual_seed(9)
+    stored = {"fp4": quantize_fp4_mx32(torch.randn(32, 64, generator=gen)),
+              "nvfp4": mx32_to_nvfp4(quantize_fp4_mx32(torch.randn(32, 64, generator=gen)))}
+
+    def ctx(budget: int) -> SimpleNamespace:
+        return SimpleNamespace(weights=SimpleNamespace(stored=stored.__getitem__), dense=DenseCache(budget),
+                               device=torch.device("cpu"), table=SimpleNamespace(patched=lambda op: False))
+    roomy, tight = ctx(1 << 30), ctx(0)
+    base_ops.prepare_nvfp4_forms(roomy, list(stored), "nvfp4")
+    base_ops.prepare_nvfp4_forms(tight, list(stored), "nvfp4")
+    for name in stored:
+        kept = base_ops.nvfp4_operand(roomy, name, "nvfp4")
+        assert kept is not None and base_ops.nvfp4_operand(tight, name, "nvfp4") is None, name
+        made = base_ops.nvfp4_operand_made(tight, name, "nvfp4")
+        assert made.factor is None and kept.factor is None
+        assert torch.equal(made.source.view(torch.int32), kept.source.view(torch.int32)), name
+        assert float(made.global_scale) == float(kept.global_scale), name
+        assert f"{name}#nvfp4" not in tight.dense and base_ops.nvfp4_operand(tight, name, "nvfp4") is None, name
 
 
 def test_on_tensor_cores_the_engine_sends_only_bf16_valued_operands_and_moves_by_rounding_only(monkeypatch):

@@ -20,37 +20,27 @@ from typing import Any, Sequence
 import torch
 
 from harness.run.prefill_sharing import pair_keys
-from optimized.base_ops import NVFP4_FORMATS
 from optimized.patching import PluginOpError
 from reference.weights.dense_cache import layer_dense_bytes
 
 Pair = tuple[str, str]
 
 
-def cache_holds_every_form(spec: Any, layer: int, budget_bytes: float) -> bool:
-    """Whether layer `layer`'s dense cache (reference.weights.dense_cache, `budget_bytes`) can hold the fp32 copy of
-    every tensor of the layer and, for each NVFP4 format the run's patches may ask for, every expert's NVFP4 form.
+def cache_holds_every_copy(spec: Any, layer: int, budget_bytes: float) -> bool:
+    """Whether layer `layer`'s dense cache (reference.weights.dense_cache, `budget_bytes`) holds the fp32 copy of every
+    tensor of the layer — then the runner makes them all before the layer's first stack (DenseCache.fill), before the
+    second thread starts.
 
     The lanes need it: a cache that runs out admits whichever thread asks first, and a weight it did not admit is
-    multiplied on another path (DenseCache.bf16_exact: fp32 GEMMs instead of tensor cores), so the bits would follow
-    the threads' interleaving. The built-in `nvfp4-experts` asks for one format (its global_scale option); a plugin
-    may ask for either. (A Flash layer with `nvfp4-experts`: 52.15 GB against an H200's 52.54 GB budget.) Since the
-    forms of FP4-stored experts are derived from the fp32 copies (optimized.base_ops.prepare_nvfp4_forms: the
-    tensor-core operands need only a copy and its factor, and a derived form has the same bits kept or not), counting
-    them is stricter than those bits need — an H100, whose cache holds the copies only, runs one lane — but a
-    checkpoint's own NVFP4 forms still take the path their admission gives; a rule that tells the two apart is left
-    until it can be measured on a GPU."""
-    format_of_rule = {rule: fmt for fmt, rule in NVFP4_FORMATS.items()}  # the global_scale option's load format
-    formats: set[str] = set()
-    for variant in spec.variants:
-        for choice in variant.choices:
-            if choice.patch.source != "built-in":
-                formats = set(NVFP4_FORMATS)
-                break
-            if choice.id == "nvfp4-experts":
-                formats.add(format_of_rule[choice.options.get("global_scale", "modelopt")])
-    fp32, experts = layer_dense_bytes(spec.source.config, layer)
-    return fp32 + len(formats) * experts <= budget_bytes
+    multiplied on another path (DenseCache.bf16_exact: fp32 GEMMs instead of tensor cores; the per-expert loop instead
+    of grouped GEMMs), so the bits would follow the threads' interleaving. What a lane may still put into the cache
+    while the other runs gives the same bits kept or not: a bf16-rounded copy (optimized.base_ops.rounded_weight), an
+    NVFP4 form load_weight derives or converts, and nvfp4-experts' tensor-core operands, made on use when the cache
+    did not keep them (base_ops.nvfp4_operand_made). So the forms need no room of their own (until the twenty-ninth
+    session they were counted: an H100, whose cache holds a Flash layer's copies but not their 25.8 GB of forms as
+    well, ran one lane with nvfp4-experts)."""
+    fp32, _ = layer_dense_bytes(spec.source.config, layer)
+    return fp32 <= budget_bytes
 
 
 def lanes_of(spec: Any, pairs: Sequence[Pair], share_prefill: bool = True) -> list[list[Pair]]:

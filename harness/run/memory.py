@@ -23,12 +23,13 @@ what would not fit and which setting changes it:
   buffers ([T, H·d] queries three times, [T·k, D] expert slots twice), or an engine chunk's;
 - **shared prefills**: a prefill that variants differing only in decode share (harness.run.prefill_sharing) is kept
   during the layer — in local mode its output rows, in either mode a copy of the engine state (the paged caches);
-- **second host lane** (one process on a GPU, when stock and patched stacks run and a layer's dense cache holds every
-  weight): a stock stack's prefill chunk computes in a second host thread while a patched stack computes its own
+- **second host lane** (one process on a GPU, when stock and patched stacks run and a layer's dense cache holds the
+  fp32 copy of every weight): a stock stack's prefill chunk computes in a second host thread while a patched stack computes its own
   (harness.run.host_lanes): two chunks' working sets, less the working set counted above;
 - **expert GEMM operands** (on a GPU): the bf16 operands of the experts' tensor-core GEMMs — one group of expert
   matrices' bf16 copies (optimized.numerics.grouped_bf16_products) and a chunk's pair rows and products
-  (scaled_bf16_products too) — in each host lane;
+  (scaled_bf16_products too, with one expert's NVFP4 form made on use, which is smaller than a group) — in each
+  host lane;
 - **experts site** (a variant with patches): the stock experts' output and the variant's, held while the stock op
   runs again without the SwiGLU clamp (optimized.engine.OptimizedLayer._judge_experts);
 - **NVFP4 conversion** (with `nvfp4-experts`): the temporaries of one group of expert matrices converted together
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.run.distributed import ranks_per_device, reference_lead
-from harness.run.host_lanes import cache_holds_every_form, lanes_of
+from harness.run.host_lanes import cache_holds_every_copy, lanes_of
 from harness.run.prefill_sharing import kept_prefill_keys
 from harness.run.runner import RunSpec
 from optimized.base_ops import NVFP4_GROUP
@@ -144,7 +145,7 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
     if shared:
         terms["shared prefills"] = shared
     if device.type == "cuda" and world == 1 and len(lanes_of(spec, spec.stacks())) > 1 \
-            and any(cache_holds_every_form(spec, layer, budget) for layer in range(cfg.num_hidden_layers)):
+            and any(cache_holds_every_copy(spec, layer, budget) for layer in range(cfg.num_hidden_layers)):
         # two engine chunks at once, a stock one in the second host thread (ranks run one lane each); the
         # reference's pass, which runs alone, may already need more
         if 2 * chunk_working > working:

@@ -23,7 +23,7 @@ from harness.errors import UsageError
 from harness.run.aggregate import LayerAccumulator
 from harness.run.bins import BinPlan
 from harness.run.deal import deal
-from harness.run.host_lanes import LaneStopped, blamed_lane, cache_holds_every_form, lanes_of
+from harness.run.host_lanes import LaneStopped, blamed_lane, cache_holds_every_copy, lanes_of
 from harness.run.metrics import CompareContext, compare_logits
 from harness.run.needles import AnswerLens, needle_queries
 from harness.run.prefill_sharing import PrefillKey, SharedPrefills, pair_keys
@@ -339,7 +339,7 @@ class LockstepRunner:
     HOST_LANES: bool | None = None
     """Whether a layer's stacks run in two host threads (harness.run.host_lanes): None, on a CUDA device only (on a
     CPU the threads would share its cores with the kernels themselves); tests set True to check the CPU's bits. Either
-    way, only while the layer's dense cache holds every weight in every form (host_lanes.cache_holds_every_form)."""
+    way, only while the layer's dense cache holds the fp32 copy of every weight (host_lanes.cache_holds_every_copy)."""
 
     def _run_stacks(self, layer: int, streams: dict[str, torch.Tensor], ref: ReferencePass
                     ) -> tuple[dict[tuple[str, str], list[dict]], dict[str, torch.Tensor]]:
@@ -349,7 +349,7 @@ class LockstepRunner:
         own = self.own_stacks()
         on = self.device.type == "cuda" if self.HOST_LANES is None else self.HOST_LANES
         lanes = lanes_of(self.spec, own, self.SHARE_PREFILL) \
-            if on and cache_holds_every_form(self.spec, layer, ref.dense.budget_bytes) else [own]
+            if on and cache_holds_every_copy(self.spec, layer, ref.dense.budget_bytes) else [own]
         ref_answers = self.lens.read(self.reference.logits, ref.out) if self.lens else None
         if len(lanes) == 1:
             return self._run_pairs(layer, own, streams, ref, ref_answers, self.findings)
@@ -392,8 +392,9 @@ class LockstepRunner:
                 if i:
                     ended.set()
 
-        # the layer's fp32 copies were all made before its first stack (_run_reference's fill: cache_holds_every_form
-        # says they fit), so the stock lane admits nothing and never races what a patch puts into ctx.dense
+        # the layer's fp32 copies were all made before its first stack (_run_reference's fill: cache_holds_every_copy
+        # says they fit); what either lane still puts into ctx.dense gives the same bits kept or not, so no path
+        # depends on which thread asks first
         worker = threading.Thread(target=run, args=(1,), name=f"dsv4-drift layer {layer} stock lane", daemon=True)
         worker.start()
         try:

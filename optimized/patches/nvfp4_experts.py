@@ -18,12 +18,15 @@ Options:
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 
 from optimized import numerics
-from optimized.base_ops import FEW_PAIRS, Nvfp4Operand, PairLayout, joined_products, nvfp4_operand, \
+from optimized.base_ops import FEW_PAIRS, PairLayout, joined_products, nvfp4_operand, nvfp4_operand_made, \
     prepare_nvfp4_forms, swiglu_fp32
-from optimized.numerics import bf16
+from optimized.numerics import Nvfp4Operand, bf16
 from optimized.ops import OpContext, Routing
 from optimized.patching import Patch
 from reference.graphs import replay
@@ -86,21 +89,15 @@ def _act_rows(act, x: torch.Tensor, scales: list[float | None], spans: list[slic
     return out
 
 
-def _tensor_core_operands(ctx: OpContext, names: list[str]) -> list[Nvfp4Operand] | None:
-    """The tensor-core operands of `names`' NVFP4 forms (base_ops.nvfp4_operand: from the dense cache's fp32 copies
-    and kept factors, or its kept forms; load_weight not patched, nothing converted here) — what
-    numerics.scaled_bf16_products needs to put the products on tensor cores; else None (the products stay fp32 GEMMs
-    of the forms load_weight gives)."""
+def _tensor_core_operands(ctx: OpContext, names: list[str]) -> list[Nvfp4Operand | Callable[[], Nvfp4Operand]] | None:
+    """The tensor-core operands of `names`' NVFP4 forms — what numerics.scaled_bf16_products needs to put the products
+    on tensor cores: each the fp32 copy and its factor, or the form, that the dense cache keeps (base_ops.nvfp4_operand),
+    else a callable that makes it when its GEMM runs (base_ops.nvfp4_operand_made: the form load_weight gives). None
+    when load_weight is patched: its forms may be anything, so the products stay fp32 GEMMs of them."""
     if ctx.table.patched("load_weight"):
         return None
     fmt = _nvfp4_format(ctx)
-    operands = []
-    for name in names:
-        operand = nvfp4_operand(ctx, name, fmt)
-        if operand is None:
-            return None
-        operands.append(operand)
-    return operands
+    return [nvfp4_operand(ctx, name, fmt) or functools.partial(nvfp4_operand_made, ctx, name, fmt) for name in names]
 
 
 @PATCH.op("experts")
@@ -167,8 +164,8 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
 def _on_tensor_cores(ctx: OpContext, y: torch.Tensor, routing: Routing, layout: PairLayout,
                      names: dict[int, list[str]], scales: dict[int, list[float | None]], act) -> torch.Tensor | None:
     """The experts op over a prefill chunk with its GEMMs on bf16 tensor cores (numerics.scaled_bf16_products: the
-    NVFP4 operands' exact block products, one fp32 alpha per expert), when the dense cache keeps every operand
-    (_tensor_core_operands); None otherwise. The same quantizers, SwiGLU, routing weight and roundings as the fp32 path,
+    NVFP4 operands' exact block products, one fp32 alpha per expert) — from what the dense cache keeps, or made on use,
+    the same bits (_tensor_core_operands); None when load_weight is patched. The same quantizers, SwiGLU, routing weight and roundings as the fp32 path,
     over the same pair rows; only the GEMMs' fp32 rounding differs."""
     experts_in_order = [e for e, _ in layout.spans]
     spans = [rows for _, rows in layout.spans]
@@ -178,9 +175,7 @@ def _on_tensor_cores(ctx: OpContext, y: torch.Tensor, routing: Routing, layout: 
 
     def products(x: torch.Tensor, m: int) -> torch.Tensor:
         x_scales = [1.0 if scales[e][m] is None else scales[e][m] for e in experts_in_order]
-        ws = operands[m]
-        return numerics.scaled_bf16_products(x, [w.source for w in ws], spans, x_scales, [w.global_scale for w in ws],
-                                             [w.factor for w in ws])
+        return numerics.scaled_bf16_products(x, operands[m], spans, x_scales)
 
     def quantized_pairs(m: int) -> torch.Tensor:
         """The pair rows of matrix m's input: quantized per token once and gathered (the quantizer works within a
