@@ -166,17 +166,27 @@ def _nvfp4_factor_key(name: str, fmt: str) -> str:
 
 def nvfp4_operand(ctx: OpContext, name: str, fmt: str) -> Nvfp4Operand | None:
     """The tensor-core operand of `name`'s NVFP4 form from what the layer's dense cache keeps — the fp32 copy and its
-    factor (prepare_nvfp4_forms), else the form load_weight converted and its global scale — without converting or
-    dequantizing anything; None when it keeps neither (the products then stay fp32 GEMMs of load_weight's forms)."""
+    factor (prepare_nvfp4_forms), the fp32 copy of a checkpoint's own NVFP4 weight (which is its form: the same
+    dequantization), else the form load_weight converted — with its global scale, without converting or dequantizing
+    anything; None when the cache keeps none of them (nvfp4_operand_made then makes the operand on use)."""
     factor, global_key = _nvfp4_factor_key(name, fmt), _nvfp4_global_key(name, fmt)
     if global_key not in ctx.dense:
         return None
     g = ctx.dense.get(global_key, None, ctx.device)
-    if factor in ctx.dense and name in ctx.dense:
-        return Nvfp4Operand(ctx.dense.get(name, None, ctx.device), ctx.dense.get(factor, None, ctx.device), g)
+    if name in ctx.dense:
+        if factor in ctx.dense:
+            return Nvfp4Operand(ctx.dense.get(name, None, ctx.device), ctx.dense.get(factor, None, ctx.device), g)
+        if _stored_as_nvfp4(ctx, name):
+            return Nvfp4Operand(ctx.dense.get(name, None, ctx.device), None, g)
     if _nvfp4_key(name, fmt) in ctx.dense:
         return Nvfp4Operand(ctx.dense.get(_nvfp4_key(name, fmt), None, ctx.device), None, g)
     return None
+
+
+def _stored_as_nvfp4(ctx: OpContext, name: str) -> bool:
+    """Whether `name` is stored as NVFP4 (a ModelOpt checkpoint's expert): its fp32 copy is then its NVFP4 form."""
+    stored = ctx.weights.stored(name)
+    return isinstance(stored, QuantizedTensor) and stored.format == "nvfp4"
 
 
 def nvfp4_operand_made(ctx: OpContext, name: str, fmt: str) -> Nvfp4Operand:
@@ -186,12 +196,18 @@ def nvfp4_operand_made(ctx: OpContext, name: str, fmt: str) -> Nvfp4Operand:
     path whatever the cache kept: its bits do not follow admission, which the host lanes need
     (harness.run.host_lanes)."""
     form = load_weight(ctx, name, fmt)
-    return Nvfp4Operand(form, None, ctx.dense.get(_nvfp4_global_key(name, fmt), None, ctx.device))
+    global_key = _nvfp4_global_key(name, fmt)
+    if global_key not in ctx.dense:  # load_weight keeps it with every form it gives
+        raise RuntimeError(f"{name}: load_weight gave its {fmt} form without keeping the form's global scale")
+    return Nvfp4Operand(form, None, ctx.dense.get(global_key, None, ctx.device))
 
 
 def _keep_global_scale(ctx: OpContext, name: str, fmt: str, global_scale: torch.Tensor) -> None:
-    """Keep the fp32 global scale of `name`'s NVFP4 form beside it (4 bytes: put without asking for room)."""
-    ctx.dense.put(_nvfp4_global_key(name, fmt), global_scale.reshape(()).float().to(ctx.device))
+    """Keep the fp32 global scale of `name`'s NVFP4 form beside it (4 bytes: put without asking for room), unless it
+    is kept already."""
+    key = _nvfp4_global_key(name, fmt)
+    if key not in ctx.dense:
+        ctx.dense.put(key, global_scale.reshape(()).float().to(ctx.device))
 
 
 def _derived_nvfp4_form(ctx: OpContext, name: str, fmt: str) -> torch.Tensor | None:
@@ -216,12 +232,15 @@ def load_weight(ctx: OpContext, name: str, fmt: str) -> torch.Tensor:
     if not isinstance(stored, QuantizedTensor) or stored.format not in ("fp4_mx32", "nvfp4"):
         raise ValueError(f"'{name}' is not an FP4 or NVFP4 weight; it has no NVFP4 form")
     rule = NVFP4_FORMATS[fmt]
+    if stored.format == "nvfp4":  # the checkpoint's own form: its fp32 copy, the same dequantization, serves as both
+        _keep_global_scale(ctx, name, fmt, stored.global_scale)
+        return ctx.dense.get(name, stored, ctx.device)
 
-    def as_nvfp4() -> QuantizedTensor | torch.Tensor:  # on a miss only; its global scale kept beside the form
+    def as_nvfp4() -> torch.Tensor | QuantizedTensor:  # on a miss only; its global scale kept beside the form
         derived = _derived_nvfp4_form(ctx, name, fmt)
         if derived is not None:
             return derived
-        q = stored if stored.format == "nvfp4" else mx32_to_nvfp4(stored, rule, name)
+        q = mx32_to_nvfp4(stored, rule, name)
         _keep_global_scale(ctx, name, fmt, q.global_scale)
         return q
     return ctx.dense.get(_nvfp4_key(name, fmt), as_nvfp4, ctx.device)
@@ -252,7 +271,8 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
     - other FP4-stored names: converted from their codes in groups of NVFP4_GROUP (reference.quant.
       mx32_to_nvfp4_forms) into the cache, while the cache has room for a whole group; what does not fit is
       converted on use, as before;
-    - NVFP4-stored names (a checkpoint's own forms): loaded into the cache with their global scales while they fit.
+    - NVFP4-stored names (a checkpoint's own forms): their global scales are kept; the form is the weight's fp32 copy
+      (load_weight), which the cache holds like any other weight's — not a second copy of it.
 
     The same bits every way. Only names without a kept form or factor are handled. Nothing is prepared when a patch
     overrides load_weight in this phase (it may never ask the stock op for these forms), and a tensor that cannot be
@@ -272,8 +292,8 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
             continue
         if stored.format == "fp4_mx32":
             (derivable if name in ctx.dense else todo).setdefault((stored.shape, stored.device), []).append(name)
-        elif stored.format == "nvfp4" and ctx.dense.room_for(stored.shape[0] * stored.shape[1] * 4):
-            load_weight(ctx, name, fmt)  # the checkpoint's own NVFP4 form, kept with its global scale
+        elif stored.format == "nvfp4":  # the checkpoint's own form is its fp32 copy (load_weight): its global only
+            _keep_global_scale(ctx, name, fmt, stored.global_scale)
     for key, same in derivable.items():
         for i in range(0, len(same), NVFP4_FACTOR_GROUP):
             todo.setdefault(key, []).extend(_keep_nvfp4_factors(ctx, same[i:i + NVFP4_FACTOR_GROUP], fmt))
@@ -289,8 +309,8 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
                 continue
             global_scales = global_scales.float().to(ctx.device)  # one copy for the group
             for name, value, global_scale in zip(group, dense.to(ctx.device), global_scales):
+                _keep_global_scale(ctx, name, fmt, global_scale)  # first: a kept form is read with its global
                 ctx.dense.put(_nvfp4_key(name, fmt), value)
-                _keep_global_scale(ctx, name, fmt, global_scale)
 
 
 def _keep_nvfp4_factors(ctx: OpContext, group: list[str], fmt: str) -> list[str]:

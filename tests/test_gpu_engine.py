@@ -247,7 +247,7 @@ def test_nvfp4_tensor_core_products_are_the_fp32_gemms_but_for_rounding():
     x = torch.cat([nvfp4_activation(y[sp], s) for sp, s in zip(spans, x_scales)])
     operands = [numerics.Nvfp4Operand(f, None, s) for f, s in zip(forms, w_scales)]
     got = numerics.scaled_bf16_products(x, operands, spans, x_scales).double()
-    # an operand made when its GEMM runs (a form the dense cache could not keep): the same bits
+    # operands given as callables, each made (here a copy of the form) as its GEMM runs and freed after it: the same bits
     made = numerics.scaled_bf16_products(x, [lambda o=o: numerics.Nvfp4Operand(o.source.clone(), None, o.global_scale)
                                              for o in operands], spans, x_scales).double()
     assert torch.equal(made, got)

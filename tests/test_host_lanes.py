@@ -56,21 +56,23 @@ def test_when_both_lanes_failed_the_error_a_sequential_run_would_have_met_is_rai
     assert blamed_lane({0: RuntimeError("boom"), 1: KeyboardInterrupt()}, {0: 1, 1: 2}) == 1  # Ctrl-C wins
 
 
-def test_the_lanes_need_a_dense_cache_that_holds_every_fp32_copy_and_no_nvfp4_form():
-    """A cache that runs out admits whichever thread asks first, and an admitted weight may take another GEMM path
-    (DenseCache.bf16_exact): so the lanes run only when the layer's fp32 copies fit the budget, and are made before
-    the second thread starts. The NVFP4 forms need no room: kept or made on use, they give the same bits
-    (test_optimized's tests of base_ops.nvfp4_operand_made), so nvfp4-experts or a plugin that may ask for either
-    format asks for no more (an H100 holds a Flash layer's copies, not their forms as well)."""
-    from reference.weights.dense_cache import layer_dense_bytes
+def test_the_lanes_rule_predicts_the_layers_fill():
+    """The runner runs the lanes when the layer's fill made every fp32 copy before its first stack
+    (runner.ReferencePass.filled): a cache that runs out admits whichever thread asks first, and an admitted weight
+    may take another GEMM path (DenseCache.bf16_exact). cache_holds_every_copy predicts the fill from the config alone
+    (for the memory estimate and bench/lanes_ab.py): the two agree at the budget's edge, at every layer, with
+    nvfp4-experts among the patches — its forms need no room of their own (the test below)."""
+    from reference.weights.dense_cache import DenseCache, dense_specs, layer_dense_bytes
 
     spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))[0]
-    fp32, experts = layer_dense_bytes(spec.source.config, 2)
-    assert 0 < experts < fp32
-    for variants in ([v for v in spec.variants if v.choices], [v for v in spec.variants if not v.choices],
-                     [VariantSpec("plugin", [PatchChoice(_recording_patch([]), {})])]):
-        spec.variants = variants
-        assert cache_holds_every_copy(spec, 2, fp32) and not cache_holds_every_copy(spec, 2, fp32 - 1)
+    cfg, cpu = spec.source.config, torch.device("cpu")
+    for layer in range(cfg.num_hidden_layers):
+        fp32, experts = layer_dense_bytes(cfg, layer)
+        assert 0 < experts < fp32
+        weights = spec.source.layer(layer, cpu)
+        for budget in (fp32, fp32 - 1):
+            filled = DenseCache(budget).fill([t.name for t in dense_specs(cfg, layer)], weights.stored, cpu)
+            assert filled == cache_holds_every_copy(spec, layer, budget) == (budget == fp32), (layer, budget)
 
 
 def _noting_threads(monkeypatch) -> dict[str, int]:
@@ -86,13 +88,69 @@ def _noting_threads(monkeypatch) -> dict[str, int]:
     return threads
 
 
-def test_a_dense_cache_too_small_for_every_form_keeps_one_lane(tmp_path, monkeypatch):
+def test_a_dense_cache_too_small_for_every_copy_keeps_one_lane(tmp_path, monkeypatch):
     from reference.weights.dense_cache import DenseCache
 
     threads = _noting_threads(monkeypatch)
     monkeypatch.setattr(DenseCache, "for_device", classmethod(lambda cls, device, sharing=1: cls(64 << 10)))
     _run(tmp_path, "small-cache", True, monkeypatch)
     assert "base" in threads and len(threads) == 2 and set(threads.values()) == {threading.get_ident()}, threads
+
+
+def test_with_room_for_the_copies_only_two_lanes_give_a_roomy_sequential_runs_bits(tmp_path, monkeypatch):
+    """What the lanes rest on: once a layer's fp32 copies are cached, what a lane still puts into the cache changes no
+    path. Tensor cores forced (numerics.on_tensor_cores, bf16_mm emulated as exact products summed once, as
+    tests/test_optimized.py does), with every other expert matrix's NVFP4 factor taken as not derivable
+    (reference.quant.nvfp4_factors_from_mx's derivable: values below 2^-119 make it so), so that those operands are
+    kept forms while there is room, else made as their GEMMs run (base_ops.nvfp4_operand_made), beside the copies
+    and factors of the rest. A cache with room for the copies only, in two lanes and in one, gives the metrics of a
+    roomy cache in one lane bit for bit, and did make operands on use; the old fallback (fp32 GEMMs for a matrix kind
+    with a form not kept) changes them, so the comparison sees a change of path."""
+    from optimized import base_ops, numerics
+    from optimized.patches import nvfp4_experts as nv
+    from reference.weights.dense_cache import DenseCache, layer_dense_bytes
+
+    spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))[0]
+    spec.local = True
+    monkeypatch.setattr(numerics, "on_tensor_cores", lambda x: numerics._rows(x) >= numerics.TENSOR_CORE_MIN_ROWS)
+    monkeypatch.setattr(numerics, "bf16_mm", lambda x, w: (x.double() @ w.double().T).float())
+    factors_from_mx = base_ops.nvfp4_factors_from_mx
+
+    def every_other_not_derivable(*args, **kwargs):
+        c, global_scales, derivable = factors_from_mx(*args, **kwargs)
+        return c, global_scales, derivable & (torch.arange(len(derivable)) % 2 == 1)
+    monkeypatch.setattr(base_ops, "nvfp4_factors_from_mx", every_other_not_derivable)
+    made = []
+    operand_made = nv.nvfp4_operand_made
+
+    def noting(*args):
+        made.append(args[1])
+        return operand_made(*args)
+    monkeypatch.setattr(nv, "nvfp4_operand_made", noting)
+    copies_only = max(layer_dense_bytes(spec.source.config, layer)[0] for layer in range(LAYERS))
+
+    def run(name: str, lanes: bool, budget: int) -> pd.DataFrame:
+        store = RunStore(tmp_path / name)
+        store.create({})
+        with monkeypatch.context() as m:
+            m.setattr(LockstepRunner, "HOST_LANES", lanes)
+            m.setattr(DenseCache, "for_device", classmethod(lambda cls, device, sharing=1: cls(budget)))
+            LockstepRunner(spec, store).run(end_layer=LAYERS)
+        return store.read_metrics().to_pandas()
+
+    roomy = run("roomy", False, 1 << 30)
+    assert not made, "a roomy cache keeps every form"
+    threads = _noting_threads(monkeypatch)
+    pd.testing.assert_frame_equal(run("tight-lanes", True, copies_only), roomy)
+    assert made and len(set(threads.values())) == 2, "operands made on use, in two lanes"
+    pd.testing.assert_frame_equal(run("tight", False, copies_only), roomy)
+
+    def kept_only(ctx, names):  # the rule before: tensor cores only when every operand is kept, else fp32 GEMMs
+        operands = [nv.nvfp4_operand(ctx, name, nv._nvfp4_format(ctx)) for name in names]
+        return None if any(o is None for o in operands) else operands
+    monkeypatch.setattr(nv, "_tensor_core_operands", kept_only)
+    with pytest.raises(AssertionError):
+        pd.testing.assert_frame_equal(run("fallback", False, copies_only), roomy)
 
 
 def test_the_stock_lane_admits_nothing_into_the_dense_cache(tmp_path, monkeypatch):

@@ -29,7 +29,8 @@ Pair = tuple[str, str]
 def cache_holds_every_copy(spec: Any, layer: int, budget_bytes: float) -> bool:
     """Whether layer `layer`'s dense cache (reference.weights.dense_cache, `budget_bytes`) holds the fp32 copy of every
     tensor of the layer — then the runner makes them all before the layer's first stack (DenseCache.fill), before the
-    second thread starts.
+    second thread starts. The runner runs the lanes on the fill's own answer (runner.ReferencePass.filled); this
+    predicts it for the memory estimate and bench/lanes_ab.py.
 
     The lanes need it: a cache that runs out admits whichever thread asks first, and a weight it did not admit is
     multiplied on another path (DenseCache.bf16_exact: fp32 GEMMs instead of tensor cores; the per-expert loop instead

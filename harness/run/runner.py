@@ -23,7 +23,7 @@ from harness.errors import UsageError
 from harness.run.aggregate import LayerAccumulator
 from harness.run.bins import BinPlan
 from harness.run.deal import deal
-from harness.run.host_lanes import LaneStopped, blamed_lane, cache_holds_every_copy, lanes_of
+from harness.run.host_lanes import LaneStopped, blamed_lane, lanes_of
 from harness.run.metrics import CompareContext, compare_logits
 from harness.run.needles import AnswerLens, needle_queries
 from harness.run.prefill_sharing import PrefillKey, SharedPrefills, pair_keys
@@ -55,6 +55,7 @@ class ReferencePass:
     record: RecordingSink
     dump: DumpSink | None
     out: torch.Tensor | None = None
+    filled: bool = False  # every fp32 copy made before the layer's first stack (DenseCache.fill): the lanes need it
 
 
 @dataclass
@@ -339,7 +340,8 @@ class LockstepRunner:
     HOST_LANES: bool | None = None
     """Whether a layer's stacks run in two host threads (harness.run.host_lanes): None, on a CUDA device only (on a
     CPU the threads would share its cores with the kernels themselves); tests set True to check the CPU's bits. Either
-    way, only while the layer's dense cache holds the fp32 copy of every weight (host_lanes.cache_holds_every_copy)."""
+    way, only when the layer's fp32 copies were all made before its first stack (ReferencePass.filled; what
+    host_lanes.cache_holds_every_copy predicts)."""
 
     def _run_stacks(self, layer: int, streams: dict[str, torch.Tensor], ref: ReferencePass
                     ) -> tuple[dict[tuple[str, str], list[dict]], dict[str, torch.Tensor]]:
@@ -348,8 +350,7 @@ class LockstepRunner:
         in a second host thread beside the others (harness.run.host_lanes)."""
         own = self.own_stacks()
         on = self.device.type == "cuda" if self.HOST_LANES is None else self.HOST_LANES
-        lanes = lanes_of(self.spec, own, self.SHARE_PREFILL) \
-            if on and cache_holds_every_copy(self.spec, layer, ref.dense.budget_bytes) else [own]
+        lanes = lanes_of(self.spec, own, self.SHARE_PREFILL) if on and ref.filled else [own]
         ref_answers = self.lens.read(self.reference.logits, ref.out) if self.lens else None
         if len(lanes) == 1:
             return self._run_pairs(layer, own, streams, ref, ref_answers, self.findings)
@@ -392,9 +393,9 @@ class LockstepRunner:
                 if i:
                     ended.set()
 
-        # the layer's fp32 copies were all made before its first stack (_run_reference's fill: cache_holds_every_copy
-        # says they fit); what either lane still puts into ctx.dense gives the same bits kept or not, so no path
-        # depends on which thread asks first
+        # the layer's fp32 copies were all made before its first stack (_run_reference's fill: ref.filled); what
+        # either lane still puts into ctx.dense gives the same bits kept or not, so no path depends on which thread
+        # asks first (host_lanes.cache_holds_every_copy)
         worker = threading.Thread(target=run, args=(1,), name=f"dsv4-drift layer {layer} stock lane", daemon=True)
         worker.start()
         try:
@@ -527,7 +528,8 @@ class LockstepRunner:
         self._enter(ref.layer, "reference", "global")
         # every stack reads every weight of the layer: their fp32 copies are made first, in stacks, when the layer fits
         # the cache whole (DenseCache.fill), charged to the reference, which would have made them one at a time
-        ref.dense.fill([t.name for t in dense_specs(self.cfg, ref.layer)], ref.weights.stored, self.device)
+        ref.filled = ref.dense.fill([t.name for t in dense_specs(self.cfg, ref.layer)], ref.weights.stored,
+                                    self.device)
         block = ReferenceLayer(self.cfg, ref.layer, ref.weights, spec.reference_dtype, spec.parity, self.device,
                                ref.dense)
         ref.out = self.reference.run_layer(block, ref_in, self.ids, self.reference_segments, ref.record)

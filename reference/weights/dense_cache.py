@@ -29,8 +29,8 @@ DEVICE_BUDGET_FRACTION = 0.35
 H100 80GB). A Flash layer's tensors are 26.4 GB in fp32, 25.8 GB of them experts (256·3·2048·4096·4 B), so both
 GPUs hold a layer whole. The NVFP4 forms (nvfp4-experts) are derived from these copies (optimized.base_ops.
 prepare_nvfp4_forms: two numbers per matrix) and kept on use while there is room; a 25.8 GB second copy of every
-expert is never needed. harness.run.host_lanes runs a second host thread only while a layer fits whole with its
-forms (52.15 GB: an H200)."""
+expert is never needed, and a checkpoint's own NVFP4 form is its fp32 copy. harness.run.host_lanes runs a second
+host thread while a layer's copies fit whole (both GPUs), whatever room the forms find."""
 
 
 class DenseCache:
