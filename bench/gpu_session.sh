@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device machine: python3 with torch/triton preinstalled, no package registry).
-# Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, compare, flash27k, flash30k, mps
+# Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, compare, profile, flash27k, flash30k,
+# mps
 # pydantic (scenario and policy files) is not preinstalled: run bench/wheels.sh here first and carry .whl/ along.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -64,6 +65,16 @@ for i, row in enumerate(runs["new"][0]["layers"]):
           f"(means of {len(runs['old'])} and {len(runs['new'])} runs, order old new new old)")
 PY
       ;;
+    profile)
+      # Where a Flash CSA layer's time goes (bench/launch_count.py): synced seconds per part and tap, then a traced run
+      # with DECODE_TRACED decode steps (default 8: tracing 64 steps' ~100,000 launches takes minutes) for each part's
+      # device-busy seconds. The full listings go to $OUT (a device call's output tail keeps only the last 12,000
+      # characters); the heads are printed.
+      L=(--model flash --tokens 30720 --layer "${LAYER:-2}" --device cuda --time)
+      python3 bench/launch_count.py "${L[@]}" --decode 64 --sync --by-tap --top 120 > "$OUT/profile-sync.txt" 2>&1
+      python3 bench/launch_count.py "${L[@]}" --decode "${DECODE_TRACED:-8}" --kernels --top 45 \
+        > "$OUT/profile-kernels.txt" 2>&1
+      head -25 "$OUT/profile-sync.txt"; sed -n '/device-busy/,+24p' "$OUT/profile-kernels.txt" ;;
     flash27k|flash30k)
       # Resumable across calls while the machine stays warm: the run lives in /tmp/<stage>-<patches>, each call runs at
       # most RUN_LIMIT seconds, and the measured files come back under $OUT/<stage>-<patches> (report and gate run
