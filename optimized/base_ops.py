@@ -231,10 +231,10 @@ def load_weight(ctx: OpContext, name: str, fmt: str) -> torch.Tensor:
         raise ValueError(f"load_weight: unknown format {fmt!r} for '{name}' (stored, nvfp4 or nvfp4-pow2)")
     if not isinstance(stored, QuantizedTensor) or stored.format not in ("fp4_mx32", "nvfp4"):
         raise ValueError(f"'{name}' is not an FP4 or NVFP4 weight; it has no NVFP4 form")
-    rule = NVFP4_FORMATS[fmt]
     if stored.format == "nvfp4":  # the checkpoint's own form: its fp32 copy, the same dequantization, serves as both
         _keep_global_scale(ctx, name, fmt, stored.global_scale)
         return ctx.dense.get(name, stored, ctx.device)
+    rule = NVFP4_FORMATS[fmt]
 
     def as_nvfp4() -> torch.Tensor | QuantizedTensor:  # on a miss only; its global scale kept beside the form
         derived = _derived_nvfp4_form(ctx, name, fmt)
@@ -285,6 +285,7 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
     rule = NVFP4_FORMATS[fmt]
     todo: dict[tuple, list[str]] = {}  # by shape (w1/w3 and w2 differ) and device: a group is one stack
     derivable: dict[tuple, list[str]] = {}
+    checkpoint_forms: list[str] = []  # NVFP4-stored without a kept global scale
     for name in dict.fromkeys(names):
         stored = ctx.weights.stored(name)
         if _nvfp4_key(name, fmt) in ctx.dense or _nvfp4_factor_key(name, fmt) in ctx.dense \
@@ -292,8 +293,13 @@ def prepare_nvfp4_forms(ctx: OpContext, names: list[str], fmt: str) -> None:
             continue
         if stored.format == "fp4_mx32":
             (derivable if name in ctx.dense else todo).setdefault((stored.shape, stored.device), []).append(name)
-        elif stored.format == "nvfp4":  # the checkpoint's own form is its fp32 copy (load_weight): its global only
-            _keep_global_scale(ctx, name, fmt, stored.global_scale)
+        elif stored.format == "nvfp4" and _nvfp4_global_key(name, fmt) not in ctx.dense:
+            checkpoint_forms.append(name)  # the form is its fp32 copy (load_weight): only its global is kept
+    if checkpoint_forms:  # one copy to the device for the layer's global scales, not one per matrix
+        global_scales = torch.stack([ctx.weights.stored(n).global_scale.reshape(()).float()
+                                     for n in checkpoint_forms]).to(ctx.device)
+        for name, global_scale in zip(checkpoint_forms, global_scales):
+            _keep_global_scale(ctx, name, fmt, global_scale)
     for key, same in derivable.items():
         for i in range(0, len(same), NVFP4_FACTOR_GROUP):
             todo.setdefault(key, []).extend(_keep_nvfp4_factors(ctx, same[i:i + NVFP4_FACTOR_GROUP], fmt))

@@ -387,9 +387,10 @@ def nvfp4_factors_from_mx(mx: list[torch.Tensor], qs: list[QuantizedTensor], glo
     bit. The per-tensor numbers (all-zero blocks, amax) come from mx too: a block is all zero exactly when its codes
     are, and max|mx| is the largest block's max|code|·2^e, as every code·2^e is exact in fp32 (UE8M0 gives e ≥ −127,
     and 0.5·2^-127 is a subnormal). c = 2^(7−emax)·f must be a finite fp32, which emax ≥ −119 ensures: derivable[i]
-    is False for a tensor of smaller values, an all-zero one included (its form comes from its codes). Raises ValueError, naming the tensor, when a tensor has no
-    lossless NVFP4 form (the pow2 rule's scales spanning more than 17 binades). One host read; the temporaries are
-    1/32 of a tensor per tensor (its block maxima), so large stacks cost no more memory than their maxima."""
+    is False for a tensor of smaller values, an all-zero one included (its form comes from its codes). Raises
+    ValueError, naming the tensor, when a tensor has no lossless NVFP4 form (the pow2 rule's scales spanning more than
+    17 binades). One host read; the temporaries are 1/32 of a tensor per tensor (its block maxima), so large stacks
+    cost no more memory than their maxima."""
     names = _checked_fp4_names(qs, names, "nvfp4_factors_from_mx")
     if len(mx) != len(qs) or any(tuple(m.shape) != tuple(qs[0].shape) for m in mx):
         raise ValueError(f"nvfp4_factors_from_mx: {len(mx)} fp32 tensors of shapes "

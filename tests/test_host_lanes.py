@@ -89,31 +89,25 @@ def _noting_threads(monkeypatch) -> dict[str, int]:
 
 
 def test_a_dense_cache_too_small_for_every_copy_keeps_one_lane(tmp_path, monkeypatch):
-    from reference.weights.dense_cache import DenseCache
-
     threads = _noting_threads(monkeypatch)
-    monkeypatch.setattr(DenseCache, "for_device", classmethod(lambda cls, device, sharing=1: cls(64 << 10)))
-    _run(tmp_path, "small-cache", True, monkeypatch)
+    _run(tmp_path, "small-cache", True, monkeypatch, cache_bytes=64 << 10)
     assert "base" in threads and len(threads) == 2 and set(threads.values()) == {threading.get_ident()}, threads
 
 
-def test_with_room_for_the_copies_only_two_lanes_give_a_roomy_sequential_runs_bits(tmp_path, monkeypatch):
+def test_with_room_for_the_copies_only_two_lanes_give_a_roomy_sequential_runs_bits(tmp_path, monkeypatch,
+                                                                                   tensor_cores_on_cpu):
     """What the lanes rest on: once a layer's fp32 copies are cached, what a lane still puts into the cache changes no
-    path. Tensor cores forced (numerics.on_tensor_cores, bf16_mm emulated as exact products summed once, as
-    tests/test_optimized.py does), with every other expert matrix's NVFP4 factor taken as not derivable
-    (reference.quant.nvfp4_factors_from_mx's derivable: values below 2^-119 make it so), so that those operands are
-    kept forms while there is room, else made as their GEMMs run (base_ops.nvfp4_operand_made), beside the copies
-    and factors of the rest. A cache with room for the copies only, in two lanes and in one, gives the metrics of a
+    path. Tensor cores on (the tensor_cores_on_cpu fixture), with every other expert matrix's NVFP4 factor taken as
+    not derivable (reference.quant.nvfp4_factors_from_mx's derivable: values below 2^-119 make it so), so that those
+    operands are kept forms while there is room, else made as their GEMMs run (base_ops.nvfp4_operand_made), beside
+    the copies and factors of the rest. A cache with room for the copies only, in two lanes and in one, gives the metrics of a
     roomy cache in one lane bit for bit, and did make operands on use; the old fallback (fp32 GEMMs for a matrix kind
     with a form not kept) changes them, so the comparison sees a change of path."""
-    from optimized import base_ops, numerics
+    from optimized import base_ops
     from optimized.patches import nvfp4_experts as nv
-    from reference.weights.dense_cache import DenseCache, layer_dense_bytes
+    from reference.weights.dense_cache import layer_dense_bytes
 
-    spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))[0]
-    spec.local = True
-    monkeypatch.setattr(numerics, "on_tensor_cores", lambda x: numerics._rows(x) >= numerics.TENSOR_CORE_MIN_ROWS)
-    monkeypatch.setattr(numerics, "bf16_mm", lambda x, w: (x.double() @ w.double().T).float())
+    tensor_cores_on_cpu()
     factors_from_mx = base_ops.nvfp4_factors_from_mx
 
     def every_other_not_derivable(*args, **kwargs):
@@ -127,30 +121,25 @@ def test_with_room_for_the_copies_only_two_lanes_give_a_roomy_sequential_runs_bi
         made.append(args[1])
         return operand_made(*args)
     monkeypatch.setattr(nv, "nvfp4_operand_made", noting)
-    copies_only = max(layer_dense_bytes(spec.source.config, layer)[0] for layer in range(LAYERS))
+    cfg = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides())[0].source.config
+    copies_only = max(layer_dense_bytes(cfg, layer)[0] for layer in range(LAYERS))
 
-    def run(name: str, lanes: bool, budget: int) -> pd.DataFrame:
-        store = RunStore(tmp_path / name)
-        store.create({})
-        with monkeypatch.context() as m:
-            m.setattr(LockstepRunner, "HOST_LANES", lanes)
-            m.setattr(DenseCache, "for_device", classmethod(lambda cls, device, sharing=1: cls(budget)))
-            LockstepRunner(spec, store).run(end_layer=LAYERS)
-        return store.read_metrics().to_pandas()
+    def metrics(name: str, lanes: bool, cache_bytes: int) -> pd.DataFrame:
+        return _run(tmp_path, name, lanes, monkeypatch, cache_bytes=cache_bytes).read_metrics().to_pandas()
 
-    roomy = run("roomy", False, 1 << 30)
+    roomy = metrics("roomy", False, 1 << 30)
     assert not made, "a roomy cache keeps every form"
     threads = _noting_threads(monkeypatch)
-    pd.testing.assert_frame_equal(run("tight-lanes", True, copies_only), roomy)
+    pd.testing.assert_frame_equal(metrics("tight-lanes", True, copies_only), roomy)
     assert made and len(set(threads.values())) == 2, "operands made on use, in two lanes"
-    pd.testing.assert_frame_equal(run("tight", False, copies_only), roomy)
+    pd.testing.assert_frame_equal(metrics("tight", False, copies_only), roomy)
 
     def kept_only(ctx, names):  # the rule before: tensor cores only when every operand is kept, else fp32 GEMMs
         operands = [nv.nvfp4_operand(ctx, name, nv._nvfp4_format(ctx)) for name in names]
         return None if any(o is None for o in operands) else operands
     monkeypatch.setattr(nv, "_tensor_core_operands", kept_only)
     with pytest.raises(AssertionError):
-        pd.testing.assert_frame_equal(run("fallback", False, copies_only), roomy)
+        pd.testing.assert_frame_equal(metrics("fallback", False, copies_only), roomy)
 
 
 def test_the_stock_lane_admits_nothing_into_the_dense_cache(tmp_path, monkeypatch):
@@ -174,7 +163,11 @@ def test_the_stock_lane_admits_nothing_into_the_dense_cache(tmp_path, monkeypatc
 
 
 def _run(tmp_path, name: str, lanes: bool, monkeypatch, variants=None, device: str = "cpu",
-         yardstick: bool = True) -> RunStore:
+         yardstick: bool = True, cache_bytes: int | None = None) -> RunStore:
+    """tiny-smoke's first LAYERS layers with every patch, local on, in two lanes or one (`cache_bytes`: each layer's
+    dense-cache budget instead of the device's)."""
+    from reference.weights.dense_cache import DenseCache
+
     spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all", device=device))[0]
     spec.local, spec.yardstick = True, yardstick
     if variants is not None:
@@ -183,6 +176,8 @@ def _run(tmp_path, name: str, lanes: bool, monkeypatch, variants=None, device: s
     store.create({})
     with monkeypatch.context() as m:
         m.setattr(LockstepRunner, "HOST_LANES", lanes)
+        if cache_bytes is not None:
+            m.setattr(DenseCache, "for_device", classmethod(lambda cls, device, sharing=1: cls(cache_bytes)))
         LockstepRunner(spec, store).run(end_layer=LAYERS)
     return store
 

@@ -654,7 +654,8 @@ def test_nvfp4_products_factored_into_block_products_and_one_alpha_are_the_fp32_
     assert torch.equal(on_use, got) and made == list(range(len(rows)))
 
 
-def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_whatever_the_cache_keeps(monkeypatch):
+def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_whatever_the_cache_keeps(
+        monkeypatch, tensor_cores_on_cpu):
     """With tensor cores (forced here; bf16_mm emulated as exact products summed once, since the CPU's torch has no bf16
     GEMM with fp32 output) the nvfp4-experts op runs a prefill chunk's three expert GEMMs through
     scaled_bf16_products, and the run's logits move as much as one fp32 ulp of noise on the fp32 GEMMs' products moves
@@ -690,8 +691,7 @@ def test_nvfp4_experts_run_their_prefill_gemms_on_tensor_cores_whatever_the_cach
         factored.append(all(not callable(o) and o.factor is not None for o in a[1]))
         return scaled(*a)
     monkeypatch.setattr(numerics, "scaled_bf16_products", counted)
-    monkeypatch.setattr(numerics, "on_tensor_cores", lambda x: numerics._rows(x) >= numerics.TENSOR_CORE_MIN_ROWS)
-    monkeypatch.setattr(numerics, "bf16_mm", lambda x, w: (x.double() @ w.double().T).float())
+    tensor_cores_on_cpu()
     fast = OptimizedModel(src, choices).forward(ids[:296], ids[296:], 128).logits
     assert len(calls) == 3 * 3 * TINY.num_hidden_layers and min(calls) > 64, calls  # w1, w3, w2 of 3 chunks
     moved = float((fast - plain).norm() / plain.norm())
@@ -758,7 +758,7 @@ def test_an_nvfp4_operand_the_cache_cannot_keep_is_made_on_use_with_the_kept_ope
     assert tight.dense.used_bytes == 4 * len(stored), "nothing kept but the global scales (4 bytes each)"
 
 
-def test_on_tensor_cores_the_engine_sends_only_bf16_valued_operands_and_moves_by_rounding_only(monkeypatch):
+def test_on_tensor_cores_the_engine_sends_only_bf16_valued_operands_and_moves_by_rounding_only(tensor_cores_on_cpu):
     """What the GPU path does, run on the CPU: numerics.on_tensor_cores says yes from TENSOR_CORE_MIN_ROWS rows and
     numerics.bf16_mm is emulated (exact products summed in fp64, rounded once to fp32: another rounding of the
     same sum, as tensor cores give). Every operand that reaches it must be bf16-valued (the exactness the path
@@ -767,7 +767,6 @@ def test_on_tensor_cores_the_engine_sends_only_bf16_valued_operands_and_moves_by
     top-k decision downstream — 2.2e-3 against the engine's 9.9e-2 drift from the reference on an AMD machine; 0 on
     an Intel one, whose fp32 GEMMs summed these short bf16 products exactly — and must stay an order of magnitude
     under the drift, as in the GPU test (tests/test_gpu_engine.py). That the path ran is the shapes check."""
-    from optimized import numerics
     from reference.weights.dense_cache import all_bf16_exact
 
     shapes = []
@@ -781,8 +780,7 @@ def test_on_tensor_cores_the_engine_sends_only_bf16_valued_operands_and_moves_by
     ids = torch.randint(0, TINY.vocab_size, (300,), generator=torch.Generator().manual_seed(3)).tolist()
     ref = ReferenceModel(src).forward(ids[:296], ids[296:], chunk_size=128).logits
     plain = OptimizedModel(src, []).forward(ids[:296], ids[296:], 128).logits
-    monkeypatch.setattr(numerics, "on_tensor_cores", lambda x: numerics._rows(x) >= numerics.TENSOR_CORE_MIN_ROWS)
-    monkeypatch.setattr(numerics, "bf16_mm", emulated_mm)
+    tensor_cores_on_cpu(emulated_mm)
     routed = OptimizedModel(src, []).forward(ids[:296], ids[296:], 128).logits
     c = TINY
     expected = {(c.hidden_size, c.q_lora_rank), (c.q_lora_rank, c.num_attention_heads * c.head_dim),  # wq_a, wq_b

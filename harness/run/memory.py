@@ -24,8 +24,8 @@ what would not fit and which setting changes it:
 - **shared prefills**: a prefill that variants differing only in decode share (harness.run.prefill_sharing) is kept
   during the layer — in local mode its output rows, in either mode a copy of the engine state (the paged caches);
 - **second host lane** (one process on a GPU, when stock and patched stacks run and a layer's dense cache holds the
-  fp32 copy of every weight): a stock stack's prefill chunk computes in a second host thread while a patched stack computes its own
-  (harness.run.host_lanes): two chunks' working sets, less the working set counted above;
+  fp32 copy of every weight): a stock stack's prefill chunk computes in a second host thread while a patched stack
+  computes its own (harness.run.host_lanes): two chunks' working sets, less the working set counted above;
 - **expert GEMM operands** (on a GPU): the bf16 operands of the experts' tensor-core GEMMs — one group of expert
   matrices' bf16 copies (optimized.numerics.grouped_bf16_products) and a chunk's pair rows and products
   (scaled_bf16_products too, with one expert's NVFP4 form made on use, which is smaller than a group) — in each

@@ -164,9 +164,9 @@ def experts(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
 def _on_tensor_cores(ctx: OpContext, y: torch.Tensor, routing: Routing, layout: PairLayout,
                      names: dict[int, list[str]], scales: dict[int, list[float | None]], act) -> torch.Tensor | None:
     """The experts op over a prefill chunk with its GEMMs on bf16 tensor cores (numerics.scaled_bf16_products: the
-    NVFP4 operands' exact block products, one fp32 alpha per expert) — from what the dense cache keeps, or made on use,
-    the same bits (_tensor_core_operands); None when load_weight is patched. The same quantizers, SwiGLU, routing weight and roundings as the fp32 path,
-    over the same pair rows; only the GEMMs' fp32 rounding differs."""
+    NVFP4 operands' exact block products, one fp32 alpha per expert) — from what the dense cache keeps, or made on
+    use, the same bits (_tensor_core_operands); None when load_weight is patched. The same quantizers, SwiGLU,
+    routing weight and roundings as the fp32 path, over the same pair rows; only the GEMMs' fp32 rounding differs."""
     experts_in_order = [e for e, _ in layout.spans]
     spans = [rows for _, rows in layout.spans]
     operands = [_tensor_core_operands(ctx, [names[e][m] for e in experts_in_order]) for m in range(3)]
