@@ -36,7 +36,7 @@ from bench_common import bench_parser, bench_run_spec, bench_setup
 from harness.run import probes
 from harness.run.runner import LockstepRunner, RunSpec
 from harness.run.store import RunStore
-from optimized import engine
+from optimized import engine, ops
 from reference import graphs
 from reference import layer as reference_layer
 
@@ -204,12 +204,13 @@ def labelled(counter: LaunchCounter | RegionTimer, fn: Callable[..., Any], label
     return wrapper
 
 
-def instrument(counter: LaunchCounter | RegionTimer, where: dict[str, str], n_prompt: int, by_tap: bool = False
-               ) -> None:
+def instrument(counter: LaunchCounter | RegionTimer, where: dict[str, str], n_prompt: int, by_tap: bool = False,
+               by_op: bool = False) -> None:
     """Wrap the stacks' forwards, the engine's site computations and the sinks; `where['stack']` follows the
-    runner's progress events; `by_tap`: each tap's comparisons get a region of their own (both phases). A forward's
-    phase is that of its first position (the layer state's position: the reference and the yardstick may run the
-    decode tokens as one segment)."""
+    runner's progress events; `by_tap`: each tap's comparisons get a region of their own (both phases); `by_op`:
+    each engine op call gets one (STACK PHASE op NAME; nested calls charged to the innermost, so a patch's op that
+    calls the stock one is split between them). A forward's phase is that of its first position (the layer state's
+    position: the reference and the yardstick may run the decode tokens as one segment)."""
     def stack_label(_self: Any, streams: torch.Tensor, token_ids: torch.Tensor, state: Any, *_: Any) -> str:
         where["phase"] = "prefill" if state.position < n_prompt else "decode"
         return f"{where['stack']} {where['phase']} stack"
@@ -224,6 +225,9 @@ def instrument(counter: LaunchCounter | RegionTimer, where: dict[str, str], n_pr
     probes.ComparingSink.finish = labelled(counter, probes.ComparingSink.finish,
                                            lambda *_: f"{where['stack']} finish compare")
     probes.RecordingSink.emit = labelled(counter, probes.RecordingSink.emit, lambda *_: "reference record")
+    if by_op:
+        ops.OpTable.call = labelled(counter, ops.OpTable.call,
+                                    lambda _self, name, *_: f"{where['stack']} {where['phase']} op {name}")
     if by_tap:  # each tap's comparisons apart, wherever they run (on arrival, deferred, held, at finish)
         probes.ComparingSink._compare = labelled(counter, probes.ComparingSink._compare,
                                                  lambda _self, tap, *_: f"{where['stack']} compare {tap}")
@@ -252,6 +256,11 @@ def main() -> None:
     ap.add_argument("--by-tap", action="store_true",
                     help="charge each tap's comparisons to a region of its own (STACK compare TAP), both phases; "
                          "their NaN/Inf checks stay with the emission or finish that makes them")
+    ap.add_argument("--by-op", action="store_true",
+                    help="charge each engine op call (linear, experts, sparse_attention, …) to a region of its own "
+                         "(STACK PHASE op NAME), the innermost when ops nest")
+    ap.add_argument("--kernels-listed", type=int, default=3,
+                    help="with --kernels, the busiest kernels listed per region (default 3)")
     ap.add_argument("--decode-steps", action="store_true",
                     help="the reference and yardstick decode one pass per step, and the engines compute their "
                          "decode sites once per step, as on the CPU (default: as on a GPU)")
@@ -269,7 +278,7 @@ def main() -> None:
     counter = LaunchCounter()
     if args.callers:
         counter.callers = {}
-    instrument(counter, where, args.tokens, args.by_tap)
+    instrument(counter, where, args.tokens, args.by_tap, args.by_op)
     if not args.eager:
         count_replays_as_graphs(counter)
 
@@ -307,7 +316,7 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
         else RegionTimer()
     if args.kernels and device.type != "cuda":
         raise SystemExit("--kernels: device-busy seconds need a CUDA device (--device cuda)")
-    instrument(timer, where, args.tokens, args.by_tap)
+    instrument(timer, where, args.tokens, args.by_tap, args.by_op)
 
     def progress(event: dict) -> None:
         if event.get("event") == "stack":
@@ -357,7 +366,7 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
         print(f"device-busy seconds per region (traced run: {sum(busy.values()):.3f} s of kernels), busiest kernels:")
         for region, seconds in busy.most_common(args.top):
             print(f"  {seconds:8.3f} s  {region}")
-            for name, k in by_name[region].most_common(3):
+            for name, k in by_name[region].most_common(args.kernels_listed):
                 print(f"               {k:7.3f} s  {name[:100]}")
 
 
