@@ -38,6 +38,7 @@ from harness.run.runner import LockstepRunner, RunSpec
 from harness.run.store import RunStore
 from optimized import engine, ops
 from reference import graphs
+from reference.weights import dense_cache
 from reference import layer as reference_layer
 
 NO_LAUNCH = frozenset({
@@ -261,6 +262,10 @@ def main() -> None:
                          "(STACK PHASE op NAME), the innermost when ops nest")
     ap.add_argument("--kernels-listed", type=int, default=3,
                     help="with --kernels, the busiest kernels listed per region (default 3)")
+    ap.add_argument("--cache-fraction", type=float,
+                    help="the layer's dense cache takes this share of the GPU's memory instead of the runner's "
+                         "(reference.weights.dense_cache.DEVICE_BUDGET_FRACTION): an H100 given an H200's room, "
+                         "to measure there what that room changes")
     ap.add_argument("--decode-steps", action="store_true",
                     help="the reference and yardstick decode one pass per step, and the engines compute their "
                          "decode sites once per step, as on the CPU (default: as on a GPU)")
@@ -268,6 +273,8 @@ def main() -> None:
     if args.kernels and not args.time:
         ap.error("--kernels traces the timed run: give --time too")
     probes.ComparingSink.DEFER_BLOCKS_ON_CPU = args.defer_blocks
+    if args.cache_fraction is not None:
+        dense_cache.DEVICE_BUDGET_FRACTION = args.cache_fraction
     torch.set_num_threads(1)
     cfg, ids = bench_setup(args)
     spec = bench_run_spec(args, cfg, ids, args.variants, reference_decode_together=not args.decode_steps,
