@@ -175,7 +175,8 @@ def nvfp4_operand(ctx: OpContext, name: str, fmt: str) -> Nvfp4Operand | None:
     g = ctx.dense.get(global_key, None, ctx.device)
     if name in ctx.dense:
         if factor in ctx.dense:
-            return Nvfp4Operand(ctx.dense.get(name, None, ctx.device), ctx.dense.get(factor, None, ctx.device), g)
+            return Nvfp4Operand(ctx.dense.get(name, None, ctx.device), ctx.dense.get(factor, None, ctx.device), g,
+                                ctx.dense.bf16_copy(name))
         if _stored_as_nvfp4(ctx, name):
             return Nvfp4Operand(ctx.dense.get(name, None, ctx.device), None, g)
     if _nvfp4_key(name, fmt) in ctx.dense:
@@ -331,7 +332,7 @@ def _keep_nvfp4_factors(ctx: OpContext, group: list[str], fmt: str) -> list[str]
                                                              zip(group, qs)], qs, NVFP4_FORMATS[fmt], group)
     except ValueError:
         return [] if len(group) == 1 else [n for one in group for n in _keep_nvfp4_factors(ctx, [one], fmt)]
-    c, global_scales = c.to(ctx.device), global_scales.float().to(ctx.device)  # one copy for the group
+    global_scales = global_scales.float().to(ctx.device)  # one copy for the group; c stays on the host (Nvfp4Operand)
     from_codes = []
     for name, factor, global_scale, kept in zip(group, c, global_scales, derivable.tolist()):
         if kept:  # the global scale first: a form counts as derivable once its factor is kept
@@ -570,6 +571,8 @@ def _per_expert(ctx: OpContext, x: torch.Tensor, layout: "PairLayout", matrix: s
             and not ctx.table.patched("load_weight") and all(names[e] in ctx.dense for e, _ in layout.spans):
         weights = [ctx.weight(names[e]) for e, _ in layout.spans]
         if all(ctx.dense.bf16_exact(names[e], w) for (e, _), w in zip(layout.spans, weights)):
+            if keep_expert_bf16_copies(ctx, matrix):  # read in bf16 where they lie: no cast per chunk and stack
+                weights = [ctx.dense.bf16_copy(names[e]) for e, _ in layout.spans]
             return numerics.grouped_bf16_products(x, weights, [rows for _, rows in layout.spans])
 
     def product(e: int, rows: slice) -> torch.Tensor:  # x: FP8 activations, bf16 values (numerics.exact_product)
@@ -577,6 +580,17 @@ def _per_expert(ctx: OpContext, x: torch.Tensor, layout: "PairLayout", matrix: s
         return exact_product(x[rows], w, lambda: ctx.dense.bf16_exact(names[e], w))
 
     return joined_products(layout, product, width, x.device)
+
+
+def keep_expert_bf16_copies(ctx: OpContext, matrix: str) -> bool:
+    """Whether the layer's dense cache keeps a bf16 copy of every routed expert's `matrix` (w1, w3 or w2) — made
+    here on the first ask, as one stack in expert order (DenseCache.bf16_stack), if the fp32 copies are all cached,
+    bf16-exact and the stack fits. The experts' tensor-core GEMMs read them (grouped_bf16_products, and
+    nvfp4-experts' block products through nvfp4_operand) instead of casting the fp32 copies per prefill chunk."""
+    if ctx.table.patched("load_weight"):  # its weights may be anything: nothing read from the cache's copies
+        return False
+    names = [f"ffn.experts.{e}.{matrix}.weight" for e in range(ctx.cfg.n_routed_experts)]
+    return ctx.dense.bf16_stack(names) is not None
 
 
 def joined_products(layout: "PairLayout", product: Callable[[int, slice], torch.Tensor], width: int,

@@ -153,19 +153,41 @@ def grouped_bf16_products(x: torch.Tensor, weights: list[torch.Tensor], rows: li
     A per-expert loop launches four kernels per expert (the weight's and the rows' bf16 casts, the GEMM, the copy into
     the output), 3,072 per prefill chunk at Flash width, and was host-bound at 11.4 ms per matrix and chunk on an
     H200; the grouped form casts GROUPED_EXPERTS weights with one multi-tensor copy and runs one grouped GEMM for them
-    (6.4 ms per matrix and chunk, bound by the casts' reads, with 1 ms of host time)."""
+    (6.4 ms per matrix and chunk, bound by the casts' reads, with 1 ms of host time).
+
+    The weights may be fp32 or bf16 tensors: bf16 ones that are consecutive rows of one stack (a layer's experts kept
+    in bf16 by the dense cache, DenseCache.bf16_stack) are read where they lie, with no copy; any other group is
+    copied into one bf16 buffer first. The same values in the same layout either way, so the same GEMM and bits."""
     xb = x.bfloat16()
     out = torch.empty(x.shape[0], weights[0].shape[0], dtype=torch.bfloat16, device=x.device)
-    # one group's buffer, reused: the stream orders each grouped GEMM's read before the next group's copy writes it
-    buffer = torch.empty(min(len(weights), GROUPED_EXPERTS), *weights[0].shape, dtype=torch.bfloat16, device=x.device)
+    buffer = None  # one group's buffer, made when a group needs it and reused: the stream orders each grouped GEMM's
+    # read before the next group's copy writes it
     for g in range(0, len(weights), GROUPED_EXPERTS):
         ws, spans = weights[g:g + GROUPED_EXPERTS], rows[g:g + GROUPED_EXPERTS]
-        stack = buffer[:len(ws)]
-        torch._foreach_copy_(list(stack.unbind(0)), ws)
+        stack = _rows_of_one_stack(ws)
+        if stack is None:
+            if buffer is None:
+                buffer = torch.empty(min(len(weights), GROUPED_EXPERTS), *weights[0].shape, dtype=torch.bfloat16,
+                                     device=x.device)
+            stack = buffer[:len(ws)]
+            torch._foreach_copy_(list(stack.unbind(0)), ws)
         start, stop = spans[0].start, spans[-1].stop
         ends = _on_device([s.stop - start for s in spans], torch.int32, x.device)
         out[start:stop] = torch._grouped_mm(xb[start:stop], stack.transpose(1, 2), offs=ends, out_dtype=torch.bfloat16)
     return out.float()
+
+
+def _rows_of_one_stack(ws: list[torch.Tensor]) -> torch.Tensor | None:
+    """[len(ws), N, K] bf16 view of the memory that holds ws when they are contiguous bf16 tensors lying one after
+    another in one storage (consecutive rows of a stack), else None."""
+    first = ws[0]
+    if first.dtype != torch.bfloat16 or not all(w.is_contiguous() and w.shape == first.shape for w in ws):
+        return None
+    storage, step = first.untyped_storage().data_ptr(), first.numel() * first.element_size()
+    if any(w.untyped_storage().data_ptr() != storage or w.data_ptr() != first.data_ptr() + i * step
+           for i, w in enumerate(ws)):
+        return None
+    return first.as_strided((len(ws), *first.shape), (first.numel(), *first.stride()))
 
 
 def _bf16_product_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -181,11 +203,15 @@ def _bf16_product_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> N
 class Nvfp4Operand:
     """An NVFP4 weight as scaled_bf16_products reads it: its block products code·b are bf16(source · factor) — source
     the weight's MX copy (reference.quant.nvfp4_factors_from_mx) — or, with no factor, bf16(source / global_scale) —
-    source its NVFP4 form — and global_scale is its fp32 global scale (0-dim, on the device)."""
+    source its NVFP4 form — and global_scale is its fp32 global scale (0-dim, on the device). `factor` is a 0-dim
+    fp32 tensor on the host: a kernel reads it as a scalar argument, where a device tensor would be one more
+    (broadcast) operand of the element-wise kernel. `source_bf16`, when the dense cache keeps one, is the MX copy's
+    bf16 copy (the same values: they are bf16), read instead of the fp32 copy: half the bytes."""
 
     source: torch.Tensor
     factor: torch.Tensor | None
     global_scale: torch.Tensor
+    source_bf16: torch.Tensor | None = None
 
 
 def scaled_bf16_products(x: torch.Tensor, weights: Sequence[Nvfp4Operand | Callable[[], Nvfp4Operand]],
@@ -221,8 +247,8 @@ def scaled_bf16_products(x: torch.Tensor, weights: Sequence[Nvfp4Operand | Calla
             out = torch.empty(x.shape[0], w.source.shape[0], dtype=torch.float32, device=x.device)
         if w.factor is None:
             torch.div(w.source, w.global_scale, out=wt)
-        else:
-            torch.mul(w.source, w.factor, out=wt)
+        else:  # mx·c is exact in fp32 (≤ 6 significant bits), so bf16 and fp32 sources give the same bf16 product
+            torch.mul(w.source if w.source_bf16 is None else w.source_bf16, w.factor, out=wt)
         _bf16_product_into(xt[span], wt, out[span])
         w_scales.append(w.global_scale)
         del w  # a form made for this GEMM is freed once it is queued (the allocator orders its reuse on the stream)

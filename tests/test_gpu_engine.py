@@ -224,6 +224,10 @@ def test_grouped_expert_gemms_are_the_per_expert_gemms_but_for_accumulation_orde
     ulp = 2.0 ** (torch.floor(torch.log2(loop.abs().clamp_min(1e-30))) - 7)
     assert bool(((grouped - loop).abs().double() <= ulp.double() + 2 * accumulation).all())
     assert (grouped == loop).float().mean() > 0.99, "another order flips a rounding now and then, not often"
+    # the weights' bf16 copies as one stack (DenseCache.bf16_stack), each group read where it lies: the same bits
+    stack = torch.stack([w.bfloat16() for w in ws])
+    assert numerics._rows_of_one_stack(list(stack[:3].unbind(0))) is not None
+    assert torch.equal(numerics.grouped_bf16_products(x, list(stack.unbind(0)), spans), grouped)
 
 
 def test_nvfp4_tensor_core_products_are_the_fp32_gemms_but_for_rounding():
@@ -233,7 +237,7 @@ def test_nvfp4_tensor_core_products_are_the_fp32_gemms_but_for_rounding():
     replaces is, and within 4× of that GEMM's largest error."""
     from optimized import numerics
     from optimized.patches.nvfp4_experts import nvfp4_activation
-    from reference.quant import mx32_to_nvfp4_forms, quantize_fp4_mx32
+    from reference.quant import mx32_to_nvfp4_forms, nvfp4_factors_from_mx, quantize_fp4_mx32
 
     g = torch.Generator().manual_seed(6)
     rows, K, N = [200, 3, 57, 120], 4096, 512
@@ -251,6 +255,16 @@ def test_nvfp4_tensor_core_products_are_the_fp32_gemms_but_for_rounding():
     made = numerics.scaled_bf16_products(x, [lambda o=o: numerics.Nvfp4Operand(o.source.clone(), None, o.global_scale)
                                              for o in operands], spans, x_scales).double()
     assert torch.equal(made, got)
+    # from the MX copies and their factors (kept on the host: a kernel's scalar argument), in fp32 or in bf16 (the
+    # dense cache's bf16 stack): the same block products, so the same bits
+    mx = [q.dequantize().cuda() for q in qs]
+    factors, _, derivable = nvfp4_factors_from_mx(mx, qs, "modelopt")
+    assert bool(derivable.all()) and factors.device.type == "cpu"
+    for bf16_copy in (False, True):
+        operands = [numerics.Nvfp4Operand(m, k, s, m.bfloat16() if bf16_copy else None)
+                    for m, k, s in zip(mx, factors, w_scales)]
+        from_copies = numerics.scaled_bf16_products(x, operands, spans, x_scales)
+        assert torch.equal(from_copies.double(), got), bf16_copy
     fp32 = torch.cat([x[sp] @ w.T for sp, w in zip(spans, forms)]).double()
     exact = torch.cat([x[sp].double() @ w.double().T for sp, w in zip(spans, forms)])
     bound = (K + 4) * 2.0 ** -24 * torch.cat([x[sp].double().abs() @ w.double().abs().T for sp, w in zip(spans, forms)])

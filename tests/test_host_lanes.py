@@ -101,11 +101,12 @@ def test_with_room_for_the_copies_only_two_lanes_give_a_roomy_sequential_runs_bi
     not derivable (reference.quant.nvfp4_factors_from_mx's derivable: values below 2^-119 make it so), so that those
     operands are kept forms while there is room, else made as their GEMMs run (base_ops.nvfp4_operand_made), beside
     the copies and factors of the rest. A cache with room for the copies only, in two lanes and in one, gives the metrics of a
-    roomy cache in one lane bit for bit, and did make operands on use; the old fallback (fp32 GEMMs for a matrix kind
+    roomy cache in one lane bit for bit, and did make operands on use — and the experts' GEMMs read bf16 copies kept
+    in the roomy cache, cast per chunk in the tight one; the old fallback (fp32 GEMMs for a matrix kind
     with a form not kept) changes them, so the comparison sees a change of path."""
-    from optimized import base_ops
+    from optimized import base_ops, numerics
     from optimized.patches import nvfp4_experts as nv
-    from reference.weights.dense_cache import layer_dense_bytes
+    from reference.weights.dense_cache import DenseCache, layer_dense_bytes
 
     tensor_cores_on_cpu()
     factors_from_mx = base_ops.nvfp4_factors_from_mx
@@ -127,11 +128,27 @@ def test_with_room_for_the_copies_only_two_lanes_give_a_roomy_sequential_runs_bi
     def metrics(name: str, lanes: bool, cache_bytes: int) -> pd.DataFrame:
         return _run(tmp_path, name, lanes, monkeypatch, cache_bytes=cache_bytes).read_metrics().to_pandas()
 
+    # the stock experts' grouped GEMMs too (a GPU's path), which read the experts' bf16 copies where the cache keeps
+    # them (DenseCache.bf16_stack) and cast the fp32 copies per chunk where it does not, as nvfp4-experts' block
+    # products read the bf16 copies or the fp32 ones
+    monkeypatch.setattr(numerics, "grouped_products_apply", lambda x, width: True)
+    stacks = []
+    bf16_stack = DenseCache.bf16_stack
+
+    def noting_stacks(self, names):
+        stack = bf16_stack(self, names)
+        stacks.append(stack is not None)
+        return stack
+    monkeypatch.setattr(DenseCache, "bf16_stack", noting_stacks)
+
     roomy = metrics("roomy", False, 1 << 30)
     assert not made, "a roomy cache keeps every form"
+    assert stacks and all(stacks), "a roomy cache keeps the experts' bf16 copies"
+    stacks.clear()
     threads = _noting_threads(monkeypatch)
     pd.testing.assert_frame_equal(metrics("tight-lanes", True, copies_only), roomy)
     assert made and len(set(threads.values())) == 2, "operands made on use, in two lanes"
+    assert stacks and not any(stacks), "no room for the experts' bf16 copies: cast per chunk"
     pd.testing.assert_frame_equal(metrics("tight", False, copies_only), roomy)
 
     def kept_only(ctx, names):  # the rule before: tensor cores only when every operand is kept, else fp32 GEMMs

@@ -579,6 +579,63 @@ def test_grouped_expert_products_are_the_per_expert_gemms_rounded_to_bf16(monkey
     assert bool(((got - exact).abs() <= 2.0 ** -8 * exact.abs() + 256 * 2.0 ** -24 * size).all())
 
 
+def test_grouped_expert_products_read_kept_bf16_copies_in_place_with_the_fp32_copies_bits(monkeypatch):
+    """The experts' bf16 copies a layer's dense cache keeps as one stack (DenseCache.bf16_stack) give the grouped GEMMs
+    of the fp32 copies bit for bit: a group of consecutive experts is read where it lies (a view of the stack, no
+    copy), any other group is copied into a buffer first (experts 0, 2, 3, … here: the first group skips one)."""
+    from optimized import numerics
+    from reference.weights.dense_cache import DenseCache
+
+    monkeypatch.setattr(numerics, "GROUPED_EXPERTS", 3)
+    rows = [5, 1, 17, 2, 9, 30, 4]
+    x, ws, spans = _experts_operands(rows, 64, 24, integers=False)
+    cache = DenseCache(1 << 20)
+    names = [f"e{i}" for i in range(len(ws))]
+    for name, w in zip(names, ws):
+        cache.put(name, w)
+    stack = cache.bf16_stack(names)
+    assert stack is not None and cache.used_bytes == sum(w.numel() for w in ws) * (4 + 2)
+    copies = [cache.bf16_copy(n) for n in names]
+    view = numerics._rows_of_one_stack(copies[2:5])
+    assert view is not None and view.data_ptr() == stack[2].data_ptr() and torch.equal(view, stack[2:5])
+    assert numerics._rows_of_one_stack([copies[0], copies[2]]) is None
+    assert numerics._rows_of_one_stack(ws[:2]) is None  # fp32: cast into the buffer
+    expected = numerics.grouped_bf16_products(x, ws, spans)
+    assert torch.equal(numerics.grouped_bf16_products(x, copies, spans), expected)
+    picked = [0, 2, 3, 4, 5, 6]
+    some = [slice(0, spans[1].stop)] + spans[2:]  # expert 0 takes expert 1's rows too: another layout, same rule
+    assert torch.equal(numerics.grouped_bf16_products(x, [copies[i] for i in picked], some),
+                       numerics.grouped_bf16_products(x, [ws[i] for i in picked], some))
+
+
+def test_the_dense_cache_keeps_bf16_stacks_of_cached_exact_copies_within_its_budget():
+    """DenseCache.bf16_stack: a stack of every named copy, kept once (2 bytes per element counted) and shared; none when
+    a name is not cached, a copy is not bf16-exact, the shapes differ or the budget has no room — and nothing counted
+    then."""
+    from reference.weights.dense_cache import DenseCache
+
+    exact = [torch.randn(4, 8).bfloat16().float() for _ in range(3)]
+    cache = DenseCache(3 * 32 * 4 + 3 * 32 * 2)
+    for i, w in enumerate(exact):
+        cache.put(f"w{i}", w)
+    names = ["w0", "w1", "w2"]
+    assert cache.bf16_stack(["w0", "missing"]) is None
+    stack = cache.bf16_stack(names)
+    assert stack is not None and stack.dtype == torch.bfloat16 and torch.equal(stack.float(), torch.stack(exact))
+    assert cache.bf16_stack(names) is stack and cache.bf16_copy("w1").data_ptr() == stack[1].data_ptr()
+    assert cache.used_bytes == cache.budget_bytes and cache.bf16_copy("w9") is None
+    roomy = DenseCache(1 << 20)
+    roomy.put("a", exact[0])
+    roomy.put("b", exact[1] + 2.0 ** -20)  # not a bf16 value
+    roomy.put("c", torch.zeros(2, 8))
+    used = roomy.used_bytes
+    assert roomy.bf16_stack(["a", "b"]) is None and roomy.bf16_stack(["a", "c"]) is None and roomy.used_bytes == used
+    full = DenseCache(2 * 32 * 4 + 32 * 2)  # room for one bf16 copy, not two
+    full.put("a", exact[0])
+    full.put("b", exact[1])
+    assert full.bf16_stack(["a", "b"]) is None and full.used_bytes == 2 * 32 * 4
+
+
 def test_stock_experts_take_grouped_products_over_a_prefill_chunk_only(monkeypatch):
     """The stock experts op computes a prefill chunk's expert GEMMs grouped where grouped_products_apply says so (a
     GPU; forced here) and a decode step's per expert (≤ FEW_PAIRS pairs); the engine's logits move by the rounding of
@@ -643,6 +700,10 @@ def test_nvfp4_products_factored_into_block_products_and_one_alpha_are_the_fp32_
     from_copies = numerics.scaled_bf16_products(x, [numerics.Nvfp4Operand(m, k, s) for m, k, s in
                                                     zip(mx, factors, w_scales)], spans, x_scales)
     assert torch.equal(from_copies, got)
+    # …or from their bf16 copies (DenseCache.bf16_stack): mx·c is exact in fp32, so the same block products
+    from_bf16 = numerics.scaled_bf16_products(x, [numerics.Nvfp4Operand(m, k, s, m.bfloat16()) for m, k, s in
+                                                  zip(mx, factors, w_scales)], spans, x_scales)
+    assert torch.equal(from_bf16, got)
     # operands made as their GEMMs run (forms a layer's dense cache could not keep), one at a time: the same bits
     made = []
 

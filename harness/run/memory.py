@@ -8,7 +8,8 @@ what would not fit and which setting changes it:
 - **dequantized weights**: the layer's fp32 copies shared by every stack (reference.weights.dense_cache), up to
   the cache's budget (a GPU's share is split between the ranks on it); when the layer fits whole they are made
   before its first stack, in stacks whose temporaries (dense_cache.STACK_BYTES: ~0.8 GB) come and go before any
-  working set exists, so they add no term;
+  working set exists, so they add no term; on a GPU also the routed experts' bf16 copies (DenseCache.bf16_stack:
+  half their fp32 bytes), which the experts' grouped GEMMs read, where the budget has room for them;
 - **reference layers**: the reference's non-expert weights in its dtype and the yardstick's in bf16;
 - **output heads**: the LM head stored, and in the reference's, the yardstick's and the engines' dtypes (the needle
   lens reads logits after every layer);
@@ -128,10 +129,15 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
     chunk_working = min(T, spec.chunk_size) * 4 * (3 * H * hd + 2 * cfg.num_experts_per_tok * D)
     working = max(reference_pass * ref_size * (3 * H * hd + 2 * cfg.num_experts_per_tok * D), chunk_working)
     non_expert = dense - experts
+    # on a GPU the experts' bf16 copies too: one stack per matrix kind (w1, w3, w2: a sixth of their fp32 bytes each),
+    # kept whole or not at all, while the budget has room beside the fp32 copies (DenseCache.bf16_stack)
+    kind_stack = experts // 6
+    bf16_stacks = min(3, max(0, budget - dense) // kind_stack) * kind_stack if device.type == "cuda" and kind_stack \
+        else 0
     vocab = cfg.vocab_size * D
     terms = {
         "weights (2 layers, stored)": 2 * stored,
-        "dequantized weights (shared)": min(budget, dense + (experts if nvfp4 else 0)),
+        "dequantized weights (shared)": min(budget, dense + bf16_stacks + (experts if nvfp4 else 0)),
         "reference layers": non_expert * (ref_size / 4) + non_expert / 2,
         "output heads": vocab * (2 + ref_size + 2 + 4),  # stored; reference, yardstick and engines (shared)
         "streams": 2 * T * n * D * (ref_size + 2 * global_stacks),

@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 
 from optimized import numerics
-from optimized.base_ops import FEW_PAIRS, PairLayout, joined_products, nvfp4_operand, nvfp4_operand_made, \
-    prepare_nvfp4_forms, swiglu_fp32
+from optimized.base_ops import FEW_PAIRS, PairLayout, joined_products, keep_expert_bf16_copies, nvfp4_operand, \
+    nvfp4_operand_made, prepare_nvfp4_forms, swiglu_fp32
 from optimized.numerics import Nvfp4Operand, bf16
 from optimized.ops import OpContext, Routing
 from optimized.patching import Patch
@@ -169,6 +169,8 @@ def _on_tensor_cores(ctx: OpContext, y: torch.Tensor, routing: Routing, layout: 
     routing weight and roundings as the fp32 path, over the same pair rows; only the GEMMs' fp32 rounding differs."""
     experts_in_order = [e for e, _ in layout.spans]
     spans = [rows for _, rows in layout.spans]
+    for matrix in ("w1", "w3", "w2"):  # the block products from bf16 copies where the cache keeps them (half the reads)
+        keep_expert_bf16_copies(ctx, matrix)
     operands = [_tensor_core_operands(ctx, [names[e][m] for e in experts_in_order]) for m in range(3)]
     if any(o is None for o in operands):
         return None

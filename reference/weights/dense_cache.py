@@ -10,7 +10,7 @@ matrices were dequantized ~10,000 times per layer through the runner (measured o
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -40,6 +40,8 @@ class DenseCache:
     def __init__(self, budget_bytes: int = CPU_BUDGET_BYTES) -> None:
         self._cache: dict[str, torch.Tensor] = {}
         self._bf16_exact: dict[str, bool] = {}  # per name asked: whether every value of its cached tensor is a bf16
+        self._bf16_stacks: dict[tuple[str, ...], torch.Tensor] = {}  # bf16_stack's, by their names
+        self._bf16_rows: dict[str, torch.Tensor] = {}  # each kept stack's rows, by name
         self.budget_bytes, self.used_bytes = budget_bytes, 0
         # two host threads may ask for one name at once (harness.run.host_lanes): both must get the one cached
         # tensor, since bf16_exact lets only that one onto tensor cores
@@ -128,6 +130,41 @@ class DenseCache:
     def holds(self, name: str, value: torch.Tensor) -> bool:
         """Whether `value` is the very tensor cached under `name` (not one a patch made from it or instead of it)."""
         return self._cache.get(name) is value
+
+    def bf16_stack(self, names: Sequence[str]) -> torch.Tensor | None:
+        """A [len(names), *shape] bf16 copy of the cached fp32 tensors `names` (one shape, each bf16-exact, so the copy
+        changes no value), made with one multi-tensor copy and kept, within the budget (2 bytes per element), for the
+        rest of the layer; None when one of them is not cached or not bf16-exact, or when the copy does not fit.
+
+        Why: the experts' grouped GEMMs read bf16 weights (optimized.numerics.grouped_bf16_products). Casting a
+        group's fp32 copies for every prefill chunk and every stack costs each stack and mode ~0.06 s of device time
+        per Flash layer (256 × 3 matrices × 6 bytes per element, per chunk, measured on an H100); kept, a layer's
+        experts are cast once (12.9 GB at Flash width: an H200's cache has the room beside the fp32 copies, an
+        H100's has not). The values are the same either way, so the GEMMs' bits do not follow admission."""
+        key = tuple(names)
+        stack = self._bf16_stacks.get(key)
+        if stack is not None:
+            return stack
+        with self._lock:
+            stack = self._bf16_stacks.get(key)
+            if stack is not None or not key:
+                return stack
+            values = [self._cache.get(n) for n in key]
+            if any(v is None or v.shape != values[0].shape or v.device != values[0].device for v in values):
+                return None
+            n_bytes = len(values) * values[0].numel() * 2
+            if not self.room_for(n_bytes) or not all(self.bf16_exact(n, v) for n, v in zip(key, values)):
+                return None
+            stack = torch.empty(len(values), *values[0].shape, dtype=torch.bfloat16, device=values[0].device)
+            torch._foreach_copy_(list(stack.unbind(0)), values)
+            self._bf16_stacks[key] = stack
+            self._bf16_rows.update(zip(key, stack.unbind(0)))
+            self.used_bytes += n_bytes
+            return stack
+
+    def bf16_copy(self, name: str) -> torch.Tensor | None:
+        """The bf16 copy of `name` in a stack bf16_stack keeps (a view of the stack's row), None when none holds it."""
+        return self._bf16_rows.get(name)
 
     def bf16_exact(self, name: str, value: torch.Tensor) -> bool:
         """Whether `value` is the tensor cached under `name` and every value of it is a bf16: a product with it may
