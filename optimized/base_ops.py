@@ -160,7 +160,7 @@ def _nvfp4_global_key(name: str, fmt: str) -> str:
 
 def _nvfp4_factor_key(name: str, fmt: str) -> str:
     """The dense cache's name for the fp32 factor c that makes a weight's NVFP4 block products from its cached fp32
-    copy (reference.quant.nvfp4_factors_from_mx; a 0-dim tensor on the device)."""
+    copy (reference.quant.nvfp4_factors_from_mx; a 0-dim tensor on the host: kernels take it as a scalar argument)."""
     return f"{name}#{fmt}#factor"
 
 
@@ -571,8 +571,9 @@ def _per_expert(ctx: OpContext, x: torch.Tensor, layout: "PairLayout", matrix: s
             and not ctx.table.patched("load_weight") and all(names[e] in ctx.dense for e, _ in layout.spans):
         weights = [ctx.weight(names[e]) for e, _ in layout.spans]
         if all(ctx.dense.bf16_exact(names[e], w) for (e, _), w in zip(layout.spans, weights)):
-            if keep_expert_bf16_copies(ctx, matrix):  # read in bf16 where they lie: no cast per chunk and stack
-                weights = [ctx.dense.bf16_copy(names[e]) for e, _ in layout.spans]
+            stack = keep_expert_bf16_copies(ctx, matrix)
+            if stack is not None:  # read in bf16 where they lie: no cast per chunk and stack
+                weights = [stack[e] for e, _ in layout.spans]
             return numerics.grouped_bf16_products(x, weights, [rows for _, rows in layout.spans])
 
     def product(e: int, rows: slice) -> torch.Tensor:  # x: FP8 activations, bf16 values (numerics.exact_product)
@@ -582,15 +583,14 @@ def _per_expert(ctx: OpContext, x: torch.Tensor, layout: "PairLayout", matrix: s
     return joined_products(layout, product, width, x.device)
 
 
-def keep_expert_bf16_copies(ctx: OpContext, matrix: str) -> bool:
-    """Whether the layer's dense cache keeps a bf16 copy of every routed expert's `matrix` (w1, w3 or w2) — made
-    here on the first ask, as one stack in expert order (DenseCache.bf16_stack), if the fp32 copies are all cached,
-    bf16-exact and the stack fits. The experts' tensor-core GEMMs read them (grouped_bf16_products, and
+def keep_expert_bf16_copies(ctx: OpContext, matrix: str) -> torch.Tensor | None:
+    """The layer's dense cache's bf16 copy of every routed expert's `matrix` (w1, w3 or w2) as one [E, N, K] stack in
+    expert order (DenseCache.bf16_stack), made here on the first ask if the fp32 copies are all cached, bf16-exact
+    and the stack fits; None otherwise. The experts' tensor-core GEMMs read them (grouped_bf16_products, and
     nvfp4-experts' block products through nvfp4_operand) instead of casting the fp32 copies per prefill chunk."""
     if ctx.table.patched("load_weight"):  # its weights may be anything: nothing read from the cache's copies
-        return False
-    names = [f"ffn.experts.{e}.{matrix}.weight" for e in range(ctx.cfg.n_routed_experts)]
-    return ctx.dense.bf16_stack(names) is not None
+        return None
+    return ctx.dense.bf16_stack([f"ffn.experts.{e}.{matrix}.weight" for e in range(ctx.cfg.n_routed_experts)])
 
 
 def joined_products(layout: "PairLayout", product: Callable[[int, slice], torch.Tensor], width: int,

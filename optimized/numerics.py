@@ -124,9 +124,9 @@ def _on_device(values: list[float] | list[int], dtype: torch.dtype, device: torc
 
 
 GROUPED_EXPERTS = 32
-"""Experts whose weights one grouped GEMM reads (grouped_bf16_products): their bf16 copies, made for the call, are
-32 × 2048 × 4096 × 2 B = 0.5 GB at Flash width (harness.run.memory counts them), and a prefill chunk's 256 experts
-take 8 grouped GEMMs per matrix instead of 256 GEMMs."""
+"""Experts whose weights one grouped GEMM reads (grouped_bf16_products): their bf16 copies, made for the call where
+the dense cache keeps no bf16 stack of them, are 32 × 2048 × 4096 × 2 B = 0.5 GB at Flash width (harness.run.memory
+counts them), and a prefill chunk's 256 experts take 8 grouped GEMMs per matrix instead of 256 GEMMs."""
 
 
 @functools.lru_cache(maxsize=None)

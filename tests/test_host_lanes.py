@@ -140,15 +140,29 @@ def test_with_room_for_the_copies_only_two_lanes_give_a_roomy_sequential_runs_bi
         stacks.append(stack is not None)
         return stack
     monkeypatch.setattr(DenseCache, "bf16_stack", noting_stacks)
+    in_place, bf16_sources = [], []  # groups read where they lie; block products made from bf16 copies
+    rows_of_one_stack, scaled = numerics._rows_of_one_stack, numerics.scaled_bf16_products
+
+    def noting_views(ws):
+        in_place.append(rows_of_one_stack(ws) is not None)
+        return rows_of_one_stack(ws)
+
+    def noting_sources(x, weights, *args):
+        bf16_sources.extend(w.source_bf16 is not None for w in weights if not callable(w) and w.factor is not None)
+        return scaled(x, weights, *args)
+    monkeypatch.setattr(numerics, "_rows_of_one_stack", noting_views)
+    monkeypatch.setattr(numerics, "scaled_bf16_products", noting_sources)
 
     roomy = metrics("roomy", False, 1 << 30)
     assert not made, "a roomy cache keeps every form"
     assert stacks and all(stacks), "a roomy cache keeps the experts' bf16 copies"
-    stacks.clear()
+    assert in_place and all(in_place) and bf16_sources and all(bf16_sources), "…and the GEMMs read them"
+    stacks.clear(), in_place.clear(), bf16_sources.clear()
     threads = _noting_threads(monkeypatch)
     pd.testing.assert_frame_equal(metrics("tight-lanes", True, copies_only), roomy)
     assert made and len(set(threads.values())) == 2, "operands made on use, in two lanes"
     assert stacks and not any(stacks), "no room for the experts' bf16 copies: cast per chunk"
+    assert not any(in_place) and bf16_sources and not any(bf16_sources)
     pd.testing.assert_frame_equal(metrics("tight", False, copies_only), roomy)
 
     def kept_only(ctx, names):  # the rule before: tensor cores only when every operand is kept, else fp32 GEMMs
@@ -368,6 +382,28 @@ def test_on_a_gpu_two_lanes_give_the_sequential_bits(tmp_path, monkeypatch):
         lanes = _run(tmp_path, "lanes", True, monkeypatch, device="cuda")
         sequential = _run(tmp_path, "sequential", False, monkeypatch, device="cuda")
     pd.testing.assert_frame_equal(lanes.read_metrics().to_pandas(), sequential.read_metrics().to_pandas())
+
+
+def test_the_memory_estimate_counts_the_experts_bf16_stacks_that_fit_beside_the_copies(monkeypatch):
+    """On a GPU the dense cache may keep one bf16 stack per expert matrix kind (w1, w3, w2: a sixth of the experts'
+    fp32 bytes each) beside the fp32 copies, each whole or not at all (DenseCache.bf16_stack): the estimate counts
+    as many as the budget has room for — all three, one, none — and none on a CPU."""
+    from harness.run.memory import predict_memory
+    from reference.weights.dense_cache import DEVICE_BUDGET_FRACTION, layer_dense_bytes
+
+    spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="none"))[0]
+    cfg = spec.source.config
+    dense, experts = (max(b[i] for b in map(lambda l: layer_dense_bytes(cfg, l), range(cfg.num_hidden_layers)))
+                      for i in (0, 1))
+    kind = experts // 6
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cpu = predict_memory(spec).host_terms["dequantized weights (shared)"]
+    assert cpu == dense
+    spec.device = "cuda"
+    for budget, stacks in ((dense + 3 * kind + 5, 3), (dense + kind + 5, 1), (dense + kind - 100, 0)):
+        gpu = type("Props", (), {"total_memory": int(budget / DEVICE_BUDGET_FRACTION) + 1})()
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, gpu=gpu: gpu)
+        assert predict_memory(spec).device_terms["dequantized weights (shared)"] == dense + stacks * kind, stacks
 
 
 def test_the_memory_estimate_counts_the_second_lanes_working_set(monkeypatch):

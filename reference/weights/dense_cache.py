@@ -35,7 +35,8 @@ host thread while a layer's copies fit whole (both GPUs), whatever room the form
 
 class DenseCache:
     """fp32 values of stored tensors by name, kept up to `budget_bytes` (past it, a tensor is dequantized on every
-    use instead: cheap next to the GEMM that uses it)."""
+    use instead: cheap next to the GEMM that uses it); beside them, within the same budget, what is derived from them
+    once per layer: bf16 stacks of exact copies (bf16_stack), rounded weights and NVFP4 factors (optimized.base_ops)."""
 
     def __init__(self, budget_bytes: int = CPU_BUDGET_BYTES) -> None:
         self._cache: dict[str, torch.Tensor] = {}
@@ -157,9 +158,9 @@ class DenseCache:
                 return None
             stack = torch.empty(len(values), *values[0].shape, dtype=torch.bfloat16, device=values[0].device)
             torch._foreach_copy_(list(stack.unbind(0)), values)
-            self._bf16_stacks[key] = stack
             self._bf16_rows.update(zip(key, stack.unbind(0)))
             self.used_bytes += n_bytes
+            self._bf16_stacks[key] = stack  # last: the unlocked read above finds only a stack whose rows are kept
             return stack
 
     def bf16_copy(self, name: str) -> torch.Tensor | None:
