@@ -100,9 +100,9 @@ def test_with_room_for_the_copies_only_two_lanes_give_a_roomy_sequential_runs_bi
     path. Tensor cores on (the tensor_cores_on_cpu fixture), with every other expert matrix's NVFP4 factor taken as
     not derivable (reference.quant.nvfp4_factors_from_mx's derivable: values below 2^-119 make it so), so that those
     operands are kept forms while there is room, else made as their GEMMs run (base_ops.nvfp4_operand_made), beside
-    the copies and factors of the rest. A cache with room for the copies only, in two lanes and in one, gives the metrics of a
-    roomy cache in one lane bit for bit, and did make operands on use — and the experts' GEMMs read bf16 copies kept
-    in the roomy cache, cast per chunk in the tight one; the old fallback (fp32 GEMMs for a matrix kind
+    the copies and factors of the rest. A cache with room for the copies only, in two lanes and in one, gives the
+    metrics of a roomy cache in one lane bit for bit, and did make operands on use — and the experts' GEMMs read bf16
+    copies kept in the roomy cache, cast per chunk in the tight one; the old fallback (fp32 GEMMs for a matrix kind
     with a form not kept) changes them, so the comparison sees a change of path."""
     from optimized import base_ops, numerics
     from optimized.patches import nvfp4_experts as nv
@@ -144,8 +144,9 @@ def test_with_room_for_the_copies_only_two_lanes_give_a_roomy_sequential_runs_bi
     rows_of_one_stack, scaled = numerics._rows_of_one_stack, numerics.scaled_bf16_products
 
     def noting_views(ws):
-        in_place.append(rows_of_one_stack(ws) is not None)
-        return rows_of_one_stack(ws)
+        view = rows_of_one_stack(ws)
+        in_place.append(view is not None)
+        return view
 
     def noting_sources(x, weights, *args):
         bf16_sources.extend(w.source_bf16 is not None for w in weights if not callable(w) and w.factor is not None)
@@ -157,7 +158,8 @@ def test_with_room_for_the_copies_only_two_lanes_give_a_roomy_sequential_runs_bi
     assert not made, "a roomy cache keeps every form"
     assert stacks and all(stacks), "a roomy cache keeps the experts' bf16 copies"
     assert in_place and all(in_place) and bf16_sources and all(bf16_sources), "…and the GEMMs read them"
-    stacks.clear(), in_place.clear(), bf16_sources.clear()
+    for noted in (stacks, in_place, bf16_sources):
+        noted.clear()
     threads = _noting_threads(monkeypatch)
     pd.testing.assert_frame_equal(metrics("tight-lanes", True, copies_only), roomy)
     assert made and len(set(threads.values())) == 2, "operands made on use, in two lanes"
@@ -393,13 +395,14 @@ def test_the_memory_estimate_counts_the_experts_bf16_stacks_that_fit_beside_the_
 
     spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="none"))[0]
     cfg = spec.source.config
-    dense, experts = (max(b[i] for b in map(lambda l: layer_dense_bytes(cfg, l), range(cfg.num_hidden_layers)))
-                      for i in (0, 1))
+    sizes = [layer_dense_bytes(cfg, layer) for layer in range(cfg.num_hidden_layers)]
+    dense, experts = max(fp32 for fp32, _ in sizes), max(e for _, e in sizes)
     kind = experts // 6
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     cpu = predict_memory(spec).host_terms["dequantized weights (shared)"]
     assert cpu == dense
     spec.device = "cuda"
+    # a few bytes either side of each edge: the budget is int(total_memory · DEVICE_BUDGET_FRACTION), rounded
     for budget, stacks in ((dense + 3 * kind + 5, 3), (dense + kind + 5, 1), (dense + kind - 100, 0)):
         gpu = type("Props", (), {"total_memory": int(budget / DEVICE_BUDGET_FRACTION) + 1})()
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, gpu=gpu: gpu)

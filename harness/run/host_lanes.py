@@ -37,10 +37,10 @@ def cache_holds_every_copy(spec: Any, layer: int, budget_bytes: float) -> bool:
     of grouped GEMMs), so the bits would follow the threads' interleaving. What a lane may still put into the cache
     while the other runs gives the same bits kept or not: a bf16-rounded copy (optimized.base_ops.rounded_weight), the
     experts' bf16 stacks (DenseCache.bf16_stack: the grouped GEMMs read them or cast the fp32 copies, the same
-    values), an NVFP4 form load_weight derives or converts, and nvfp4-experts' tensor-core operands, made on use when the cache
-    did not keep them (base_ops.nvfp4_operand_made). So the forms need no room of their own (until the twenty-ninth
-    session they were counted: an H100, whose cache holds a Flash layer's copies but not their 25.8 GB of forms as
-    well, ran one lane with nvfp4-experts)."""
+    values), an NVFP4 form load_weight derives or converts, and nvfp4-experts' tensor-core operands, made on use when
+    the cache did not keep them (base_ops.nvfp4_operand_made). So the forms need no room of their own (until the
+    twenty-ninth session they were counted: an H100, whose cache holds a Flash layer's copies but not their 25.8 GB
+    of forms as well, ran one lane with nvfp4-experts)."""
     fp32, _ = layer_dense_bytes(spec.source.config, layer)
     return fp32 <= budget_bytes
 
