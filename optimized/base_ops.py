@@ -9,7 +9,7 @@ Each function's docstring names the deployed numerics it emulates.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -532,13 +532,26 @@ def expert_pairs(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Ten
     row ranges and the element-wise steps between them (bf16 rounding, SwiGLU, routing weight, the FP8 quantizer,
     whose 1×128 blocks lie within a row) run once over all pairs instead of once per expert: the same operations
     on the same values, so the same bits, with a few hundred fewer kernel launches per prefill chunk."""
+    return expert_pairs_at_limits(ctx, y, routing, (ctx.cfg.swiglu_limit,))[0]
+
+
+def expert_pairs_at_limits(ctx: OpContext, y: torch.Tensor, routing: Routing, limits: Sequence[float]
+                           ) -> list[torch.Tensor]:
+    """expert_pairs with each SwiGLU clamp limit in `limits` (≤ 0: no clamp), in that order. The clamp acts after
+    the gate and up GEMMs, so their products are made once for all the limits: each result has the bits of its own
+    expert_pairs call with that limit (the same operations on the same values). The engine's clamp site reads the
+    stock experts with and without the clamp; at Flash width the gate and up GEMMs it no longer repeats are two
+    thirds of a stock experts call per prefill chunk."""
     layout = PairLayout.of(routing.expert_ids)
     x = fp8_activation(y)[layout.tokens]  # pair rows, expert by expert
-    g = _per_expert(ctx, x, layout, "w1")
-    u = _per_expert(ctx, x, layout, "w3")
+    g = bf16(_per_expert(ctx, x, layout, "w1"))
+    u = bf16(_per_expert(ctx, x, layout, "w3"))
+    del x  # [pairs, hidden]: not held through the W2 GEMMs
     weights = routing.weights.flatten()[layout.order, None]
-    h = fp8_activation(bf16(swiglu_fp32(bf16(g), bf16(u), ctx.cfg.swiglu_limit) * weights))
-    return layout.per_slot(_per_expert(ctx, h, layout, "w2"), routing.expert_ids.shape[0])
+    hs = [fp8_activation(bf16(swiglu_fp32(g, u, limit) * weights)) for limit in limits]
+    del g, u
+    n_tokens = routing.expert_ids.shape[0]
+    return [layout.per_slot(_per_expert(ctx, h, layout, "w2"), n_tokens) for h in hs]
 
 
 def shared_expert(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -546,11 +559,21 @@ def shared_expert(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Te
     the `linear` sites: SwiGLU in fp32 on the GEMMs' outputs, times routing.shared_weight, cast to bf16 before W2.
     Its own op because serving stacks run it apart from the routed experts (a dense MLP beside the fused MoE), and
     that path is where they have dropped the clamp (sgl-project/sglang PR #23776, vllm-project/vllm PR #40950)."""
+    return shared_expert_at_limits(ctx, y, routing, (ctx.cfg.swiglu_limit,))[0]
+
+
+def shared_expert_at_limits(ctx: OpContext, y: torch.Tensor, routing: Routing, limits: Sequence[float]
+                            ) -> list[torch.Tensor]:
+    """shared_expert with each SwiGLU clamp limit in `limits` (≤ 0: no clamp), the gate and up GEMMs made once, as
+    expert_pairs_at_limits: each result the bits of its own shared_expert call with that limit."""
     g = ctx.call("linear", x=y, site="ffn.shared_experts.w1")
     u = ctx.call("linear", x=y, site="ffn.shared_experts.w3")
-    h = swiglu_fp32(g, u, ctx.cfg.swiglu_limit)
-    h = bf16(h if routing.shared_weight == 1.0 else h * routing.shared_weight)  # x·1 = x: no launch for it
-    return ctx.call("linear", x=h, site="ffn.shared_experts.w2")
+    out = []
+    for limit in limits:
+        h = swiglu_fp32(g, u, limit)
+        h = bf16(h if routing.shared_weight == 1.0 else h * routing.shared_weight)  # x·1 = x: no launch for it
+        out.append(ctx.call("linear", x=h, site="ffn.shared_experts.w2"))
+    return out
 
 
 FEW_PAIRS = 64

@@ -10,7 +10,6 @@ each phase.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass, field
@@ -811,21 +810,21 @@ class OptimizedLayer:
         in `ctx`, and clamp_site_miss against the stock op with and without the clamp (0 without a clamp: swiglu_limit
         ≤ 0, which the official code skips; clamp_judged 0 where too few tokens can give the variant's own error)."""
         stock_ctx = self._stock(ctx, False)
+        # the stock op with and without the clamp, sharing the gate and up GEMMs (each the bits of its own stock call)
+        limits = (self.cfg.swiglu_limit, 0.0) if self.cfg.swiglu_limit > 0 else (self.cfg.swiglu_limit,)
         if op == "experts":  # the stock experts are the sum of these, bit for bit (base_ops.experts; asserted below)
-            pairs = base_ops.expert_pairs(stock_ctx, **inputs)
+            pairs, *unclamped = base_ops.expert_pairs_at_limits(stock_ctx, limits=limits, **inputs)
             stock = pairs.sum(1)
+            unclamped = [p.sum(1) for p in unclamped]
             expert_ids, n_experts = inputs["routing"].expert_ids, self.cfg.n_routed_experts
         else:  # the shared expert: one pair, one expert
-            stock = stock_ctx.call(op, **inputs)
+            stock, *unclamped = base_ops.shared_expert_at_limits(stock_ctx, limits=limits, **inputs)
             pairs = stock.unsqueeze(1)
             expert_ids, n_experts = torch.zeros(stock.shape[0], 1, dtype=torch.long, device=stock.device), 1
         lost, coefficients = pair_sites(out, stock, pairs)
         biased = expert_site_bias(coefficients, expert_ids, n_experts)
-        del pairs  # [S, k, D]: not held while the stock op runs again
-        miss = None
-        if self.cfg.swiglu_limit > 0:
-            unclamped = ctx.with_fields(cfg=dataclasses.replace(ctx.cfg, swiglu_limit=0.0))
-            miss = clamp_site_miss(out, stock, self._stock(unclamped, False).call(op, **inputs))
+        del pairs  # [S, k, D]
+        miss = clamp_site_miss(out, stock, unclamped[0]) if unclamped else None
         judged = torch.full_like(lost, float(miss is not None or self.cfg.swiglu_limit <= 0))
         sink.emit(tap, positions, lost=lost, biased=biased, miss=torch.zeros_like(lost) if miss is None else miss,
                   clamp_judged=judged)
