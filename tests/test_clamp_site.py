@@ -114,6 +114,54 @@ def test_the_clamp_sites_fail_experts_that_skip_the_clamp_and_pass_correct_ones(
     assert lower == none, lower
 
 
+def test_the_site_reads_both_stock_sides_from_one_gate_and_up_product_with_each_sides_own_bits(monkeypatch):
+    """The clamp site's stock op with and without the clamp (base_ops.*_at_limits) makes the W1 and W3 products once
+    — the clamp acts after them — and each side is the bits of its own stock call with that limit (the same
+    operations on the same values), checked at every call the site makes over tiny's layers, prefill and decode."""
+    matrices: list[str] = []
+    per_expert = base_ops._per_expert
+    monkeypatch.setattr(base_ops, "_per_expert", lambda ctx, x, layout, matrix: (
+        matrices.append(matrix), per_expert(ctx, x, layout, matrix))[1])
+    checked = {"experts": 0, "shared_expert": 0}
+    linears: list[str] = []
+    linear = base_ops.linear
+
+    def counting_linear(ctx, x, site):
+        linears.append(site)
+        return linear(ctx, x, site)
+
+    def checked_at_limits(name: str, alone, op: str):
+        def at_limits(ctx, y, routing, limits):
+            if len(limits) == 1:  # a single stock call (the variant's own, or `alone` below)
+                return together(ctx, y, routing, limits)
+            matrices.clear()
+            linears.clear()
+            both = together(ctx, y, routing, limits)
+            if op == "experts":  # W1 and W3 once for the two limits, W2 once per limit
+                assert sorted(matrices) == ["w1", "w2", "w2", "w3"], matrices
+            else:
+                assert sorted(linears) == sorted(["ffn.shared_experts.w1", "ffn.shared_experts.w3"]
+                                                 + ["ffn.shared_experts.w2"] * len(limits)), linears
+            assert len(both) == 2, limits
+            for limit, got in zip(limits, both):
+                assert torch.equal(got, alone(_limit(ctx, limit), y, routing)), (op, limit)
+            checked[op] += 1
+            return both
+        together = getattr(base_ops, name)
+        monkeypatch.setattr(base_ops, name, at_limits)
+
+    monkeypatch.setattr(base_ops, "linear", counting_linear)
+    monkeypatch.setitem(base_ops.BASE_OPS, "linear", counting_linear)
+    checked_at_limits("expert_pairs_at_limits", base_ops.expert_pairs, "experts")
+    checked_at_limits("shared_expert_at_limits", base_ops.shared_expert, "shared_expert")
+    choices = [PatchChoice(_bug("routed-no-clamp", "experts", 0.0), {}),
+               PatchChoice(_bug("shared-no-clamp", "shared_expert", 0.0), {})]
+    _miss_rates(choices)
+    # five layers' prefill chunk each, and the joined decode steps of each layer (one call per routing width)
+    assert checked["experts"] >= 2 * CFG.num_hidden_layers and checked["shared_expert"] >= 2 * CFG.num_hidden_layers, \
+        checked
+
+
 def test_a_decode_only_kernel_that_skips_the_clamp_fails_over_the_layers_steps():
     """A decode step has one token, too few to estimate the kernel's own error, so the steps are held and judged
     together at the end of the layer (OptimizedLayer.emit_held_experts): a decode-only experts kernel without the
