@@ -31,8 +31,8 @@ what would not fit and which setting changes it:
   matrices' bf16 copies (optimized.numerics.grouped_bf16_products) and a chunk's pair rows and products
   (scaled_bf16_products too, with one expert's NVFP4 form made on use, which is smaller than a group) — in each
   host lane;
-- **experts site** (a variant with patches): the stock experts' output and the variant's, held while the stock op
-  runs again without the SwiGLU clamp (optimized.engine.OptimizedLayer._judge_experts);
+- **experts site** (a variant with patches): the stock experts' output and the variant's, held while the pair and
+  clamp sites are judged (optimized.engine.OptimizedLayer._judge_experts);
 - **NVFP4 conversion** (with `nvfp4-experts`): the temporaries of one group of expert matrices converted together
   from their codes (optimized.base_ops.prepare_nvfp4_forms; a group whose fp32 copies the cache holds only finds two
   numbers per matrix, from block maxima of 1/32 its size: NVFP4_FACTOR_GROUP, less than this term).
@@ -164,9 +164,10 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
                                                             + pairs * (D + cfg.moe_intermediate_size))
     if any(v.choices for v in spec.variants):
         # the experts site (optimized.engine.OptimizedLayer._judge_experts) of a patched variant's prefill chunk:
-        # the stock op's output and the variant's are held while the stock op runs again without the clamp (or,
-        # without a clamp, while the pair site fits the stock pairs), whose own temporaries are a chunk's working set
-        # (counted above), as are the stock pairs (base_ops.expert_pairs: the experts' pair rows): two [chunk, D] fp32
+        # the stock op's output and the variant's are held while the sites are judged. The stock pairs with and
+        # without the clamp come from one call (base_ops.expert_pairs_at_limits: the gate and up products shared, the
+        # input's pair rows freed before the two intermediates), whose temporaries stay within a chunk's working set
+        # (counted above), as one stock experts call's do: two [chunk, D] fp32 here
         terms["experts site (stock outputs)"] = 2 * min(T, spec.chunk_size) * D * 4
     if nvfp4:  # prepare_nvfp4_forms: a group's e2m1 values, scales, products and dense forms (5 copies, fp32)
         terms["NVFP4 conversion (one group)"] = NVFP4_GROUP * 5 * 4 * cfg.moe_intermediate_size * D
