@@ -178,8 +178,8 @@ def expand_blocks_last(s: torch.Tensor, block: int, n: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def _blocks_last(x: torch.Tensor, block: int) -> torch.Tensor:
-    """View the last dim as [n_blocks, block] (zero-padding a partial last block)."""
+def blocks_last(x: torch.Tensor, block: int) -> torch.Tensor:
+    """View the last dim as [n_blocks, block] (zero-padding a partial last block, a copy; else a view)."""
     xp = _pad_to(x, -1, block)
     return xp.view(*x.shape[:-1], xp.shape[-1] // block, block)
 
@@ -187,7 +187,7 @@ def _blocks_last(x: torch.Tensor, block: int) -> torch.Tensor:
 def _fake_quant_blocks(x: torch.Tensor, block: int, fmt_max: float, amax_floor: float,
                        round_fn) -> torch.Tensor:
     n = x.shape[-1]
-    xb = _blocks_last(x.float(), block)
+    xb = blocks_last(x.float(), block)
     scale = pow2(ue8m0_scale_for(xb.abs().amax(-1, keepdim=True), fmt_max, amax_floor))  # [..., nb, 1]
     q = round_fn(xb / scale) * scale  # dividing by a power of two is exact
     return q.flatten(-2)[..., :n].to(x.dtype)

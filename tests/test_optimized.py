@@ -290,6 +290,36 @@ def test_nvfp4_experts_laid_out_by_expert_give_the_per_expert_loops_bits(monkeyp
     assert torch.equal(nv.experts(ctx, y, routing), expected)
 
 
+def test_the_nvfp4_activation_quantizer_per_block_is_the_per_element_definitions_bits():
+    """nvfp4-experts' W4A4 quantizer (O5: block scale e4m3(amax₁₆/6/input_scale), x_q = e2m1(x / (b·s))·b·s, a block
+    of zeros kept 0) works on [..., blocks, 16] views; held here to the per-element formula written out (each block's
+    scale repeated over its elements) bit for bit — all-zero and subnormal-scale blocks, ties of e2m1, values past
+    6·b·s, a partial last block (padded with zeros), signed zeros — for input scales of both kinds."""
+    from optimized.patches.nvfp4_experts import _nvfp4_activation
+    from reference.quant import FP4_MAX, round_to_e2m1, round_to_e4m3
+
+    def per_element(x: torch.Tensor, input_scale: float) -> torch.Tensor:
+        n = x.shape[-1]
+        pad = torch.zeros(*x.shape[:-1], -n % 16)
+        amax = torch.cat([x.float().abs(), pad], -1).unflatten(-1, (-1, 16)).amax(-1)
+        scale = round_to_e4m3(amax / FP4_MAX / input_scale).repeat_interleave(16, -1)[..., :n] * input_scale
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return torch.where(scale > 0, round_to_e2m1(x.float() / safe) * scale, torch.zeros_like(scale))
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 96, generator=g) * torch.logspace(-6, 3, 96)  # blocks of very different sizes
+    x[0, :16] = 0.0  # an all-zero block
+    x[1, :16] = -0.0
+    x[2, 16:32] = 1e-40  # a block whose scale underflows to 0 in e4m3
+    x[3, :16] = torch.tensor([6.0, 5.0, 3.5, 2.5, 1.75, 1.25, 0.75, 0.25] * 2)  # e2m1 ties at a scale of 1
+    x[4, :16] = torch.tensor([100.0] + [-7.0] * 15)
+    for input_scale in (1.0, 0.37, 3.0e-3):
+        for cols in (96, 40):  # 40: a partial last block of 8
+            got, want = _nvfp4_activation(x[:, :cols], input_scale), per_element(x[:, :cols], input_scale)
+            assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32)), \
+                (input_scale, cols)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4-pow2"])
 def test_nvfp4_forms_prepared_in_groups_are_load_weights_bits_and_stop_at_the_budget(fmt):
     """prepare_nvfp4_forms converts FP4 expert matrices to their NVFP4 form in groups (issue #14: 768 conversions per
