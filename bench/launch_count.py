@@ -15,7 +15,8 @@ as the CPU runs them); the comparisons of prefill query blocks are batched on a 
 them here too: probes.ComparingSink.DEFER_BLOCKS_ON_CPU). It still differs in the query block size (a GPU's from
 its memory). Regions: `reference` / `yardstick/MODE` / `VARIANT/MODE`, then `prefill` or `decode`,
 then what ran — `stack` (the layer's own computation), `sites` (the stock op and its twin beside a variant's,
-held sites' joined calls included),
+held sites' joined calls included, and since the thirty-first session the experts sites' stock calls, charged to
+`stack` before),
 `compare` (the comparing sink, as taps arrive), `finish compare` (what the sink held until the stack finished: the
 deferred and sampled comparisons, of both phases), `record` (the reference's taps).
 """
@@ -218,7 +219,7 @@ def instrument(counter: LaunchCounter | RegionTimer, where: dict[str, str], n_pr
 
     engine.OptimizedLayer.forward = labelled(counter, engine.OptimizedLayer.forward, stack_label)
     reference_layer.ReferenceLayer.forward = labelled(counter, reference_layer.ReferenceLayer.forward, stack_label)
-    for method in ("_emit_site", "_emit_held_sites", "_emit_indexer_site", "_emit_probs"):
+    for method in ("_emit_site", "_emit_held_sites", "_emit_indexer_site", "_emit_probs", "_judge_experts"):
         setattr(engine.OptimizedLayer, method, labelled(counter, getattr(engine.OptimizedLayer, method),
                                                         lambda *_: f"{where['stack']} {where['phase']} sites"))
     probes.ComparingSink.emit = labelled(counter, probes.ComparingSink.emit,

@@ -550,8 +550,10 @@ def expert_pairs_at_limits(ctx: OpContext, y: torch.Tensor, routing: Routing, li
     weights = routing.weights.flatten()[layout.order, None]
     hs = [fp8_activation(bf16(swiglu_fp32(g, u, limit) * weights)) for limit in limits]
     del g, u
-    n_tokens = routing.expert_ids.shape[0]
-    return [layout.per_slot(_per_expert(ctx, h, layout, "w2"), n_tokens) for h in hs]
+    n_tokens, out = routing.expert_ids.shape[0], []
+    while hs:  # each intermediate freed once its W2 product is made
+        out.append(layout.per_slot(_per_expert(ctx, hs.pop(0), layout, "w2"), n_tokens))
+    return out
 
 
 def shared_expert(ctx: OpContext, y: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -832,8 +832,9 @@ class OptimizedLayer:
     def emit_held_experts(self, sink: ProbeSink) -> None:
         """The decode steps' experts sites, judged together (one token a step cannot give the variant's own error that
         the clamp's judgement needs): per tap and routing width (_HeldExperts.key), the steps' inputs joined along the
-        tokens (the routing's rows; its scales are one per layer), one stock call with and one without the clamp in
-        the last step's context, against the steps' own results. Each stock row is the op on that step's input up to
+        tokens (the routing's rows; its scales are one per layer), one stock call with and without the clamp (the
+        gate and up products shared: base_ops.expert_pairs_at_limits) in the last step's context, against the steps'
+        own results. Each stock row is the op on that step's input up to
         the rounding of a differently shaped call, which both judgements' margins hold."""
         held, self._held_experts = self._held_experts, []
         for key in dict.fromkeys(h.key for h in held):
@@ -846,7 +847,9 @@ class OptimizedLayer:
                               torch.cat([h.out for h in steps]), y=torch.cat([h.y for h in steps]), routing=routing)
 
 
-assert BASE_OPS["experts"] is base_ops.experts  # _judge_experts reads the stock experts as base_ops.expert_pairs
+# _judge_experts reads the stock experts and shared expert through base_ops' *_at_limits, which these are the
+# one-limit case of
+assert BASE_OPS["experts"] is base_ops.experts and BASE_OPS["shared_expert"] is base_ops.shared_expert
 
 
 class OptimizedModel:

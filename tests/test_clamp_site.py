@@ -278,9 +278,9 @@ def test_the_gate_fails_a_shared_expert_without_the_clamp_end_to_end(tmp_path):
 
 
 def test_the_memory_estimate_counts_the_experts_site_of_a_patched_variant():
-    """A patched variant's prefill chunk holds the stock experts' output and its own while the stock op runs again
-    without the clamp (OptimizedLayer._judge_experts): two [chunk, D] fp32 beside the chunk's working set; a run of
-    stock stacks only computes no site."""
+    """A patched variant's prefill chunk holds the stock experts' output and its own while the site is judged
+    (OptimizedLayer._judge_experts: the stock pairs with and without the clamp from one call, within the chunk's
+    working set): two [chunk, D] fp32 beside the chunk's working set; a run of stock stacks only computes no site."""
     from harness.run.memory import predict_memory
     from harness.run.setup import Overrides, build_run_spec
     from harness.scenario import find_scenario, load_scenario

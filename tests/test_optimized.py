@@ -294,7 +294,8 @@ def test_the_nvfp4_activation_quantizer_per_block_is_the_per_element_definitions
     """nvfp4-experts' W4A4 quantizer (O5: block scale e4m3(amax₁₆/6/input_scale), x_q = e2m1(x / (b·s))·b·s, a block
     of zeros kept 0) works on [..., blocks, 16] views; held here to the per-element formula written out (each block's
     scale repeated over its elements) bit for bit — all-zero and subnormal-scale blocks, ties of e2m1, values past
-    6·b·s, a partial last block (padded with zeros), signed zeros — for input scales of both kinds."""
+    6·b·s, a partial last block (padded with zeros), signed zeros — for input scales of both kinds; bf16, 1-D, 3-D and
+    strided inputs; NaN and ±Inf in a block."""
     from optimized.patches.nvfp4_experts import _nvfp4_activation
     from reference.quant import FP4_MAX, round_to_e2m1, round_to_e4m3
 
@@ -313,11 +314,15 @@ def test_the_nvfp4_activation_quantizer_per_block_is_the_per_element_definitions
     x[2, 16:32] = 1e-40  # a block whose scale underflows to 0 in e4m3
     x[3, :16] = torch.tensor([6.0, 5.0, 3.5, 2.5, 1.75, 1.25, 0.75, 0.25] * 2)  # e2m1 ties at a scale of 1
     x[4, :16] = torch.tensor([100.0] + [-7.0] * 15)
+    x[5, 3] = -0.0  # a signed zero inside a non-zero block
+    x[6, 20], x[7, 40], x[8, 60] = float("nan"), float("inf"), -float("inf")  # a block's NaN/Inf spreads as before
+    cases = [(x[:, :cols], f"{cols} columns") for cols in (96, 40)]  # 40: a partial last block of 8
+    cases += [(x.bfloat16(), "bf16"), (x.unflatten(0, (4, 16)), "3-D"), (x[9], "1-D"), (x.T.contiguous().T, "strided")]
     for input_scale in (1.0, 0.37, 3.0e-3):
-        for cols in (96, 40):  # 40: a partial last block of 8
-            got, want = _nvfp4_activation(x[:, :cols], input_scale), per_element(x[:, :cols], input_scale)
+        for rows, what in cases:
+            got, want = _nvfp4_activation(rows, input_scale), per_element(rows, input_scale)
             assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32)), \
-                (input_scale, cols)
+                (input_scale, what)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4-pow2"])

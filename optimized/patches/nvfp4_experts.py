@@ -59,7 +59,7 @@ def _nvfp4_activation(x: torch.Tensor, input_scale: float) -> torch.Tensor:
     scale = block * input_scale
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     out = torch.where(scale > 0, round_to_e2m1(xb / safe) * scale, torch.zeros_like(xb))
-    return out.flatten(-2)[..., :n]
+    return out.flatten(-2)[..., :n].contiguous()  # a partial last block's padding sliced off: contiguous again
 
 
 def _input_scale(ctx: OpContext, name: str) -> float | None:
