@@ -540,8 +540,8 @@ def expert_pairs_at_limits(ctx: OpContext, y: torch.Tensor, routing: Routing, li
     """expert_pairs with each SwiGLU clamp limit in `limits` (≤ 0: no clamp), in that order. The clamp acts after
     the gate and up GEMMs, so their products are made once for all the limits: each result has the bits of its own
     expert_pairs call with that limit (the same operations on the same values). The engine's clamp site reads the
-    stock experts with and without the clamp; at Flash width the gate and up GEMMs it no longer repeats are two
-    thirds of a stock experts call per prefill chunk."""
+    stock experts with and without the clamp; the gate and up GEMMs it no longer repeats are two of an experts call's
+    three GEMMs of equal size (each pairs × hidden × intermediate), about two thirds of its work per prefill chunk."""
     layout = PairLayout.of(routing.expert_ids)
     x = fp8_activation(y)[layout.tokens]  # pair rows, expert by expert
     g = bf16(_per_expert(ctx, x, layout, "w1"))

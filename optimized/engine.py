@@ -810,22 +810,27 @@ class OptimizedLayer:
         in `ctx`, and clamp_site_miss against the stock op with and without the clamp (0 without a clamp: swiglu_limit
         ≤ 0, which the official code skips; clamp_judged 0 where too few tokens can give the variant's own error)."""
         stock_ctx = self._stock(ctx, False)
-        # the stock op with and without the clamp, sharing the gate and up GEMMs (each the bits of its own stock call)
-        limits = (self.cfg.swiglu_limit, 0.0) if self.cfg.swiglu_limit > 0 else (self.cfg.swiglu_limit,)
+        clamped = self.cfg.swiglu_limit > 0
+        # the stock op with the clamp and, where there is one, without it: one call sharing the gate and up GEMMs
+        # (each side the bits of its own stock call)
+        limits = (self.cfg.swiglu_limit, 0.0) if clamped else (self.cfg.swiglu_limit,)
+        unclamped = None
         if op == "experts":  # the stock experts are the sum of these, bit for bit (base_ops.experts; asserted below)
-            pairs, *unclamped = base_ops.expert_pairs_at_limits(stock_ctx, limits=limits, **inputs)
+            pairs, *rest = base_ops.expert_pairs_at_limits(stock_ctx, limits=limits, **inputs)
             stock = pairs.sum(1)
-            unclamped = [p.sum(1) for p in unclamped]
+            if rest:
+                unclamped = rest.pop().sum(1)  # its [S, k, D] pairs freed here
             expert_ids, n_experts = inputs["routing"].expert_ids, self.cfg.n_routed_experts
         else:  # the shared expert: one pair, one expert
-            stock, *unclamped = base_ops.shared_expert_at_limits(stock_ctx, limits=limits, **inputs)
+            stock, *rest = base_ops.shared_expert_at_limits(stock_ctx, limits=limits, **inputs)
+            unclamped = rest[0] if rest else None
             pairs = stock.unsqueeze(1)
             expert_ids, n_experts = torch.zeros(stock.shape[0], 1, dtype=torch.long, device=stock.device), 1
         lost, coefficients = pair_sites(out, stock, pairs)
         biased = expert_site_bias(coefficients, expert_ids, n_experts)
         del pairs  # [S, k, D]
-        miss = clamp_site_miss(out, stock, unclamped[0]) if unclamped else None
-        judged = torch.full_like(lost, float(miss is not None or self.cfg.swiglu_limit <= 0))
+        miss = clamp_site_miss(out, stock, unclamped) if unclamped is not None else None
+        judged = torch.full_like(lost, float(miss is not None or not clamped))
         sink.emit(tap, positions, lost=lost, biased=biased, miss=torch.zeros_like(lost) if miss is None else miss,
                   clamp_judged=judged)
 
@@ -834,8 +839,8 @@ class OptimizedLayer:
         the clamp's judgement needs): per tap and routing width (_HeldExperts.key), the steps' inputs joined along the
         tokens (the routing's rows; its scales are one per layer), one stock call with and without the clamp (the
         gate and up products shared: base_ops.expert_pairs_at_limits) in the last step's context, against the steps'
-        own results. Each stock row is the op on that step's input up to
-        the rounding of a differently shaped call, which both judgements' margins hold."""
+        own results. Each stock row is the op on that step's input up to the rounding of a differently shaped call,
+        which both judgements' margins hold."""
         held, self._held_experts = self._held_experts, []
         for key in dict.fromkeys(h.key for h in held):
             steps = [h for h in held if h.key == key]

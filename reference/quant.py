@@ -161,11 +161,16 @@ def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     return torch.cat([x, torch.zeros(shape, dtype=x.dtype, device=x.device)], dim=dim)
 
 
+def blocks_last(x: torch.Tensor, block: int) -> torch.Tensor:
+    """View the last dim as [n_blocks, block] (zero-padding a partial last block, a copy; else a view)."""
+    xp = _pad_to(x, -1, block)
+    return xp.view(*x.shape[:-1], xp.shape[-1] // block, block)
+
+
 def blockwise_amax_last(x: torch.Tensor, block: int) -> torch.Tensor:
-    """amax over consecutive blocks of `block` along the last dim (last block may be partial)."""
-    n = x.shape[-1]
-    xp = _pad_to(x.abs().float(), -1, block)
-    return xp.view(*x.shape[:-1], xp.shape[-1] // block, block).amax(-1)[..., : (n + block - 1) // block]
+    """amax over consecutive blocks of `block` along the last dim (last block may be partial: its zero padding
+    changes no maximum of magnitudes)."""
+    return blocks_last(x.abs().float(), block).amax(-1)
 
 
 def expand_blocks_last(s: torch.Tensor, block: int, n: int) -> torch.Tensor:
@@ -176,12 +181,6 @@ def expand_blocks_last(s: torch.Tensor, block: int, n: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # fake-quant (QAT simulation, spec §7) and activation quantization
 # ---------------------------------------------------------------------------------------------
-
-
-def blocks_last(x: torch.Tensor, block: int) -> torch.Tensor:
-    """View the last dim as [n_blocks, block] (zero-padding a partial last block, a copy; else a view)."""
-    xp = _pad_to(x, -1, block)
-    return xp.view(*x.shape[:-1], xp.shape[-1] // block, block)
 
 
 def _fake_quant_blocks(x: torch.Tensor, block: int, fmt_max: float, amax_floor: float,
