@@ -755,6 +755,27 @@ def test_the_fused_finite_check_finds_the_first_bad_field_and_row_as_loops_over_
         assert sink.findings[0].phase == ("decode" if found[0][2] >= 50 else "prefill")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_finite_flags_are_torch_isfinites_with_and_without_the_minus_inf_mask(dtype):
+    """probes.finite_flags replaces `torch.isfinite` (four kernels) in the sinks' NaN/Inf check: it must give the same
+    flag for every value of every floating dtype the stacks emit — NaN of both signs, ±inf, ±0, the largest finite,
+    the smallest subnormal, ordinary values — and, for a masked field, isfinite after lifting −inf to the dtype's
+    lowest finite value (the check's definition before)."""
+    from harness.run.probes import finite_flags
+
+    info = torch.finfo(dtype)
+    specials = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.5, -3.25],
+                            dtype=dtype)
+    extremes = torch.tensor([info.max, -info.max, info.tiny, -info.tiny], dtype=dtype)
+    subnormal = torch.tensor([info.smallest_normal / 2, -(info.smallest_normal / 2)], dtype=dtype)
+    v = torch.cat([specials, extremes, subnormal, torch.randn(66, generator=torch.Generator().manual_seed(0))
+                   .to(dtype)]).reshape(4, -1)
+    assert v.isnan().any() and v.isinf().any() and (v.abs() == float(info.max)).any()  # the cases are present
+    assert torch.equal(finite_flags(v), torch.isfinite(v))
+    assert torch.equal(finite_flags(v, masked=True), torch.isfinite(v.clamp_min(info.min)))
+    assert torch.equal(finite_flags(v.T, masked=True), torch.isfinite(v.T.clamp_min(info.min)))  # a strided view
+
+
 def test_busy_seconds_counts_each_instant_the_device_ran_something_once():
     """harness.run.device_time.busy_seconds: the union of kernel intervals (ns) — overlapping kernels of two streams
     count once, gaps not at all, empty intervals nothing, order does not matter."""
