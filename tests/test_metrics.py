@@ -26,6 +26,61 @@ def test_selection_recalls_and_the_subset_pick_share():
     assert got["ctx.needle_recall"] == [0.5, 1.0] and got["ctx.needle_pick_share"] == [0.5, 0.5]
 
 
+def _selection_by_sets(pos, ref, var, ctx) -> dict[str, list[float]]:
+    """compare_selected's metrics written out per query with Python sets, for the randomized test below."""
+    m, csa = ctx.ratio, ctx.layer_kind == "csa"
+    out: dict[str, list[float]] = {}
+    for i, p in enumerate(pos.tolist()):
+        picks = {r for r, ok in zip(ref["row_ids"][i].tolist(), ref["valid"][i].tolist()) if ok}
+        kept = picks & {r for r, ok in zip(var["row_ids"][i].tolist(), var["valid"][i].tolist()) if ok}
+        out.setdefault("indexer.recall", []).append(len(kept) / len(picks) if picks else 1.0)
+        out.setdefault("indexer.flips", []).append(len(picks) - len(kept))
+        turn = int(ctx.turn_start[p])
+        spans = {r: (max(r * m - (m if csa else 0), 0), (r + 1) * m) for r in picks}
+        for name, subset in (("earlier_turn", {r for r in picks if spans[r][1] <= turn}),
+                             ("needle", {r for r in picks if any(spans[r][0] < e and spans[r][1] > s
+                                                                for s, e in ctx.needle_spans)})):
+            if subset:
+                out.setdefault(f"ctx.{name}_recall", []).append(len(subset & kept) / len(subset))
+                out.setdefault(f"ctx.{name}_pick_share", []).append(1 / len(subset))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_selection_metrics_are_the_set_definitions_at_random(seed):
+    """compare_selected finds earlier-turn picks from one bound per query (r < ⌊t/m⌋) and sizes its tables from the
+    sequence (CompareContext.row_bound), not from the ids: the same values as the set definitions, whatever the
+    ratio and kind, turn starts off the row grid, needles on row edges, invalid picks holding any id (−1 or one past
+    the bound) and variant ids far past the bound (they match nothing)."""
+    gen = torch.Generator().manual_seed(seed)
+    kind, m = ("csa", 4) if seed % 2 else ("hca", 16)
+    T = 700
+    turn_start = torch.zeros(T, dtype=torch.int64)
+    for start in sorted(torch.randint(1, T, (3,), generator=gen).tolist()):
+        turn_start[start:] = start
+    needles = [(4 * m, 5 * m), (int(torch.randint(0, T - 40, (1,), generator=gen)), 0)]
+    needles[1] = (needles[1][0], needles[1][0] + int(torch.randint(1, 40, (1,), generator=gen)))
+    ctx = CompareContext(kind, m, 128, torch.zeros(T, dtype=torch.int64), turn_start, needles)
+    pos = torch.randint(m, T, (40,), generator=gen)
+    k = 8
+    visible = (pos + 1) // m  # rows complete by each query
+
+    def picks() -> dict[str, torch.Tensor]:
+        ids = torch.stack([torch.randperm(max(v, k), generator=gen)[:k] for v in visible.tolist()])  # distinct
+        valid = (torch.rand(40, k, generator=gen) < 0.8) & (ids < visible[:, None])
+        junk = torch.where(torch.rand(40, k, generator=gen) < 0.5, -1, ctx.row_bound())  # what an invalid slot holds
+        return {"row_ids": torch.where(valid, ids, junk).int(), "valid": valid}
+
+    ref, var = picks(), picks()
+    var["row_ids"][::7, 0] = 10**6  # a wild id of a broken variant: valid, matches nothing
+    var["valid"][::7, 0] = True
+    got = {mv.metric: mv.value.tolist() for mv in compare_selected(pos, ref, var, ctx)}
+    expected = _selection_by_sets(pos, ref, var, ctx)
+    assert got.keys() == expected.keys()
+    for name, values in expected.items():
+        assert got[name] == pytest.approx(values, abs=0), name  # counts and their ratios: exact
+
+
 def test_stacked_attention_rows_keep_each_probability_next_to_its_key():
     """Sampled attn.probs entries of different band widths are stacked for one comparison: the window part and
     the compressed part of each row are padded separately (probability 0, key −1), so no probability moves

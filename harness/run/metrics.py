@@ -91,12 +91,29 @@ class CompareContext:
     turn_start: torch.Tensor  # [T] first position of the turn that position belongs to
     needle_spans: list[tuple[int, int]]  # token spans [start, end)
     _turn_start_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+    _needle_rows_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def turn_start_on(self, device: torch.device) -> torch.Tensor:
         """turn_start on `device`, copied there once (a comparison on a GPU would otherwise copy it every call)."""
         on = self._turn_start_on.get(device)
         if on is None:
             on = self._turn_start_on[device] = self.turn_start.to(device)
+        return on
+
+    def row_bound(self) -> int:
+        """One past the largest compressed row id of the sequence: a row is complete once its m tokens are, so ids
+        stay below ⌊T/m⌋ (T = the prompt and decode positions). Sizes per-row tables without reading an id."""
+        return self.turn_start.numel() // self.ratio + 1
+
+    def needle_rows_on(self, device: torch.device) -> torch.Tensor:
+        """[row_bound()] bool on `device`, made once: whether the row's token span (row_span) touches a needle."""
+        on = self._needle_rows_on.get(device)
+        if on is None:
+            start, end = row_span(self, torch.arange(self.row_bound(), device=device))
+            on = torch.zeros_like(start, dtype=torch.bool)
+            for s, e in self.needle_spans:
+                on |= (start < e) & (end > s)
+            self._needle_rows_on[device] = on
         return on
 
 
@@ -374,9 +391,14 @@ def _membership(rows: torch.Tensor, valid: torch.Tensor, n_rows: int) -> torch.T
     return member.scatter_(1, idx, True)[:, :n_rows]
 
 
-def _picked_in(rows: torch.Tensor, valid: torch.Tensor, other: torch.Tensor, other_valid: torch.Tensor) -> torch.Tensor:
-    """[B, k] — is each valid pick of `rows` also a valid pick of `other`? (one dense membership row per query)"""
-    n_rows = _max_id(rows, other) + 1
+def _picked_in(rows: torch.Tensor, valid: torch.Tensor, other: torch.Tensor, other_valid: torch.Tensor,
+               n_rows: int | None = None) -> torch.Tensor:
+    """[B, k] — is each valid pick of `rows` also a valid pick of `other`? (one dense membership row per query)
+
+    `n_rows`: a bound above every valid id of `rows` (ids of `other` at or past it can match none and are dropped);
+    without it the largest id of either side is read from the device."""
+    if n_rows is None:
+        n_rows = _max_id(rows, other) + 1
     member = _membership(other, other_valid, n_rows)
     return valid & member.gather(1, rows.long().clamp(0, max(n_rows - 1, 0))) if n_rows else torch.zeros_like(valid)
 
@@ -388,24 +410,22 @@ def compare_selected(pos, ref, var, ctx) -> list[MetricValues]:
     rows_r, valid_r = ref["row_ids"], ref["valid"]
     dev = rows_r.device  # counted where the picks are (exact integer work: the same on any device)
     pos = pos.to(dev)
-    hit = _picked_in(rows_r, valid_r, var["row_ids"].to(dev), var["valid"].to(dev))
+    n_rows = ctx.row_bound()
+    hit = _picked_in(rows_r, valid_r, var["row_ids"].to(dev), var["valid"].to(dev), n_rows)
     n_ref = valid_r.sum(1).double()
     n_hit = hit.sum(1).double()
     recall = torch.where(n_ref > 0, n_hit / n_ref.clamp_min(1), torch.ones_like(n_ref))
     out = [MetricValues("indexer.recall", pos, recall), MetricValues("indexer.flips", pos, n_ref - n_hit)]
-    rows = rows_r.long().clamp_min(0)
-    start, end = row_span(ctx, torch.arange(int(rows.max()) + 1 if rows.numel() else 0, device=dev))  # per row id
-    early = valid_r & (end[rows] <= ctx.turn_start_on(dev)[pos][:, None])  # the row's span ends by the turn's start
+    # A row's span ends by the turn's start t: end = (r + 1)·m ≤ t ⇔ r < ⌊t/m⌋ (row_span; integers, m > 0), so the
+    # earlier-turn picks are the ids below one bound per query — no per-pick lookup.
+    early = valid_r & (rows_r < torch.div(ctx.turn_start_on(dev)[pos], ctx.ratio, rounding_mode="floor")[:, None])
     n_early = early.sum(1).double()
     keep = n_early > 0
     if bool(keep.any()):
         out.append(MetricValues("ctx.earlier_turn_recall", pos[keep], ((hit & early).sum(1).double() / n_early)[keep]))
         out.append(MetricValues("ctx.earlier_turn_pick_share", pos[keep], (1 / n_early)[keep]))
     if ctx.needle_spans:
-        needle_row = torch.zeros_like(start, dtype=torch.bool)  # per row id: its span touches a needle
-        for s, e in ctx.needle_spans:
-            needle_row |= (start < e) & (end > s)
-        on_needle = valid_r & needle_row[rows]
+        on_needle = valid_r & ctx.needle_rows_on(dev)[rows_r.long().clamp(0, n_rows - 1)]
         n_needle = on_needle.sum(1).double()
         keep = n_needle > 0
         if bool(keep.any()):
