@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device machine: python3 with torch/triton preinstalled, no package registry).
-# Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, compare, profile, flash27k, flash30k,
-# mps
+# Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, compare, samebits, profile, flash27k,
+# flash30k, mps
 # pydantic (scenario and policy files) is not preinstalled: run bench/wheels.sh here first and carry .whl/ along.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -63,6 +63,29 @@ for i, row in enumerate(runs["new"][0]["layers"]):
     new = statistics.mean(r["layers"][i]["run_s"] for r in runs["new"])
     print(f"layer {row['layer']} ({row['kind']}): old {old:.2f} s, new {new:.2f} s, speed-up {old / new:.2f}x "
           f"(means of {len(runs['old'])} and {len(runs['new'])} runs, order old new new old)")
+PY
+      ;;
+    samebits)
+      # Whether a change keeps a GPU run's metrics: tiny-smoke (every patch, local on) on this GPU with older code and
+      # with this tree, every metric row compared (the CPU's pin, tests/test_metrics_pin.py, cannot see GPU-only paths).
+      # OLD_TAR: `git archive <rev> -o .scratch/old.tar` carried along, as for compare.
+      [ -f "${OLD_TAR:-}" ] || { echo "samebits: set OLD_TAR to a git archive of the old code (carried along)"; exit 2; }
+      rm -rf /tmp/old && mkdir -p /tmp/old && tar -xf "$OLD_TAR" -C /tmp/old
+      for side in old new; do
+        tree=$PWD; [ $side = old ] && tree=/tmp/old
+        rm -rf /tmp/samebits-$side
+        (cd "$tree" && PYTHONPATH="$tree" python3 -m harness.cli run tiny-smoke --device cuda --out /tmp/samebits-$side \
+          --no-report --no-gate 2>&1 | tail -1)
+      done
+      python3 - <<'PY'
+import pandas as pd
+old, new = (pd.read_parquet(f"/tmp/samebits-{side}/metrics.parquet") for side in ("old", "new"))
+print(f"samebits: {len(old)} and {len(new)} rows, identical: {old.equals(new)}")
+if len(old) == len(new) and not old.equals(new):
+    keys = [c for c in old.columns if c not in ("value", "max", "count")]
+    both = old.merge(new, on=keys, suffixes=("_old", "_new"))
+    moved = both[(both.value_old != both.value_new) & ~(both.value_old.isna() & both.value_new.isna())]
+    print(f"samebits: {len(moved)} rows moved, by metric:", moved.metric.value_counts().head(12).to_dict())
 PY
       ;;
     profile)
