@@ -75,7 +75,8 @@ PY
         tree=$PWD; [ $side = old ] && tree=/tmp/old
         rm -rf /tmp/samebits-$side
         (cd "$tree" && PYTHONPATH="$tree" python3 -m harness.cli run tiny-smoke --device cuda --out /tmp/samebits-$side \
-          --no-report --no-gate 2>&1 | tail -1)
+          --no-report --no-gate > /tmp/samebits-$side.log 2>&1) \
+          || { echo "samebits: the $side side's run failed:"; tail -5 /tmp/samebits-$side.log; continue 2; }
       done
       python3 - <<'PY'
 import pandas as pd
@@ -84,8 +85,12 @@ print(f"samebits: {len(old)} and {len(new)} rows, identical: {old.equals(new)}")
 if len(old) == len(new) and not old.equals(new):
     keys = [c for c in old.columns if c not in ("value", "max", "count")]
     both = old.merge(new, on=keys, suffixes=("_old", "_new"))
-    moved = both[(both.value_old != both.value_new) & ~(both.value_old.isna() & both.value_new.isna())]
-    print(f"samebits: {len(moved)} rows moved, by metric:", moved.metric.value_counts().head(12).to_dict())
+    moved = False
+    for col in ("value", "max", "count"):
+        a, b = both[f"{col}_old"], both[f"{col}_new"]
+        moved |= (a != b) & ~(a.isna() & b.isna())
+    print(f"samebits: {int(moved.sum())} rows moved (value, max or count), by metric:",
+          both[moved].metric.value_counts().head(12).to_dict())
 PY
       ;;
     profile)

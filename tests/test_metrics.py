@@ -81,6 +81,28 @@ def test_selection_metrics_are_the_set_definitions_at_random(seed):
         assert got[name] == pytest.approx(values, abs=0), name  # counts and their ratios: exact
 
 
+def test_a_row_id_past_the_sequence_matches_nothing_and_a_context_copy_keeps_no_cache():
+    """compare_selected sizes its tables from the sequence (CompareContext.row_bound): a valid id at or past the
+    bound — which no correct stack emits — counts as a lost pick, never as a match or a needle pick through a clamp;
+    and a context copied for another ratio (dataclasses.replace) builds its own needle table."""
+    import dataclasses
+
+    T, m = 64, 4
+    ctx = CompareContext("csa", m, 128, torch.zeros(T, dtype=torch.int64), torch.full((T,), 40, dtype=torch.int64),
+                         [(60, 64)])  # the needle covers the last rows: rows 14 and 15 (and CSA's reach-back, 16)
+    bound = ctx.row_bound()
+    assert bound == T // m + 1
+    pos = torch.tensor([63])
+    ref = {"row_ids": torch.tensor([[2, 15, bound]]), "valid": torch.ones(1, 3, dtype=torch.bool)}
+    got = {mv.metric: mv.value.tolist() for mv in compare_selected(pos, ref, dict(ref), ctx)}
+    assert got["indexer.recall"] == [2 / 3] and got["indexer.flips"] == [1]  # the wild id is lost, not matched
+    assert got["ctx.needle_pick_share"] == [1.0]  # row 15 only: the wild id is no needle pick
+    assert got["ctx.earlier_turn_pick_share"] == [1.0]  # row 2 only (rows below 40 / 4 = 10)
+    hca = dataclasses.replace(ctx, ratio=16, layer_kind="hca")
+    assert hca.needle_rows_on(torch.device("cpu")).numel() == T // 16 + 2
+    assert ctx.needle_rows_on(torch.device("cpu")).numel() == bound + 1
+
+
 def test_stacked_attention_rows_keep_each_probability_next_to_its_key():
     """Sampled attn.probs entries of different band widths are stacked for one comparison: the window part and
     the compressed part of each row are padded separately (probability 0, key −1), so no probability moves

@@ -776,6 +776,19 @@ def test_finite_flags_are_torch_isfinites_with_and_without_the_minus_inf_mask(dt
     assert torch.equal(finite_flags(v.T, masked=True), torch.isfinite(v.T.clamp_min(info.min)))  # a strided view
 
 
+def test_finite_flags_of_fp8_fields_are_their_fp32_values_flags():
+    """A patch's op may return FP8 (op specs do not fix a dtype): the check reads an FP8 field through its exact fp32
+    value — some CPU kernels (abs, lt) do not exist for every FP8 format — NaN, ±inf (e5m2) and the largest finite
+    values flagged as isfinite flags them in fp32."""
+    from harness.run.probes import finite_flags
+
+    values = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.5, -448.0, 57344.0])
+    for dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
+        v = values.to(dtype)
+        assert torch.equal(finite_flags(v), torch.isfinite(v.float()))
+        assert torch.equal(finite_flags(v, masked=True), torch.isfinite(v.float().clamp_min(-3.0e38)))
+
+
 def test_busy_seconds_counts_each_instant_the_device_ran_something_once():
     """harness.run.device_time.busy_seconds: the union of kernel intervals (ns) — overlapping kernels of two streams
     count once, gaps not at all, empty intervals nothing, order does not matter."""

@@ -90,8 +90,11 @@ class CompareContext:
     turn_of_position: torch.Tensor  # [T] turn index per position
     turn_start: torch.Tensor  # [T] first position of the turn that position belongs to
     needle_spans: list[tuple[int, int]]  # token spans [start, end)
-    _turn_start_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
-    _needle_rows_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+    # caches, not fields: `dataclasses.replace` must not hand them to a context of another layer kind or ratio
+    _turn_start_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False,
+                                                             compare=False)
+    _needle_rows_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False,
+                                                              compare=False)
 
     def turn_start_on(self, device: torch.device) -> torch.Tensor:
         """turn_start on `device`, copied there once (a comparison on a GPU would otherwise copy it every call)."""
@@ -101,18 +104,21 @@ class CompareContext:
         return on
 
     def row_bound(self) -> int:
-        """One past the largest compressed row id of the sequence: a row is complete once its m tokens are, so ids
-        stay below ⌊T/m⌋ (T = the prompt and decode positions). Sizes per-row tables without reading an id."""
+        """A bound above every compressed row id of the sequence (a compressed layer's: ratio > 0): a row is complete
+        once its m tokens are, so ids stay below ⌊T/m⌋ (T = the prompt and decode positions); this is ⌊T/m⌋ + 1.
+        Sizes per-row tables without reading an id back from the device."""
         return self.turn_start.numel() // self.ratio + 1
 
     def needle_rows_on(self, device: torch.device) -> torch.Tensor:
-        """[row_bound()] bool on `device`, made once: whether the row's token span (row_span) touches a needle."""
+        """[row_bound() + 1] bool on `device`, made once: whether the row's token span (row_span) touches a needle;
+        the last entry, False, is what an id at or past the bound reads (clamped there), as a row past the sequence
+        touches no needle."""
         on = self._needle_rows_on.get(device)
         if on is None:
             start, end = row_span(self, torch.arange(self.row_bound(), device=device))
-            on = torch.zeros_like(start, dtype=torch.bool)
+            on = torch.zeros(start.numel() + 1, dtype=torch.bool, device=device)
             for s, e in self.needle_spans:
-                on |= (start < e) & (end > s)
+                on[:-1] |= (start < e) & (end > s)
             self._needle_rows_on[device] = on
         return on
 
@@ -395,12 +401,16 @@ def _picked_in(rows: torch.Tensor, valid: torch.Tensor, other: torch.Tensor, oth
                n_rows: int | None = None) -> torch.Tensor:
     """[B, k] — is each valid pick of `rows` also a valid pick of `other`? (one dense membership row per query)
 
-    `n_rows`: a bound above every valid id of `rows` (ids of `other` at or past it can match none and are dropped);
-    without it the largest id of either side is read from the device."""
+    `n_rows`: a bound above every valid id of `rows` and `other` a correct stack emits; an id at or past it matches
+    nothing (counted as lost, not matched by a clamp). Without it the largest id of either side is read from the
+    device."""
     if n_rows is None:
         n_rows = _max_id(rows, other) + 1
+    elif n_rows:
+        valid = valid & (rows < n_rows)
     member = _membership(other, other_valid, n_rows)
-    return valid & member.gather(1, rows.long().clamp(0, max(n_rows - 1, 0))) if n_rows else torch.zeros_like(valid)
+    # clamped in the ids' own dtype, then widened for gather: the same indices (an int64 clamp is ~40× slower on a CPU)
+    return valid & member.gather(1, rows.clamp(0, max(n_rows - 1, 0)).long()) if n_rows else torch.zeros_like(valid)
 
 
 def compare_selected(pos, ref, var, ctx) -> list[MetricValues]:
@@ -418,14 +428,16 @@ def compare_selected(pos, ref, var, ctx) -> list[MetricValues]:
     out = [MetricValues("indexer.recall", pos, recall), MetricValues("indexer.flips", pos, n_ref - n_hit)]
     # A row's span ends by the turn's start t: end = (r + 1)·m ≤ t ⇔ r < ⌊t/m⌋ (row_span; integers, m > 0), so the
     # earlier-turn picks are the ids below one bound per query — no per-pick lookup.
-    early = valid_r & (rows_r < torch.div(ctx.turn_start_on(dev)[pos], ctx.ratio, rounding_mode="floor")[:, None])
+    rows = rows_r.clamp(0, n_rows)  # an invalid −1 reads row 0, an id past the sequence the bound (no needle)
+    first_later = torch.div(ctx.turn_start_on(dev)[pos], ctx.ratio, rounding_mode="floor").to(rows.dtype)
+    early = valid_r & (rows < first_later[:, None])
     n_early = early.sum(1).double()
     keep = n_early > 0
     if bool(keep.any()):
         out.append(MetricValues("ctx.earlier_turn_recall", pos[keep], ((hit & early).sum(1).double() / n_early)[keep]))
         out.append(MetricValues("ctx.earlier_turn_pick_share", pos[keep], (1 / n_early)[keep]))
     if ctx.needle_spans:
-        on_needle = valid_r & ctx.needle_rows_on(dev)[rows_r.long().clamp(0, n_rows - 1)]
+        on_needle = valid_r & ctx.needle_rows_on(dev)[rows]
         n_needle = on_needle.sum(1).double()
         keep = n_needle > 0
         if bool(keep.any()):
