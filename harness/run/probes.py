@@ -38,8 +38,8 @@ def finite_flags(v: torch.Tensor, masked: bool = False) -> torch.Tensor:
     kernels: ATen's isfinite is `(v == v) * (v.abs() != inf)`, four element-wise kernels, where `|v| < inf` is two and
     `v < inf` one. Each comparison is False for NaN (IEEE: every comparison with NaN but != is false), so
     `|v| < inf` holds exactly for the finite values and `v < inf` for those and −inf. The check runs on every
-    floating field of every emission a ComparingSink compares (at Flash width ~1,300 of its launches per prefill
-    stack and mode; issue #14)."""
+    floating field of every emission a ComparingSink compares: with isfinite, ~1,300 launches per prefill stack and
+    mode of a CSA layer at 30K tokens (flash-mini, Flash's structure: bench/launch_count.py; issue #14)."""
     if v.element_size() == 1:  # FP8: CPU kernels lack abs/lt for some formats; the fp32 value is exact (inf, NaN too)
         v = v.float()
     return (v < math.inf) if masked else (v.abs() < math.inf)
