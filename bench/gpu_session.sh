@@ -10,6 +10,12 @@ python3 -c 'import pydantic' 2>/dev/null || python3 -m pip install -q --no-index
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 dd() { python3 -m harness.cli "$@"; }
+# The older code of stages compare and samebits: OLD_TAR (`git archive <rev> -o .scratch/old.tar`, carried along)
+# unpacked into /tmp/old; exits naming the stage when OLD_TAR is not set to a file.
+old_tree() {
+  [ -f "${OLD_TAR:-}" ] || { echo "$1: set OLD_TAR to a git archive of the old code (carried along)"; exit 2; }
+  rm -rf /tmp/old && mkdir -p /tmp/old && tar -xf "$OLD_TAR" -C /tmp/old
+}
 for stage in "$@"; do
   echo "=== stage $stage $(date -u +%T)"
   case $stage in
@@ -46,8 +52,7 @@ PY
       # fresh machine runs slower (2026-12-01: the unchanged reference 6-11% slower), so the two trees run in the
       # order old, new, new, old and each side's mean is compared. OLD_TAR: `git archive <rev> -o .scratch/old.tar`
       # made beside the work tree and carried along.
-      [ -f "${OLD_TAR:-}" ] || { echo "compare: set OLD_TAR to a git archive of the old code (carried along)"; exit 2; }
-      rm -rf /tmp/old && mkdir -p /tmp/old && tar -xf "$OLD_TAR" -C /tmp/old
+      old_tree compare
       B=(bench --model "${MODEL:-flash}" --tokens "${TOKENS:-30720}" --decode "${DECODE:-64}" --layers "${LAYERS:-2,3}" --device "${DEVICE:-cuda}")
       for side in old new new old; do
         n=$(ls "$OUT"/compare-$side-*.json 2>/dev/null | wc -l)
@@ -68,9 +73,8 @@ PY
     samebits)
       # Whether a change keeps a GPU run's metrics: tiny-smoke (every patch, local on) on this GPU with older code and
       # with this tree, every metric row compared (the CPU's pin, tests/test_metrics_pin.py, cannot see GPU-only paths).
-      # OLD_TAR: `git archive <rev> -o .scratch/old.tar` carried along, as for compare.
-      [ -f "${OLD_TAR:-}" ] || { echo "samebits: set OLD_TAR to a git archive of the old code (carried along)"; exit 2; }
-      rm -rf /tmp/old && mkdir -p /tmp/old && tar -xf "$OLD_TAR" -C /tmp/old
+      # OLD_TAR: as for compare (old_tree).
+      old_tree samebits
       for side in old new; do
         tree=$PWD; [ $side = old ] && tree=/tmp/old
         rm -rf /tmp/samebits-$side

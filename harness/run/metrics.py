@@ -115,10 +115,8 @@ class CompareContext:
         touches no needle."""
         on = self._needle_rows_on.get(device)
         if on is None:
-            start, end = row_span(self, torch.arange(self.row_bound(), device=device))
-            on = torch.zeros(start.numel() + 1, dtype=torch.bool, device=device)
-            for s, e in self.needle_spans:
-                on[:-1] |= (start < e) & (end > s)
+            on = torch.zeros(self.row_bound() + 1, dtype=torch.bool, device=device)
+            on[:-1] = touches_needle(self, *row_span(self, torch.arange(self.row_bound(), device=device)))
             self._needle_rows_on[device] = on
         return on
 
@@ -409,7 +407,8 @@ def _picked_in(rows: torch.Tensor, valid: torch.Tensor, other: torch.Tensor, oth
     elif n_rows:
         valid = valid & (rows < n_rows)
     member = _membership(other, other_valid, n_rows)
-    # clamped in the ids' own dtype, then widened for gather: the same indices (an int64 clamp is ~40× slower on a CPU)
+    # clamped in the ids' own dtype, then widened for gather: the same indices (an int64 clamp is ~40× slower on a
+    # CPU: 559 against 12 µs for [256, 512] ids, one thread, thirty-second session)
     return valid & member.gather(1, rows.clamp(0, max(n_rows - 1, 0)).long()) if n_rows else torch.zeros_like(valid)
 
 
@@ -443,6 +442,14 @@ def compare_selected(pos, ref, var, ctx) -> list[MetricValues]:
         if bool(keep.any()):
             out.append(MetricValues("ctx.needle_recall", pos[keep], ((hit & on_needle).sum(1).double() / n_needle)[keep]))
             out.append(MetricValues("ctx.needle_pick_share", pos[keep], (1 / n_needle)[keep]))
+    return out
+
+
+def touches_needle(ctx: CompareContext, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """Whether each token span [start, end) overlaps any of the context's needle spans."""
+    out = torch.zeros_like(start, dtype=torch.bool)
+    for s, e in ctx.needle_spans:
+        out |= (start < e) & (end > s)
     return out
 
 
@@ -503,10 +510,7 @@ def key_masks(ctx: CompareContext, pos: torch.Tensor, codes: torch.Tensor) -> tu
     early = valid & (end <= ctx.turn_start_on(codes.device)[pos][:, None])
     if not ctx.needle_spans:
         return early, None
-    needle = torch.zeros_like(valid)
-    for s, e in ctx.needle_spans:
-        needle |= valid & (start < e) & (end > s)
-    return early, needle
+    return early, valid & touches_needle(ctx, start, end)
 
 
 def compare_attention(pos, ref, var, ctx) -> list[MetricValues]:
