@@ -65,13 +65,14 @@ class LaunchCounter(TorchDispatchMode):
         self._unwrapped: dict[str, Callable[..., Any]] = {}
         self.paused = False  # inside a function counted as a graph replay
         self.callers: dict[str, collections.Counter[str]] | None = None  # per region, when asked (--callers)
+        self.read_callers: dict[str, collections.Counter[str]] = {}  # per region, the host reads' lines (--callers)
 
     def __enter__(self) -> "LaunchCounter":
         for method in ("tolist", "cpu"):
             original = self._unwrapped[method] = getattr(torch.Tensor, method)
 
             def read(tensor: torch.Tensor, *args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
-                self.reads[self.labels[-1]] += 1
+                self._read()
                 return _original(tensor, *args, **kwargs)
             setattr(torch.Tensor, method, read)
         return super().__enter__()
@@ -91,8 +92,13 @@ class LaunchCounter(TorchDispatchMode):
             if self.callers is not None:
                 self.callers.setdefault(self.labels[-1], collections.Counter())[caller()] += 1
         if name in HOST_READS:
-            self.reads[self.labels[-1]] += 1
+            self._read()
         return func(*args, **(kwargs or {}))
+
+    def _read(self) -> None:
+        self.reads[self.labels[-1]] += 1
+        if self.callers is not None:
+            self.read_callers.setdefault(self.labels[-1], collections.Counter())[caller()] += 1
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -244,7 +250,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30, help="regions listed (default 30)")
     ap.add_argument("--defer-blocks", action="store_true", help="batch prefill blocks' comparisons, as on a GPU")
     ap.add_argument("--ops", type=int, default=0, help="also list each region's N most frequent operations")
-    ap.add_argument("--callers", type=int, default=0, help="also list each region's N busiest lines of code")
+    ap.add_argument("--callers", type=int, default=0, help="also list each region's N busiest lines of code, for its launches and its host reads")
     ap.add_argument("--eager", action="store_true", help="count what a GPU replays from CUDA graphs op by op")
     ap.add_argument("--time", action="store_true",
                     help="time each region (host wall seconds, exclusive) instead of counting its operations")
@@ -315,6 +321,8 @@ def main() -> None:
             print("             " + ", ".join(f"{op} {k:,}" for op, k in counter.ops[region].most_common(args.ops)))
         for line, k in (counter.callers or {}).get(region, collections.Counter()).most_common(args.callers):
             print(f"             {k:8,d}  {line}")
+        for line, k in counter.read_callers.get(region, collections.Counter()).most_common(args.callers):
+            print(f"             {k:8,d}  read: {line}")
 
 
 def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
