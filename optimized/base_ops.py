@@ -394,14 +394,21 @@ def indexer_topk(ctx: OpContext, logits: torch.Tensor, positions: torch.Tensor, 
     return row_ids, valid
 
 
-def _valid_range(slots: torch.Tensor) -> tuple[int, int] | None:
-    """Smallest and largest valid (≥ 0) slot; None when no slot is valid. Two reductions read in one transfer: on a
-    GPU each read waits for every queued kernel, and a prefill chunk reads this twice per 256-query block."""
-    if not slots.numel():
-        return None
-    hi = slots.max()
-    lo, hi = torch.stack([torch.where(slots >= 0, slots, hi).min(), hi]).tolist()  # invalid slots count as the largest
-    return None if hi < 0 else (int(lo), int(hi))
+def _valid_ranges(*slots: torch.Tensor) -> list[tuple[int, int] | None]:
+    """Per slots tensor, its smallest and largest valid (≥ 0) slot, or None when none is valid (or it is empty): two
+    reductions each, all read in one transfer. On a GPU each read waits for every queued kernel, and a prefill chunk
+    asks for the window's and the compressed rows' ranges of every 256-query block: one read per block, not two."""
+    stats = []
+    for s in slots:
+        if s.numel():
+            hi = s.max()
+            stats += [torch.where(s >= 0, s, hi).min(), hi]  # invalid slots count as the largest
+    read = iter(torch.stack(stats).tolist() if stats else [])
+    out: list[tuple[int, int] | None] = []
+    for s in slots:
+        lo, hi = (next(read), next(read)) if s.numel() else (-1, -1)
+        out.append(None if hi < 0 else (int(lo), int(hi)))
+    return out
 
 
 def _slots_as_shared(ctx: OpContext, cache: str, slots: torch.Tensor, span: tuple[int, int] | None
@@ -422,10 +429,10 @@ def _slots_as_shared(ctx: OpContext, cache: str, slots: torch.Tensor, span: tupl
 def candidate_key_sets(ctx: OpContext, window_slots: torch.Tensor, comp_slots: torch.Tensor) -> list[KeySet]:
     """The block's keys: window rows as one shared band; compressed rows shared too when the block uses most of
     a contiguous range (HCA: all complete blocks), else gathered per query (CSA: a top-k of many rows)."""
-    band, _ = _slots_as_shared(ctx, "window", window_slots, _valid_range(window_slots))
+    window_span, span = _valid_ranges(window_slots, comp_slots)
+    band, _ = _slots_as_shared(ctx, "window", window_slots, window_span)
     if comp_slots.shape[-1] == 0:
         return [band]
-    span = _valid_range(comp_slots)
     n_rows = span[1] - span[0] + 1 if span else 0
     if share_rows(n_rows, comp_slots.shape[-1], ctx.cfg.num_attention_heads, ctx.device):
         return [band, _slots_as_shared(ctx, "compressed", comp_slots, span)[0]]
