@@ -6,6 +6,11 @@ import pytest
 import torch
 
 from harness.run.metrics import CompareContext, compare_selected
+
+
+def cut(values):
+    """A comparator's values as the layer's rows take them: masks applied (MetricValues.cut), empty ones dropped."""
+    return [mv for mv in (v.cut() for v in values) if mv.positions.numel()]
 from harness.run.probes import stack_samples
 
 
@@ -18,7 +23,7 @@ def test_selection_recalls_and_the_subset_pick_share():
     pos = torch.tensor([600, 601])
     ref = {"row_ids": torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]]), "valid": torch.ones(2, 4, dtype=torch.bool)}
     var = {"row_ids": torch.tensor([[0, 1, 3, 4], [0, 1, 2, 4]]), "valid": torch.ones(2, 4, dtype=torch.bool)}
-    got = {m.metric: m.value.tolist() for m in compare_selected(pos, ref, var, ctx)}
+    got = {m.metric: m.value.tolist() for m in cut(compare_selected(pos, ref, var, ctx))}
     assert got["indexer.recall"] == [0.75, 0.75]
     assert got["indexer.flips"] == [1, 1]
     assert got["ctx.earlier_turn_recall"] == [0.75, 0.75] and got["ctx.earlier_turn_pick_share"] == [0.25, 0.25]
@@ -74,7 +79,7 @@ def test_selection_metrics_are_the_set_definitions_at_random(seed):
     ref, var = picks(), picks()
     var["row_ids"][::7, 0] = 10**6  # a wild id of a broken variant: valid, matches nothing
     var["valid"][::7, 0] = True
-    got = {mv.metric: mv.value.tolist() for mv in compare_selected(pos, ref, var, ctx)}
+    got = {mv.metric: mv.value.tolist() for mv in cut(compare_selected(pos, ref, var, ctx))}
     expected = _selection_by_sets(pos, ref, var, ctx)
     assert got.keys() == expected.keys()
     for name, values in expected.items():
@@ -94,7 +99,7 @@ def test_a_row_id_past_the_sequence_matches_nothing_and_a_context_copy_keeps_no_
     assert bound == T // m + 1
     pos = torch.tensor([63])
     ref = {"row_ids": torch.tensor([[2, 15, bound]]), "valid": torch.ones(1, 3, dtype=torch.bool)}
-    got = {mv.metric: mv.value.tolist() for mv in compare_selected(pos, ref, dict(ref), ctx)}
+    got = {mv.metric: mv.value.tolist() for mv in cut(compare_selected(pos, ref, dict(ref), ctx))}
     assert got["indexer.recall"] == [2 / 3] and got["indexer.flips"] == [1]  # the wild id is lost, not matched
     assert got["ctx.needle_pick_share"] == [1.0]  # row 15 only: the wild id is no needle pick
     assert got["ctx.earlier_turn_pick_share"] == [1.0]  # row 2 only (rows below 40 / 4 = 10)
@@ -132,12 +137,12 @@ def test_the_indexer_site_counts_a_lost_pick_that_was_no_tie():
            "stock_row_ids": stock, "stock_valid": valid,                         # query 1 drops a leading one
            "twin_row_ids": stock, "twin_valid": valid, "stock_margin": margin, "twin_noise": noise,
            "visible": torch.tensor([10, 10])}
-    out = {m.metric: m.value for m in compare_indexer_site(torch.tensor([10, 11]), None, var, None)}
+    out = {m.metric: m.value for m in cut(compare_indexer_site(torch.tensor([10, 11]), None, var, None))}
     assert out["indexer.site_recall"].tolist() == [0.75, 0.75]
     assert out["indexer.site_margin_loss"].tolist() == [0.0, 0.25]
     assert out["indexer.site_future"].tolist() == [0.0, 0.0]
     var["twin_noise"] = torch.tensor([1e-3, 2.0 / TIE_NOISE_MULTIPLE])  # a lead of 2 is now within the twin's noise
-    out = {m.metric: m.value for m in compare_indexer_site(torch.tensor([10, 11]), None, var, None)}
+    out = {m.metric: m.value for m in cut(compare_indexer_site(torch.tensor([10, 11]), None, var, None))}
     assert out["indexer.site_margin_loss"].tolist() == [0.0, 0.0]
 
 
@@ -154,7 +159,7 @@ def test_the_indexer_site_counts_every_pick_of_a_row_the_query_may_not_see():
            "stock_row_ids": stock, "stock_valid": stock_valid, "twin_row_ids": stock, "twin_valid": stock_valid,
            "stock_margin": torch.zeros(3, 4), "twin_noise": torch.ones(3), "visible": torch.tensor([3, 4, 0])}
     out = {m.metric: (m.positions.tolist(), m.value.tolist())
-           for m in compare_indexer_site(torch.tensor([15, 19, 2]), None, var, None)}
+           for m in cut(compare_indexer_site(torch.tensor([15, 19, 2]), None, var, None))}
     assert out["indexer.site_future"] == ([15, 19, 2], [0.0, 0.25, 1.0])  # row 3 of query 0 is an invalid lane
     assert out["indexer.site_recall"][0] == [15, 19]
 
@@ -164,7 +169,7 @@ def test_the_attention_site_compares_lse_with_the_stock_ops():
 
     lse = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     var = {"lse": lse + torch.tensor([[0.0, 0.002], [0.0, 0.0]]), "stock_lse": lse, "twin_lse": lse + 2**-20}
-    out = {m.metric: m.value for m in compare_attn_site(torch.tensor([5, 6]), None, var, None)}
+    out = {m.metric: m.value for m in cut(compare_attn_site(torch.tensor([5, 6]), None, var, None))}
     # 2 + 0.002 is stored in fp32: exact to 2^-23·2 ≈ 2.4e-7, 1e-4 of the 0.001 mean
     assert torch.allclose(out["attn.site_lse_err"], torch.tensor([0.001, 0.0], dtype=torch.float64), rtol=1e-4)
     # 2^-20 is exact on values of 1-4 (their fp32 ulp is at most 2^-21)
@@ -181,7 +186,7 @@ def test_the_router_site_compares_effective_weights_where_the_expert_sets_agree(
     var = {"stock_expert_ids": ids, "stock_weights": w,
            "expert_ids": torch.tensor([[4, 1], [2, 5]]), "weights": torch.tensor([[0.6, 0.9 * 1.01, 1.0], [0.7, 0.8, 1.0]]),
            "twin_expert_ids": ids, "twin_weights": w}
-    out = {m.metric: m for m in compare_router_site(torch.tensor([7, 8]), None, var, None)}
+    out = {m.metric: m for m in cut(compare_router_site(torch.tensor([7, 8]), None, var, None))}
     assert out["moe.site_flip_rate"].value.tolist() == [0.0, 0.5]
     site = out["moe.site_weight_err"]
     assert site.positions.tolist() == [7], "the flipped token is not compared"

@@ -892,3 +892,58 @@ def test_glibcs_defaults_are_kept_when_asked():
     env = {**os.environ, "DSV4_DRIFT_GLIBC_MALLOC_DEFAULTS": "1"}
     assert subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, env=env,
                           check=True).stdout.split() == ["False"]
+
+
+def test_masked_metric_values_make_the_rows_pieces_cut_before_adding_make_in_the_same_order():
+    """A comparison hands its masks to the accumulator (MetricValues.keep) instead of cutting its positions on the
+    device, which on a GPU reads the mask's count: the rows must be those of pieces cut before they are added —
+    values, maxima, counts, ratio metrics, row order (a metric whose first piece keeps nothing comes after one whose
+    first piece kept something, as it arrived) — and a mask of the wrong shape is refused naming tap and metric."""
+    from harness.run.aggregate import LayerAccumulator
+    from harness.run.bins import BinPlan
+    from harness.run.metrics import MetricValues, kept
+
+    g = torch.Generator().manual_seed(3)
+    plan = BinPlan(40, 4, 16, [0] * 20 + [1] * 24, 8)
+    pieces = []  # (tap, metric, positions, values, num, den, keep)
+    for i in range(12):
+        pos = torch.randint(0, 44, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)
+        value = torch.randn(pos.shape, generator=g, dtype=torch.float64)
+        keep = torch.rand(pos.shape, generator=g) < 0.5
+        if i in (0, 5):
+            keep[:] = False  # the first pieces of two metrics keep nothing
+        ratio = i % 3 == 2
+        num, den = (value.abs(), value.abs() + 1) if ratio else (None, None)
+        pieces.append(("t" if i % 2 else "u", f"m{i % 4}" + ("r" if ratio else ""), pos, value, num, den, keep))
+    masked, cut_first = LayerAccumulator(plan), LayerAccumulator(plan)
+    for tap, metric, pos, value, num, den, keep in pieces:
+        combine = "rel_l2" if num is not None else None
+        masked.add(tap, MetricValues(metric, pos, value, num, den, combine, keep=keep))
+        cut = MetricValues(metric, pos[keep], value[keep], None if num is None else num[keep],
+                           None if den is None else den[keep], combine)
+        cut_first.add(tap, cut)
+        assert kept(metric, pos, value, keep).cut().value.tolist() == value[keep].tolist()
+    assert masked.rows("v", "global", 3) == cut_first.rows("v", "global", 3)
+    assert masked.copy().rows("v", "global", 3) == cut_first.rows("v", "global", 3)
+
+    with pytest.raises(ValueError, match="u m0: mask of shape"):
+        masked.add("u", MetricValues("m0", torch.arange(3), torch.zeros(3, dtype=torch.float64),
+                                     keep=torch.ones(2, dtype=torch.bool)))
+
+
+def test_the_window_and_compressed_key_ranges_are_read_together_as_each_alone():
+    """candidate_key_sets reads both key ranges of a query block in one transfer (_valid_ranges): each must be the
+    smallest and largest valid slot of its tensor alone, None when it holds no valid slot or none at all."""
+    from optimized.base_ops import _valid_ranges
+
+    def alone(s: torch.Tensor):
+        valid = s[s >= 0]
+        return (int(valid.min()), int(valid.max())) if valid.numel() else None
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randint(-3, 50, (4, 7), generator=g), torch.full((2, 3), -1), torch.zeros(3, 0, dtype=torch.int64),
+             torch.randint(-1, 9, (1, 5), generator=g, dtype=torch.int32), torch.tensor([[5, -1, 2]])]
+    for a in cases:
+        for b in cases:
+            assert _valid_ranges(a, b) == [alone(a), alone(b)]
+    assert _valid_ranges(cases[0]) == [alone(cases[0])]

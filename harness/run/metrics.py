@@ -78,6 +78,26 @@ class MetricValues:
     num: torch.Tensor | None = None  # ratio metrics: per-position numerator and denominator
     den: torch.Tensor | None = None
     combine: str | None = None  # key of RATIO_COMBINE for ratio metrics
+    keep: torch.Tensor | None = None
+    """[B] bool: the positions that have a value (the others are dropped when the layer's rows are made:
+    harness.run.aggregate), None for all. Cutting them on a GPU (`pos[keep]`, or asking `keep.any()` first) would wait
+    for the device to count them: a host read per comparison."""
+
+    def cut(self) -> "MetricValues":
+        """These values with the masked positions dropped (keep None): what the layer's rows are made of. A reader's
+        view, for tests and tools; on a GPU it reads the mask's count from the device."""
+        if self.keep is None:
+            return self
+        k = self.keep.to(self.value.device)
+        return MetricValues(self.metric, self.positions[k.to(self.positions.device)], self.value[k],
+                            None if self.num is None else self.num[k], None if self.den is None else self.den[k],
+                            self.combine)
+
+
+def kept(metric: str, pos: torch.Tensor, value: torch.Tensor, keep: torch.Tensor) -> MetricValues:
+    """The values of the positions where `keep` holds (MetricValues.keep): the same rows as
+    MetricValues(metric, pos[keep], value[keep]), with no host read."""
+    return MetricValues(metric, pos, value, keep=keep)
 
 
 @dataclass
@@ -261,7 +281,7 @@ def compare_router_site(pos, ref, var, ctx) -> list[MetricValues]:
     for name, prefix, same in (("moe.site_weight_err", "", site == k), ("moe.twin_weight_err", "twin_", twin == k)):
         w = _weights_by_expert(var[prefix + "expert_ids"], var[prefix + "weights"])
         err = (w - stock).abs().sum(1) / stock.abs().sum(1).clamp_min(torch.finfo(torch.float64).tiny)
-        out.append(MetricValues(name, pos.cpu()[same], err[same]))
+        out.append(kept(name, pos, err, same))
     return out
 
 
@@ -294,18 +314,18 @@ def compare_indexer_site(pos, ref, var, ctx) -> list[MetricValues]:
     page table, a mask off by one), not one that breaks ties another way."""
     stock_ids, stock_valid = var["stock_row_ids"].long(), var["stock_valid"]
     pos = pos.to(stock_ids.device)  # counted where the picks are (exact integer work: the same on any device)
-    kept = _picked_in(stock_ids, stock_valid, var["row_ids"].long(), var["valid"])
-    site, n = kept.sum(1).double(), stock_valid.sum(1).double()
+    retained = _picked_in(stock_ids, stock_valid, var["row_ids"].long(), var["valid"])
+    site, n = retained.sum(1).double(), stock_valid.sum(1).double()
     twin, _ = _set_overlap(var["twin_row_ids"], stock_ids, var["twin_valid"], stock_valid)
     clear = var["stock_margin"].double() > TIE_NOISE_MULTIPLE * var["twin_noise"].double()[:, None]
-    hard = (stock_valid & ~kept & clear).sum(1).double()
+    hard = (stock_valid & ~retained & clear).sum(1).double()
     keep = n > 0
     picked, future = _future_picks(var)
     some = picked > 0  # a query before the first complete row may still pick one: a future row, counted
-    return [MetricValues("indexer.site_recall", pos[keep], (site / n.clamp_min(1))[keep]),
-            MetricValues("indexer.twin_recall", pos[keep], (twin / n.clamp_min(1))[keep]),
-            MetricValues("indexer.site_margin_loss", pos[keep], (hard / n.clamp_min(1))[keep]),
-            MetricValues("indexer.site_future", pos[some], (future / picked.clamp_min(1))[some])]
+    return [kept("indexer.site_recall", pos, site / n.clamp_min(1), keep),
+            kept("indexer.twin_recall", pos, twin / n.clamp_min(1), keep),
+            kept("indexer.site_margin_loss", pos, hard / n.clamp_min(1), keep),
+            kept("indexer.site_future", pos, future / picked.clamp_min(1), some)]
 
 
 def _future_picks(var: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,14 +369,9 @@ def compare_experts_site(pos, ref, var, ctx) -> list[MetricValues]:
     clamp's decision (optimized.engine.clamp_site_miss) — at the tokens whose call could judge the clamp only (both
     computed where the tensors are); and `moe.expert_site_bias`, 1 where the token is routed to an expert whose
     output the variant scales at most of the call's pairs of that expert (optimized.engine.expert_site_bias)."""
-    judged = var["clamp_judged"] > 0
-    out = [MetricValues("moe.pair_site_loss", pos, _f64(var["lost"])),
-           MetricValues("moe.expert_site_bias", pos, _f64(var["biased"]))]
-    if bool(judged.all()):
-        out.append(MetricValues("moe.clamp_site_miss", pos, _f64(var["miss"])))
-    elif bool(judged.any()):
-        out.append(MetricValues("moe.clamp_site_miss", pos[judged.to(pos.device)], _f64(var["miss"][judged])))
-    return out
+    return [MetricValues("moe.pair_site_loss", pos, _f64(var["lost"])),
+            MetricValues("moe.expert_site_bias", pos, _f64(var["biased"])),
+            kept("moe.clamp_site_miss", pos, _f64(var["miss"]), var["clamp_judged"] > 0)]
 
 
 SITE_COMPARATORS: dict[str, Callable] = {
@@ -432,16 +447,14 @@ def compare_selected(pos, ref, var, ctx) -> list[MetricValues]:
     early = valid_r & (rows < first_later[:, None])
     n_early = early.sum(1).double()
     keep = n_early > 0
-    if bool(keep.any()):
-        out.append(MetricValues("ctx.earlier_turn_recall", pos[keep], ((hit & early).sum(1).double() / n_early)[keep]))
-        out.append(MetricValues("ctx.earlier_turn_pick_share", pos[keep], (1 / n_early)[keep]))
+    out.append(kept("ctx.earlier_turn_recall", pos, (hit & early).sum(1).double() / n_early, keep))
+    out.append(kept("ctx.earlier_turn_pick_share", pos, 1 / n_early, keep))
     if ctx.needle_spans:
         on_needle = valid_r & ctx.needle_rows_on(dev)[rows]
         n_needle = on_needle.sum(1).double()
         keep = n_needle > 0
-        if bool(keep.any()):
-            out.append(MetricValues("ctx.needle_recall", pos[keep], ((hit & on_needle).sum(1).double() / n_needle)[keep]))
-            out.append(MetricValues("ctx.needle_pick_share", pos[keep], (1 / n_needle)[keep]))
+        out.append(kept("ctx.needle_recall", pos, (hit & on_needle).sum(1).double() / n_needle, keep))
+        out.append(kept("ctx.needle_pick_share", pos, 1 / n_needle, keep))
     return out
 
 
@@ -537,30 +550,22 @@ def compare_attention(pos, ref, var, ctx) -> list[MetricValues]:
            MetricValues("attn.js", pos, js.mean(-1)),
            MetricValues("attn.max_logit_delta", pos, (_f64(var["max_logit"]) - _f64(ref["max_logit"])).abs().mean(-1))]
 
-    compressed = (codes != _NO_KEY) & (codes % 2 == 1)
-    if ctx.layer_kind == "csa" and bool(compressed.any()):
+    if ctx.layer_kind == "csa":  # a query whose keys hold no compressed row the reference attended keeps no value
+        compressed = (codes != _NO_KEY) & (codes % 2 == 1)
         in_ref = _attended(slots_r, codes_r, n_slots) & compressed
         in_var = _attended(slots_v, codes_v, n_slots) & compressed
         mass = pr.mean(1)  # reference attention mass per key, mean over heads
         on_ref = (mass * in_ref).sum(1)
-        keep = on_ref > 0
-        if bool(keep.any()):
-            out.append(MetricValues("indexer.mass_recall", pos[keep], ((mass * (in_ref & in_var)).sum(1) / on_ref)[keep]))
+        out.append(kept("indexer.mass_recall", pos, (mass * (in_ref & in_var)).sum(1) / on_ref, on_ref > 0))
 
     early, needle = key_masks(ctx, pos, codes)
     has_early = ctx.turn_start_on(pos.device)[pos] > 0  # queries in a later turn: earlier turns exist to attend to
-    if bool(has_early.any()):
-        m_ref = (pr * early[:, None, :]).sum(-1).mean(-1)
-        m_opt = (pv * early[:, None, :]).sum(-1).mean(-1)
-        out += [MetricValues("ctx.earlier_turn_mass_ref", pos[has_early], m_ref[has_early]),
-                MetricValues("ctx.earlier_turn_mass_opt", pos[has_early], m_opt[has_early])]
+    out += [kept("ctx.earlier_turn_mass_ref", pos, (pr * early[:, None, :]).sum(-1).mean(-1), has_early),
+            kept("ctx.earlier_turn_mass_opt", pos, (pv * early[:, None, :]).sum(-1).mean(-1), has_early)]
     if needle is not None:
         has_needle = pos >= min(e for _, e in ctx.needle_spans)  # a needle lies wholly in the past
-        if bool(has_needle.any()):
-            n_ref = (pr * needle[:, None, :]).sum(-1).mean(-1)
-            n_opt = (pv * needle[:, None, :]).sum(-1).mean(-1)
-            out += [MetricValues("ctx.needle_mass_ref", pos[has_needle], n_ref[has_needle]),
-                    MetricValues("ctx.needle_mass_opt", pos[has_needle], n_opt[has_needle])]
+        out += [kept("ctx.needle_mass_ref", pos, (pr * needle[:, None, :]).sum(-1).mean(-1), has_needle),
+                kept("ctx.needle_mass_opt", pos, (pv * needle[:, None, :]).sum(-1).mean(-1), has_needle)]
     return out
 
 
@@ -583,14 +588,12 @@ def compare_indexer_scores(pos, ref, var, ctx, ref_selected: dict[str, torch.Ten
     n_picks = s_ref.sum(1).double()
     judged = n_picks > 0
     # what share of the picks the FP8 check judges at all (at Flash width ~23%: the rest lie within FP8 rounding)
-    out = [MetricValues("indexer.fp8_window_share", pos[judged], (outside_fp8.sum(1).double() / n_picks)[judged])]
+    out = [kept("indexer.fp8_window_share", pos, outside_fp8.sum(1).double() / n_picks, judged)]
     for name, confident in (("indexer.boundary_recall", s_ref & (scores > (kth + BOUNDARY_REL * kth.abs())[:, None])),
                             ("indexer.fp8_boundary_recall", outside_fp8)):
         n_conf = confident.sum(1).double()
-        keep = n_conf > 0
-        if bool(keep.any()):
-            recall = (confident & s_opt).sum(1).double() / n_conf.clamp_min(1)
-            out.append(MetricValues(name, pos[keep], recall[keep]))
+        recall = (confident & s_opt).sum(1).double() / n_conf.clamp_min(1)
+        out.append(kept(name, pos, recall, n_conf > 0))
     return out
 
 

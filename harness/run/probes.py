@@ -311,21 +311,23 @@ class ComparingSink:
     def _compare(self, tap: str, positions: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
         if tap not in COMPARATORS:
             return
+        # positions stay where the stack emitted them: the accumulator brings them to the host with the values, in
+        # one transfer per layer, where a copy here would wait for the device at every comparison
         if tap in ROW_TAPS:
             ids = values["row_ids"]
             ref = self.record.rows_at(tap, ids)
             row_end = positions + self.ctx.ratio - 1  # a row belongs to the bin of the token that completed it
-            for mv in COMPARATORS[tap](positions.cpu(), ref, values, self.ctx):
-                self.acc.add(tap, mv, bin_positions=row_end.cpu())
+            for mv in COMPARATORS[tap](positions, ref, values, self.ctx):
+                self.acc.add(tap, mv, bin_positions=row_end)
             return
         if tap == "attn.probs":
             self._hold(tap, positions, values, self.record.samples["attn.probs"])
             return
         if tap in SITE_COMPARATORS:  # the variant against the stock op on its own inputs: no reference needed
-            self._add(tap, COMPARATORS[tap](positions.cpu(), None, values, self.ctx))
+            self._add(tap, COMPARATORS[tap](positions, None, values, self.ctx))
             return
         ref = self.record.at(tap, positions)
-        self._add(tap, COMPARATORS[tap](positions.cpu(), ref, values, self.ctx))
+        self._add(tap, COMPARATORS[tap](positions, ref, values, self.ctx))
         if tap == "indexer.selected":  # boundary recall: the selections at positions with recorded scores
             self._hold("indexer.scores", positions, values, self.record.samples["indexer.scores"])
 
