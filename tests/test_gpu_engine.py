@@ -157,6 +157,41 @@ def test_reference_decode_with_graph_replays_is_bit_identical():
     assert torch.equal(replayed, eager)
 
 
+def test_the_yardstick_reads_its_experts_from_the_caches_bf16_copies_with_the_cast_experts_bits(monkeypatch):
+    """On a GPU the yardstick takes its experts from the dense cache's bf16 stacks (ReferenceLayer._bf16_experts)
+    instead of casting each expert for every chunk: the stacks hold the same values (bf16-exact experts), so a
+    layer's prefill chunks and decode steps give identical outputs with and without them, and the stacks were made
+    (from a cache filled before the layer, as the runner fills it)."""
+    from reference.layer import ReferenceLayer
+    from reference.weights.dense_cache import DenseCache
+
+    src, dev = SyntheticWeights(TINY, 0), torch.device("cuda")
+    model = ReferenceModel(src, torch.bfloat16, dev)
+    ids = torch.randint(0, TINY.vocab_size, (300,), generator=torch.Generator().manual_seed(6)).to(dev)
+    streams, segments = model.embed(ids), [128, 128, 36, 1, 1, 1, 1, 1, 1, 1, 1]
+    layer = next(n for n in range(TINY.num_hidden_layers) if not TINY.is_hash_layer(n))
+    weights = src.layer(layer, dev)
+
+    def run() -> torch.Tensor:
+        dense = DenseCache.for_device(dev)
+        assert dense.fill(weights.names(), weights.stored, dev)
+        return model.run_layer(ReferenceLayer(TINY, layer, weights, torch.bfloat16, device=dev, dense=dense),
+                               streams, ids, segments)
+
+    made = []
+    original = ReferenceLayer._bf16_experts
+
+    def noting(self, matrix):  # noqa: ANN001
+        made.append(original(self, matrix) is not None)
+        return original(self, matrix)
+
+    monkeypatch.setattr(ReferenceLayer, "_bf16_experts", noting)
+    stacked = run()
+    assert made and all(made), "the yardstick made no bf16 stack of its experts"
+    monkeypatch.setattr(ReferenceLayer, "_bf16_experts", lambda self, matrix: None)
+    assert torch.equal(stacked, run())
+
+
 def test_engine_decode_with_graph_replays_is_bit_identical():
     """A whole engine (every patch) over a prompt and 8 decode steps, graph replays on and off: identical logits."""
     from reference import graphs
