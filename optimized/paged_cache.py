@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from reference.quant import (FP8_MAX, blockwise_amax_last, e8m0_decode, e8m0_encode, expand_blocks_last,
+from reference.graphs import replay
+from reference.quant import (FP8_MAX, blockwise_amax_last, e8m0_decode, expand_blocks_last,
                              fp4_fake_quant, pow2, ue8m0_scale_for)
 
 PAGE_SIZE = 64
@@ -60,13 +61,12 @@ class LatentCache:
             raise RuntimeError(f"latent cache full: {self.length} + {n} rows > capacity {self.capacity}")
         if n == 0:
             return
-        codes, scales, scale = quantize_latent_nope(rows[:, : self.nope])
+        code_bytes, scales, rope, decoded = replay(_latent_row_parts, rows, nope=self.nope)  # a graph in decode
         at = slot_rows(self)[self.length : self.length + n]  # flat rows (page·64 + offset) of the next slots
-        self.codes.view(torch.uint8).flatten(0, 1)[at] = codes.view(torch.uint8)  # byte copy: no fp8 index_put
+        self.codes.view(torch.uint8).flatten(0, 1)[at] = code_bytes  # byte copy: no fp8 index_put
         self.scales.flatten(0, 1)[at] = scales
-        rope = rows[:, self.nope :].to(torch.bfloat16)
         self.rope_part.flatten(0, 1)[at] = rope
-        self._decoded_rows[at] = _decoded(codes, scale, rope)
+        self._decoded_rows[at] = decoded
         self.length += n
 
     def stored_form(self, rows: torch.Tensor) -> torch.Tensor:
@@ -87,6 +87,16 @@ class LatentCache:
         """Dequantized rows (bf16, exact) for slots of any shape; slots < 0 give zero rows (the row after the
         pages, which slot_rows names for slot −1)."""
         return self._decoded_rows[slot_rows(self)[slots.clamp(min=-1)]]
+
+
+def _latent_row_parts(rows: torch.Tensor, nope: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What LatentCache.append stores for rows [n, nope + rope] — the nope dims' FP8 codes as bytes, their UE8M0
+    scale bytes, the rope dims in bf16 — and the rows' decoded bf16 value. A pure function of the rows with no host
+    read, so a decode step's append replays it from a CUDA graph (reference.graphs.replay): ~20 small kernels per
+    row written, a window row at every step and a compressed row every m steps, become a launch and three copies."""
+    codes, scales, scale = quantize_latent_nope(rows[:, :nope])
+    rope = rows[:, nope:].to(torch.bfloat16)
+    return codes.view(torch.uint8), scales, rope, _decoded(codes, scale, rope)
 
 
 def _decoded(codes: torch.Tensor, scale: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -113,11 +123,18 @@ def slot_rows(cache: "LatentCache | IndexKeyCache") -> torch.Tensor:
 def quantize_latent_nope(nope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """nope [..., nope] -> (e4m3 codes, UE8M0 bytes per 64, the per-element scale 2^e the codes were divided by):
     the KV writer's rule (optimized-stack §0.1). The scale is exactly what the bytes decode to
-    (e8m0_decode(e8m0_encode(e)) = 2^e for every e that encode accepts)."""
-    exp = ue8m0_scale_for(blockwise_amax_last(nope.float(), KV_SCALE_BLOCK), FP8_MAX, KV_AMAX_FLOOR)
+    (e8m0_decode(u) = 2^(u−127) = 2^e).
+
+    The bytes are e + 127 without reference.quant.e8m0_encode's range check, which reads the device (a host read per
+    append, and no CUDA graph around it): e lies in range by construction. amax ≥ KV_AMAX_FLOOR = 1e-4 gives
+    e = ⌈log2(amax/448)⌉ ≥ ⌈log2(2.2e-7)⌉ = −22 and a finite fp32 amax ≤ 3.4e38 gives e ≤ ⌈log2(7.6e35)⌉ = 120, so
+    e + 127 ∈ [105, 247]. Only a block holding inf or NaN leaves that range (frexp's exponent is 0 for them on a CPU,
+    unspecified for NaN on CUDA): e is clamped to [−127, 127], a no-op in range, so its byte stays valid (never 255,
+    UE8M0's NaN) and equal to the scale its codes were divided by."""
+    exp = ue8m0_scale_for(blockwise_amax_last(nope.float(), KV_SCALE_BLOCK), FP8_MAX, KV_AMAX_FLOOR).clamp(-127, 127)
     scale = expand_blocks_last(pow2(exp), KV_SCALE_BLOCK, nope.shape[-1])
     codes = torch.clamp(nope.float() / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return codes, e8m0_encode(exp), scale
+    return codes, (exp + 127).to(torch.uint8), scale
 
 
 def dequantize_latent_nope(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -154,7 +171,7 @@ class IndexKeyCache:
         if self.fp4:
             self.values_fp4.flatten(0, 1)[at] = fp4_fake_quant(rows.float(), block=32)
         else:
-            codes, scale = quantize_fp8_per_row(rows)
+            codes, scale = replay(quantize_fp8_per_row, rows)  # a graph in decode
             self.codes.view(torch.uint8).flatten(0, 1)[at] = codes.view(torch.uint8)
             self.scale.flatten(0, 1)[at] = scale
         self.length += n

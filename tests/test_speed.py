@@ -947,3 +947,26 @@ def test_the_window_and_compressed_key_ranges_are_read_together_as_each_alone():
         for b in cases:
             assert _valid_ranges(a, b) == [alone(a), alone(b)]
     assert _valid_ranges(cases[0]) == [alone(cases[0])]
+
+
+def test_the_kv_writers_scale_bytes_are_e8m0_encodes_without_its_device_read():
+    """quantize_latent_nope writes e + 127 unchecked (no host read, so a decode step's append replays from a CUDA
+    graph): for finite rows of any magnitude the bytes are reference.quant.e8m0_encode's, and a block holding inf or
+    NaN still gets a valid UE8M0 byte (never 255) equal to the scale its codes were divided by."""
+    from optimized.paged_cache import KV_AMAX_FLOOR, KV_SCALE_BLOCK, quantize_latent_nope
+    from reference.quant import FP8_MAX, blockwise_amax_last, e8m0_decode, e8m0_encode, expand_blocks_last, \
+        ue8m0_scale_for
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(64, 448, generator=g) * torch.logspace(-30, 37, 64)[:, None]  # amax from below the floor to ~1e37
+    rows[3] = 0.0
+    codes, scales, scale = quantize_latent_nope(rows)
+    rule = ue8m0_scale_for(blockwise_amax_last(rows, KV_SCALE_BLOCK), FP8_MAX, KV_AMAX_FLOOR)  # the writer's rule
+    assert torch.equal(scales, e8m0_encode(rule))  # the checked encoder's bytes
+    assert torch.equal(expand_blocks_last(e8m0_decode(scales), KV_SCALE_BLOCK, 448), scale)
+
+    bad = torch.randn(4, 448, generator=g)
+    bad[0, 5], bad[1, 70], bad[2, 300], bad[3, :] = float("inf"), float("nan"), float("-inf"), float("nan")
+    codes, scales, scale = quantize_latent_nope(bad)
+    assert int(scales.max()) <= 254
+    assert torch.equal(expand_blocks_last(e8m0_decode(scales), KV_SCALE_BLOCK, 448), scale)
