@@ -312,7 +312,7 @@ class _HeldSite:
     @classmethod
     def kept(cls, tap: str, op: str, fields: Callable[[Any], dict[str, torch.Tensor]], positions: torch.Tensor,
              own: Any, own_is_stock: bool, inputs: dict[str, Any]) -> "_HeldSite":
-        """The site with copies of its own fields and per-token inputs (one packed copy: clone_together): they are
+        """The site with copies of its own fields and per-token inputs (clone_together: one copy per dtype): they are
         read at the end of the decode, and a patch may return a buffer it writes again at the next step (a kernel
         replayed from a CUDA graph returns its static output), as the sink's own deferred emissions assume too."""
         own_fields = fields(own)
@@ -325,8 +325,8 @@ class _HeldSite:
 @dataclass
 class _HeldExperts:
     """One decode step's experts site (OptimizedLayer._experts_site) waiting to be judged with the layer's other steps:
-    the tap, the op, the step's context, the variant's output and the op's inputs — copies (one packed copy:
-    clone_together), since a patch may return a buffer it writes again at the next step."""
+    the tap, the op, the step's context, the variant's output and the op's inputs — copies (clone_together: one
+    copy per dtype), since a patch may return a buffer it writes again at the next step."""
 
     tap: str
     op: str

@@ -113,7 +113,8 @@ class ReferenceLayer:
                  parity: ParityOptions = ParityOptions(), device: torch.device | str = "cpu",
                  dense: DenseCache | None = None) -> None:
         """`dense`: the layer's dequantized fp32 weights shared with the other stacks (a new cache when None); the
-        experts are read from it, one at a time, and converted to `dtype` when used."""
+        experts are read from it, one at a time, and converted to `dtype` when used (the yardstick on a GPU reads the
+        cache's bf16 copies of them instead, where it keeps them: _bf16_experts)."""
         if dtype not in (torch.float32, torch.float64, torch.bfloat16):
             raise ValueError(f"the reference graph runs in float32, float64 or (yardstick) bfloat16, not {dtype}")
         self.cfg, self.layer, self.dtype, self.parity, self.device = cfg, layer, dtype, parity, torch.device(device)

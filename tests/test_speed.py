@@ -580,9 +580,9 @@ def test_launch_count_names_the_regions_of_a_layer():
 
 
 def test_tensors_cloned_together_have_clones_bits_dtypes_and_shapes():
-    """clone_together (a decode step's tap fields, a graph replay's outputs) copies bytes through one buffer: each
-    copy must equal clone() bit for bit in every dtype, NaN payloads and signed zeros included, and not alias the
-    originals; a non-contiguous tensor is cloned by itself."""
+    """clone_together (a decode step's tap fields) copies each dtype's contiguous tensors through one buffer, and a graph
+    replay packs its outputs as bytes (_pack): each copy must equal clone() bit for bit in every dtype, NaN payloads
+    and signed zeros included, and not alias the originals; a non-contiguous tensor is cloned by itself."""
     from reference.graphs import clone_together
 
     g = torch.Generator().manual_seed(0)
@@ -926,9 +926,20 @@ def test_masked_metric_values_make_the_rows_pieces_cut_before_adding_make_in_the
     assert masked.rows("v", "global", 3) == cut_first.rows("v", "global", 3)
     assert masked.copy().rows("v", "global", 3) == cut_first.rows("v", "global", 3)
 
+    # a metric whose first piece keeps nothing and whose second keeps its first position comes after one that
+    # arrived in between (the first kept position is the second piece's first: not the first piece's)
+    edge = LayerAccumulator(plan)
+    edge.add("a", kept("x", torch.tensor([1, 2, 3]), torch.ones(3, dtype=torch.float64), torch.zeros(3, dtype=torch.bool)))
+    edge.add("b", MetricValues("y", torch.tensor([4]), torch.ones(1, dtype=torch.float64)))
+    edge.add("a", kept("x", torch.tensor([5, 6]), torch.ones(2, dtype=torch.float64), torch.tensor([True, False])))
+    assert [r["tap"] for r in edge.rows("v", "global", 3)] == ["b", "a"]
+
     with pytest.raises(ValueError, match="u m0: mask of shape"):
         masked.add("u", MetricValues("m0", torch.arange(3), torch.zeros(3, dtype=torch.float64),
                                      keep=torch.ones(2, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="a bool mask per value"):  # an int mask would index, not mask
+        masked.add("u", MetricValues("m0", torch.arange(3), torch.zeros(3, dtype=torch.float64),
+                                     keep=torch.ones(3, dtype=torch.int64)))
 
 
 def test_the_window_and_compressed_key_ranges_are_read_together_as_each_alone():

@@ -13,6 +13,8 @@ waits for the device to learn how many positions it keeps.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -48,9 +50,9 @@ class LayerAccumulator:
         """Keep; `bin_positions` overrides the positions used for binning (compressed rows)."""
         if values.positions.numel() == 0:
             return
-        if values.keep is not None and values.keep.shape != values.value.shape:
-            raise ValueError(f"{tap} {values.metric}: mask of shape {tuple(values.keep.shape)} for values of shape "
-                             f"{tuple(values.value.shape)}")
+        if values.keep is not None and (values.keep.shape != values.value.shape or values.keep.dtype != torch.bool):
+            raise ValueError(f"{tap} {values.metric}: mask of shape {tuple(values.keep.shape)} and dtype "
+                             f"{values.keep.dtype} for values of shape {tuple(values.value.shape)}: a bool mask per value")
         p = self.pieces.get((tap, values.metric))
         if p is None:
             p = self.pieces[(tap, values.metric)] = _Pieces(values.combine)
@@ -103,11 +105,12 @@ class LayerAccumulator:
             if keep is None:
                 kept[key], first[key] = (positions, v, num, den), arrivals[0]
                 continue
-            per_piece = keep.split([t.numel() for t in self.pieces[key].values])
-            firsts = [a for a, k in zip(arrivals, per_piece) if bool(k.any())]
-            if firsts:
-                kept[key], first[key] = (positions[keep], v[keep], None if num is None else num[keep],
-                                         None if den is None else den[keep]), firsts[0]
+            at = torch.nonzero(keep)
+            if at.numel():  # the piece holding the first kept position: the first whose end lies past it
+                ends = list(itertools.accumulate(t.numel() for t in self.pieces[key].values))
+                kept[key] = (positions[keep], v[keep], None if num is None else num[keep],
+                             None if den is None else den[keep])
+                first[key] = arrivals[bisect.bisect_right(ends, int(at[0]))]
         return {key: kept[key] for key in sorted(kept, key=first.__getitem__)}
 
     def rows(self, variant: str, mode: str, layer: int) -> list[dict]:

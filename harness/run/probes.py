@@ -298,7 +298,9 @@ class ComparingSink:
             return
         self._compare_deferred(tap)  # this tap's earlier emissions first: bins sum their values in arrival order
         self._check_finite(tap, [number], positions, values, rows_per_emission=None)
-        self._compare(tap, positions, values)
+        # the accumulator keeps the positions until the layer's rows are made: a copy (on the device, no read), since
+        # a stack may hand out a buffer it writes again, as the deferred emissions' clones assume too
+        self._compare(tap, positions.clone(), values)
 
     def fork(self, variant: str) -> "ComparingSink":
         """This sink as `variant`'s, holding what it has compared, deferred and held so far: a variant whose prefill
