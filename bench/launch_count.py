@@ -250,7 +250,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30, help="regions listed (default 30)")
     ap.add_argument("--defer-blocks", action="store_true", help="batch prefill blocks' comparisons, as on a GPU")
     ap.add_argument("--ops", type=int, default=0, help="also list each region's N most frequent operations")
-    ap.add_argument("--callers", type=int, default=0, help="also list each region's N busiest lines of code, for its launches and its host reads")
+    ap.add_argument("--callers", type=int, default=0,
+                    help="also list each region's N busiest lines of code, for its launches and its host reads")
     ap.add_argument("--eager", action="store_true", help="count what a GPU replays from CUDA graphs op by op")
     ap.add_argument("--time", action="store_true",
                     help="time each region (host wall seconds, exclusive) instead of counting its operations")

@@ -580,9 +580,9 @@ def test_launch_count_names_the_regions_of_a_layer():
 
 
 def test_tensors_cloned_together_have_clones_bits_dtypes_and_shapes():
-    """clone_together (a decode step's tap fields) copies each dtype's contiguous tensors through one buffer, and a graph
-    replay packs its outputs as bytes (_pack): each copy must equal clone() bit for bit in every dtype, NaN payloads
-    and signed zeros included, and not alias the originals; a non-contiguous tensor is cloned by itself."""
+    """clone_together (a decode step's tap fields) copies each dtype's contiguous tensors through one buffer, and a
+    graph replay packs its outputs as bytes (_pack): each copy must equal clone() bit for bit in every dtype, NaN
+    payloads and signed zeros included, and not alias the originals; a non-contiguous tensor is cloned by itself."""
     from reference.graphs import clone_together
 
     g = torch.Generator().manual_seed(0)
@@ -929,7 +929,8 @@ def test_masked_metric_values_make_the_rows_pieces_cut_before_adding_make_in_the
     # a metric whose first piece keeps nothing and whose second keeps its first position comes after one that
     # arrived in between (the first kept position is the second piece's first: not the first piece's)
     edge = LayerAccumulator(plan)
-    edge.add("a", kept("x", torch.tensor([1, 2, 3]), torch.ones(3, dtype=torch.float64), torch.zeros(3, dtype=torch.bool)))
+    edge.add("a", kept("x", torch.tensor([1, 2, 3]), torch.ones(3, dtype=torch.float64),
+                       torch.zeros(3, dtype=torch.bool)))
     edge.add("b", MetricValues("y", torch.tensor([4]), torch.ones(1, dtype=torch.float64)))
     edge.add("a", kept("x", torch.tensor([5, 6]), torch.ones(2, dtype=torch.float64), torch.tensor([True, False])))
     assert [r["tap"] for r in edge.rows("v", "global", 3)] == ["b", "a"]
@@ -969,7 +970,7 @@ def test_the_kv_writers_scale_bytes_are_e8m0_encodes_without_its_device_read():
         ue8m0_scale_for
 
     g = torch.Generator().manual_seed(0)
-    rows = torch.randn(64, 448, generator=g) * torch.logspace(-30, 37, 64)[:, None]  # amax from below the floor to ~1e37
+    rows = torch.randn(64, 448, generator=g) * torch.logspace(-30, 37, 64)[:, None]  # amax: below the floor to ~1e37
     rows[3] = 0.0
     codes, scales, scale = quantize_latent_nope(rows)
     rule = ue8m0_scale_for(blockwise_amax_last(rows, KV_SCALE_BLOCK), FP8_MAX, KV_AMAX_FLOOR)  # the writer's rule

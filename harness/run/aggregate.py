@@ -52,7 +52,8 @@ class LayerAccumulator:
             return
         if values.keep is not None and (values.keep.shape != values.value.shape or values.keep.dtype != torch.bool):
             raise ValueError(f"{tap} {values.metric}: mask of shape {tuple(values.keep.shape)} and dtype "
-                             f"{values.keep.dtype} for values of shape {tuple(values.value.shape)}: a bool mask per value")
+                             f"{values.keep.dtype} for values of shape {tuple(values.value.shape)}: "
+                             "a bool mask per value")
         p = self.pieces.get((tap, values.metric))
         if p is None:
             p = self.pieces[(tap, values.metric)] = _Pieces(values.combine)

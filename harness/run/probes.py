@@ -313,8 +313,8 @@ class ComparingSink:
     def _compare(self, tap: str, positions: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
         if tap not in COMPARATORS:
             return
-        # positions stay where the stack emitted them: the accumulator brings them to the host with the values, in
-        # one transfer per layer, where a copy here would wait for the device at every comparison
+        # positions stay where the stack emitted them: the accumulator brings them to the host with the values when
+        # the layer's rows are made (one copy per dtype), where a copy here would wait for the device every time
         if tap in ROW_TAPS:
             ids = values["row_ids"]
             ref = self.record.rows_at(tap, ids)
