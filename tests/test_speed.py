@@ -9,6 +9,7 @@ import platform
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,10 +28,11 @@ from reference.weights.synthetic import SyntheticWeights
 
 
 def test_bench_writes_a_row_per_layer_with_every_part_and_the_flop_rate(tmp_path, capsys):
-    out = tmp_path / "bench.json"
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
     assert main(["bench", "--model", "tiny", "--tokens", "200", "--decode", "2", "--chunk-size", "128",
-                 "--layers", "2-3", "--threads", "1", "--json", str(out)]) == 0
+                 "--layers", "2-3", "--threads", "1", "--json", str(out), "--markdown", str(md)]) == 0
     record = json.loads(out.read_text())
+    _check_bench_markdown(record, md.read_text())
     assert [row["layer"] for row in record["layers"]] == [2, 3]
     row = record["layers"][0]
     assert set(row["alone_s"]) == {"reference", "yardstick", "base", "all"}
@@ -40,6 +42,63 @@ def test_bench_writes_a_row_per_layer_with_every_part_and_the_flop_rate(tmp_path
     assert record["fp32_peak_flops"] > 0 and 0 < row["reference_share_of_peak"] < 1
     assert record["environment"]["torch_threads"] == 1
     assert "peak memory:" in capsys.readouterr().out
+
+
+def _check_bench_markdown(record: dict, text: str) -> None:
+    """`bench --markdown` is the JSON's table (bench/readme_table.py renders a file brought back from a GPU the same
+    way): a header, a row per layer with its kind, its total in bold, each stack's seconds alone, and a footer."""
+    from harness.cli.commands.bench import bench_markdown
+
+    assert text == bench_markdown(record)
+    lines = text.splitlines()
+    assert lines[0].startswith("| layer | weights |") and lines[1].startswith("|---|")
+    rows = lines[2:2 + len(record["layers"])]
+    for line, row in zip(rows, record["layers"]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert len(cells) == lines[0].count("|") - 1  # as many cells as the header
+        assert cells[0] == f"{row['layer']} ({row['kind'].upper()})"
+        assert cells[2] == " / ".join(f"{row['alone_s'][s]:.2f}" for s in ("reference", "yardstick", "base", "all"))
+        assert cells[5] == f"**{row['run_s']:.2f}**"  # no busy seconds on a CPU
+    assert lines[2 + len(record["layers"])] == "" and f"{record['tokens']} + {record['decode']} tokens" in lines[-1]
+
+
+def test_readme_table_puts_a_bench_table_between_the_readme_markers(tmp_path):
+    """bench/readme_table.py regenerates README's Benchmarks table from `bench --json`: the text between the two
+    markers is replaced and nothing else; a README without them, or a JSON that is not bench's, is an error naming
+    the file; this repository's README carries the markers once."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("readme_table", root / "bench" / "readme_table.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    readme_text = (root / "README.md").read_text()
+    assert readme_text.count(tool.BEGIN) == 1 and readme_text.count(tool.END) == 1
+
+    record = {"model": "tiny", "tokens": 64, "decode": 1, "chunk": 64, "device": "cpu", "device_name": "cpu",
+              "threads": 1, "fp32_peak_flops": 1e11, "layers_total": 4, "projected_run_s": None,
+              "projected_busy_s": None, "peak_host_gib": 0.5, "predicted": {"host_gib": 0.4},
+              "layers": [{"layer": 2, "kind": "csa", "weights_s": 0.1, "store_s": 0.01, "busy_s": None,
+                          "alone_s": {"reference": 0.2, "yardstick": 0.3, "base": 0.4, "all": 0.5},
+                          "runner_s": {"reference/global": 0.25}, "probes_s": 0.05, "other_variants_s": 0.0,
+                          "run_s": 0.26, "tokens_per_s": 250.0, "peak_device_gib": None,
+                          "reference_share_of_peak": 0.1}]}
+    bench_json = tmp_path / "bench.json"
+    bench_json.write_text(json.dumps(record))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# T\n\nbefore\n{tool.BEGIN}\nold table\n{tool.END}\n\nafter\n")
+    assert tool.main([str(bench_json), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("# T\n\nbefore\n") and text.endswith(f"{tool.END}\n\nafter\n")
+    assert "| 2 (CSA) | 0.10 | 0.20 / 0.30 / 0.40 / 0.50 |" in text and "**0.26**" in text
+    assert tool.main([str(bench_json), "--readme", str(readme)]) == 0 and readme.read_text() == text  # idempotent
+
+    readme.write_text("no markers here\n")
+    with pytest.raises(SystemExit, match="README.md: needs exactly one line"):
+        tool.main([str(bench_json), "--readme", str(readme)])
+    bench_json.write_text(json.dumps({"model": "tiny"}))
+    with pytest.raises(SystemExit, match="bench.json: not the output of `dsv4-drift bench --json`"):
+        tool.main([str(bench_json), "--readme", str(readme)])
 
 
 def test_bench_attribution_times_the_attribution_variants_in_the_lockstep(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.table import Table
@@ -53,6 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="on a GPU, skip the traced passes that measure each part's device-busy seconds (the run's "
                         "floor under its wall time); each layer then runs once less")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers as JSON")
+    p.add_argument("--markdown", type=Path, metavar="FILE",
+                   help="also write the table as Markdown, as README's Benchmarks section shows it (bench/readme_table.py "
+                        "makes the same from a --json file and puts it into README.md)")
     p.set_defaults(func=run)
 
 
@@ -78,8 +82,9 @@ def run(args: argparse.Namespace) -> int:
     if args.tokens < 1 or args.decode < 0 or args.chunk_size < 1:
         raise UsageError("--tokens and --chunk-size must be positive and --decode not negative")
     device = check_device(args.device)
-    if args.json:
-        writable_file(args.json, "--json")
+    for path, flag in ((args.json, "--json"), (args.markdown, "--markdown")):
+        if path:
+            writable_file(path, flag)
     with torch_threads(args.threads) as note:
         if note:
             out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
@@ -115,7 +120,59 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(record, indent=1) + "\n")
         out.print(f"wrote {args.json}")
+    if args.markdown:
+        args.markdown.write_text(bench_markdown(record))
+        out.print(f"wrote {args.markdown}")
     return 0
+
+
+def _peak_memory(record: dict[str, Any]) -> str:
+    """The run's peak memory, measured and predicted (harness.run.memory): the device's on a GPU, else the host's."""
+    predicted = record.get("predicted", {})
+    if record["device"].startswith("cuda"):
+        measured = max((row.get("peak_device_gib") or 0.0) for row in record["layers"])
+        return f"peak device memory {measured:.1f} GiB, {predicted.get('device_gib', 0.0):.1f} GiB predicted"
+    return (f"peak host memory {record.get('peak_host_gib', 0.0):.2f} GiB, {predicted.get('host_gib', 0.0):.2f} GiB "
+            "predicted")
+
+
+def bench_markdown(record: dict[str, Any]) -> str:
+    """The numbers of `bench --json` as README's Benchmarks table (Markdown): per layer the weights, each stack alone,
+    each stack and mode in the lockstep with its probes, what the probes add, the lockstep's total with the seconds
+    the device was busy and their share, tokens/s, peak device memory and the reference's share of the fp32 rate
+    measured in the same run; then a line with the run's shape, device, threads, versions and projections. Made from
+    the JSON (not the live result) so that a file brought back from a GPU machine renders the same table."""
+    stacks = ("reference", "yardstick", "base", "all")
+    short = {"reference": "ref", "yardstick": "yard", "base": "base", "all": "all"}
+    lines = ["| layer | weights | alone: ref / yard / base / all | lockstep: ref · yard g/l · base g/l · all g/l"
+             " | probes | lockstep (GPU busy) | tok/s | peak GiB | reference / fp32 rate |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in record["layers"]:
+        busy = row.get("busy_s") or {}
+        runner = row["runner_s"]
+        lockstep = f"{runner.get('reference/global', 0.0):.2f} · " + " · ".join(
+            f"{runner.get(f'{s}/global', 0.0):.2f}/{runner.get(f'{s}/local', 0.0):.2f}" for s in stacks[1:])
+        if row.get("other_variants_s"):
+            lockstep += f" · others {row['other_variants_s']:.2f}"
+        total = f"**{row['run_s']:.2f}**" + (f" ({busy['run']:.2f}: {100 * busy['run'] / row['run_s']:.0f}%)"
+                                              if "run" in busy else "")
+        peak = "—" if row.get("peak_device_gib") is None else f"{row['peak_device_gib']:.1f}"
+        lines.append(f"| {row['layer']} ({row['kind'].upper()}) | {_with_busy(row['weights_s'], busy.get('weights'))} | "
+                     + " / ".join(_with_busy(row["alone_s"][s], busy.get(s)) for s in stacks)
+                     + f" | {lockstep} | {row['probes_s']:.2f} | {total} | {row['tokens_per_s']:,.0f} | {peak} | "
+                     f"{100 * row['reference_share_of_peak']:.0f}% |")
+    env = record.get("environment", {})
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "triton") if env.get(k))
+    shape = (f"{record['model']}, {record['tokens']:,} + {record['decode']} tokens, chunk {record['chunk']:,}, on "
+             f"{record['device_name']} ({record['threads']} thread(s){', ' + versions if versions else ''}); fp32 "
+             f"matmul rate measured in the run: {record['fp32_peak_flops'] / 1e12:.2f} TFLOP/s")
+    projected = [f"projected run of all {record['layers_total']} layers {record['projected_run_s']:.0f} s"
+                 if record.get("projected_run_s") is not None else None,
+                 f"device busy over it {record['projected_busy_s']:.0f} s" if record.get("projected_busy_s") else None,
+                 _peak_memory(record)]
+    footer = "; ".join([shape, *(p for p in projected if p)])
+    return "\n".join([*lines, "", f"Seconds per layer ({footer}). Made by `dsv4-drift bench --markdown` or "
+                       "`bench/readme_table.py` from `bench --json`."]) + "\n"
 
 
 def _with_busy(seconds: float, busy: float | None) -> str:
