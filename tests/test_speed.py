@@ -179,6 +179,60 @@ def test_ranks_sharing_one_gpu_are_each_checked_against_their_share_of_it(monkey
         check_fits(spec, world=2)
 
 
+def test_a_gpu_run_that_fits_only_with_its_streams_on_the_host_gets_them_placed_there(monkeypatch):
+    """check_fits places one process's global streams in page-locked host memory (harness.run.stream_placement) when
+    the run fits its GPU only so: the device then holds the reference's streams and those of the pairs running at once
+    (one per host lane), the host every global stack's input and output in power-of-two blocks. A run that fits
+    anyway keeps them on the device; one that fits neither way is refused with the first estimate's numbers; a
+    sharded run (each rank holds its share already) is not placed."""
+    from harness.run.memory import placement_note
+    from harness.run.stream_placement import host_block_bytes
+
+    gib = 2.0**30
+    gpu = type("Props", (), {"total_memory": 0})()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
+    gpu.total_memory = 10 * 2**40
+
+    def spec():
+        s = _spec("tiny-smoke", "all")
+        s.device = "cuda"
+        return s
+
+    kept, placed_spec = predict_memory(spec()), spec()
+    placed_spec.streams_on_host = True
+    placed = predict_memory(placed_spec)
+    s = placed_spec
+    cfg = s.source.config
+    stream = s.n_total * cfg.hc_mult * cfg.hidden_size
+    global_stacks = sum(mode == "global" for _, mode in s.stacks())
+    lanes = 2 if "second host lane" in placed.device_terms else 1
+    assert placed.device_terms["streams"] == 2 * stream * (4 + 2 * lanes) < kept.device_terms["streams"]
+    assert placed.host_terms["streams (page-locked, between layers)"] == 2 * global_stacks * host_block_bytes(
+        stream * 2)
+    assert placed.host_terms["resume state copy"] == stream * 4  # the reference's; the placed ones are held as they are
+    assert kept.device_bytes - placed.device_bytes == kept.device_terms["streams"] - placed.device_terms["streams"]
+
+    between = spec()
+    gpu.total_memory = int((kept.device_bytes + placed.device_bytes) / 2 / HEADROOM)
+    assert check_fits(between).device_bytes == placed.device_bytes and between.streams_on_host
+    note = placement_note(between, placed)
+    assert note is not None and "host memory" in note and f"{placed.device_bytes / gib:.1f} GiB" in note
+    sharded = spec()
+    with pytest.raises(UsageError, match="predicted peak device memory"):
+        check_fits(sharded, world=2)  # two ranks sharing this GPU: half of it each, and no placing for ranks
+    assert not sharded.streams_on_host
+    roomy = spec()
+    gpu.total_memory = int(2 * kept.device_bytes / HEADROOM)
+    assert check_fits(roomy).device_bytes == kept.device_bytes and not roomy.streams_on_host
+    assert placement_note(roomy, kept) is None
+    tight = spec()
+    gpu.total_memory = int(0.5 * placed.device_bytes / HEADROOM)
+    with pytest.raises(UsageError, match=f"{kept.device_bytes / gib:.1f} GiB exceeds"):
+        check_fits(tight)
+    assert not tight.streams_on_host
+
+
 def test_a_sharded_cpu_run_counts_the_reference_layer_its_reference_rank_holds_ahead(monkeypatch):
     """On a CPU the reference rank runs two layers ahead (ShardedRunner.reference_lead), so it holds one more layer's
     stored weights, dequantized copies, recorded taps and output streams than one process does; on a GPU it runs one

@@ -13,7 +13,11 @@ what would not fit and which setting changes it:
 - **reference layers**: the reference's non-expert weights in its dtype and the yardstick's in bf16;
 - **output heads**: the LM head stored, and in the reference's, the yardstick's and the engines' dtypes (the needle
   lens reads logits after every layer);
-- **streams**: every stack's input and output streams [T, hc, D] (fp32 or fp64 for the reference, bf16 else);
+- **streams**: every stack's input and output streams [T, hc, D] (fp32 or fp64 for the reference, bf16 else); with
+  RunSpec.streams_on_host (one GPU, turned on by check_fits when the run fits only so), the reference's and those of
+  the pairs running at once (one per host lane), the global stacks' waiting in page-locked host memory between
+  layers (**streams (page-locked, between layers)**: each stack's input and output, rounded up to a power of two as
+  torch's page-locked allocator rounds them: harness.run.stream_placement);
 - **recorded taps**: the reference's dense taps of one layer, per position (probes.DENSE_TAPS);
 - **tap broadcast buffer** (sharded runs): the reference's rank sends those taps as one byte buffer, as large again (with the
   row and sampled taps, which are small beside them);
@@ -52,6 +56,7 @@ from harness.run.distributed import ranks_per_device, reference_lead
 from harness.run.host_lanes import cache_holds_every_copy, lanes_of
 from harness.run.prefill_sharing import kept_prefill_keys
 from harness.run.runner import RunSpec
+from harness.run.stream_placement import host_block_bytes
 from optimized.base_ops import NVFP4_GROUP
 from optimized.numerics import GROUPED_EXPERTS
 from reference.config import ModelConfig
@@ -140,7 +145,7 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
         "dequantized weights (shared)": min(budget, dense + bf16_stacks + (experts if nvfp4 else 0)),
         "reference layers": non_expert * (ref_size / 4) + non_expert / 2,
         "output heads": vocab * (2 + ref_size + 2 + 4),  # stored; reference, yardstick and engines (shared)
-        "streams": 2 * T * n * D * (ref_size + 2 * global_stacks),
+        "streams": 2 * T * n * D * (ref_size + 2 * global_stacks),  # input and output of each
         "recorded taps": T * taps_per_token,
         "working set": working,
     }
@@ -179,6 +184,15 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
                 stored + min(budget, dense) + T * taps_per_token + T * n * D * ref_size)
     state_copy = T * n * D * (ref_size + 2 * all_global_stacks)  # the resume state, gathered on rank 0's host
     host = {"process (torch and its libraries)": PROCESS_BYTES[device.type], "resume state copy": state_copy}
+    if spec.streams_on_host and device.type == "cuda":
+        # the pairs running at once hold their input and output streams on the device; the others wait on the host,
+        # each stack's input and output there too, in blocks rounded up to a power of two; the resume state holds
+        # them instead of copies (RunStore._host_copy)
+        running = min(global_stacks, 2 if "second host lane" in terms else 1)
+        terms["streams"] = 2 * T * n * D * (ref_size + 2 * running)
+        host["streams (page-locked, between layers)"] = 2 * global_stacks * host_block_bytes(T * n * D * 2)
+        host["resume state copy"] = T * n * D * ref_size
+
     if device.type == "cuda":
         return MemoryEstimate(spec.device, terms, host)
     return MemoryEstimate(spec.device, {}, {**terms, **host})
@@ -205,7 +219,8 @@ def fit_problem(estimate: MemoryEstimate, device_capacity: float | None, host_ca
             continue
         largest = sorted(terms.items(), key=lambda kv: -kv[1])[:3]
         advice = {
-            "streams": "a shorter prompt, fewer variants, or --devices N to shard them",
+            "streams": "a shorter prompt, fewer variants, or --devices N to shard them (one process on a GPU keeps "
+                       "them on the host between layers when that is enough)",
             "working set": "prefill.reference_chunk_size (e.g. 8192) to run the reference's prompt in chunks",
             "recorded taps": "a shorter prompt",
             "tap broadcast buffer": "a shorter prompt, or fewer --devices on one GPU",
@@ -224,14 +239,36 @@ def fit_problem(estimate: MemoryEstimate, device_capacity: float | None, host_ca
 
 def check_fits(spec: RunSpec, world: int = 1) -> MemoryEstimate:
     """The run's estimate; a UsageError naming the numbers and the setting to change when it would not fit. The
-    estimate is one process's, so it is checked against that process's share of a GPU its ranks share."""
+    estimate is one process's, so it is checked against that process's share of a GPU its ranks share.
+
+    One process on a GPU that the run fits only with its global stacks' streams waiting on the host between layers
+    gets spec.streams_on_host set (the same numbers; a copy out and in per stack and layer: ~0.1 s each way for a
+    Flash stream at 30K tokens); the caller says so. A sharded run holds only its share of the streams already."""
     from harness.errors import UsageError
 
-    estimate = predict_memory(spec, world)
     device = torch.device(spec.device)
     capacity = (torch.cuda.get_device_properties(device).total_memory / ranks_per_device(spec.device, world)
                 if device.type == "cuda" else None)
-    problem = fit_problem(estimate, capacity, available_host_bytes() / (1 if capacity else world))
+    host_capacity = available_host_bytes() / (1 if capacity else world)
+    estimate = predict_memory(spec, world)
+    problem = fit_problem(estimate, capacity, host_capacity)
+    if problem and capacity is not None and world == 1 and not spec.streams_on_host:
+        spec.streams_on_host = True
+        placed = predict_memory(spec, world)
+        if fit_problem(placed, capacity, host_capacity) is None:
+            return placed
+        spec.streams_on_host = False  # no better: the first estimate's problem is the one to report
     if problem:
         raise UsageError(problem)
     return estimate
+
+
+def placement_note(spec: RunSpec, estimate: MemoryEstimate) -> str | None:
+    """What the command prints when check_fits placed the streams on the host: why, and what it costs."""
+    if not spec.streams_on_host:
+        return None
+    gib = 2.0**30
+    host = estimate.host_terms.get("streams (page-locked, between layers)", 0.0)
+    return (f"the global stacks' streams wait in host memory between layers ({host / gib:.1f} GiB page-locked): "
+            f"the run fits this GPU only so ({estimate.device_bytes / gib:.1f} GiB predicted); the same numbers, a "
+            "copy out and in per stack and layer (README: Memory)")

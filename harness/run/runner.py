@@ -29,6 +29,7 @@ from harness.run.needles import AnswerLens, needle_queries
 from harness.run.prefill_sharing import PrefillKey, SharedPrefills, pair_keys
 from harness.run.probes import ComparingSink, DumpSink, Finding, RecordingSink
 from harness.run.store import RunStore
+from harness.run.stream_placement import to_device, to_host
 from optimized.engine import EngineOptions, OptimizedLayer, OptimizedModel
 from optimized.ops import OpContext, Routing
 from optimized.patching import Patch, PatchChoice
@@ -97,6 +98,9 @@ class RunSpec:
     dump_taps: list[str] = field(default_factory=list)
     dump_positions: list[int] = field(default_factory=list)
     device: str = "cpu"
+    streams_on_host: bool = False
+    """Each global stack's streams wait in page-locked host memory between layers (harness.run.stream_placement): on
+    one GPU, set by harness.run.memory.check_fits when the run fits only so. The same numbers either way."""
 
     @property
     def n_prompt(self) -> int:
@@ -251,7 +255,7 @@ class LockstepRunner:
         self.weights.until = n_layers
         if streams is None:
             streams = self.initial_streams()
-        streams = {k: v.to(self.device) for k, v in streams.items()}
+        streams = {k: self._placed(k, v.to(self.device)) for k, v in streams.items()}
         self.findings = [Finding(**f) for f in self.store.read_findings() if f["layer"] < start_layer]
         last_save = time.perf_counter()
         try:
@@ -275,6 +279,11 @@ class LockstepRunner:
         self.store.update_manifest(status="complete", failure=None,
                                    finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
         self.progress({"event": "done"})
+
+    def _placed(self, name: str, streams: torch.Tensor) -> torch.Tensor:
+        """A stack's streams where they wait for its next layer: the reference's on the device (every local pair reads
+        them), a global stack's in page-locked host memory with spec.streams_on_host."""
+        return to_host(streams) if self.spec.streams_on_host and name != "reference" else streams
 
     def _record_stop(self, error: BaseException) -> None:
         """Mark the manifest `interrupted` (Ctrl-C, SIGTERM) or `failed`, with the layer and stack that stopped
@@ -447,7 +456,7 @@ class LockstepRunner:
                 dump.prefix = f"{name}.{mode}/"
             sink = ComparingSink(record, LayerAccumulator(self.plan), ctx, name, mode, layer, self.phase_of,
                                  findings, dump)
-            x_in = streams[name] if mode == "global" else ref_in.to(torch.bfloat16)
+            x_in = to_device(streams[name], self.device) if mode == "global" else ref_in.to(torch.bfloat16)
             if name == YARDSTICK:
                 out = self.yardstick.run_layer(yard_layer, x_in, self.ids, self.yardstick_segments, sink)
             else:
@@ -465,9 +474,9 @@ class LockstepRunner:
                 model = self.yardstick if name == YARDSTICK else self.engines[name]
                 for mv in self.lens.compare(ref_answers, self.lens.read(model.logits, out)):
                     sink.acc.add(ANSWER_TAP, mv)
-            if mode == "global":
-                new_streams[name] = out
             rows[(name, mode)] = sink.acc.rows(name, mode, layer)
+            if mode == "global":
+                new_streams[name] = self._placed(name, out)
         return rows, new_streams
 
     SHARE_PREFILL = True
@@ -571,12 +580,13 @@ class LockstepRunner:
             if (name, "global") not in self.own_stacks():
                 continue
             model = self.yardstick if name == YARDSTICK else self.engines[name]
-            logits = model.logits(streams[name][pos.to(self.device)]).float()
+            own = to_device(streams[name], self.device)
+            logits = model.logits(own[pos.to(self.device)]).float()
             acc = LayerAccumulator(self.plan)
             for mv in compare_logits(pos, ref_logits, logits):
                 acc.add("logits", mv)
             if ref_answers is not None:
-                for mv in self.lens.compare(ref_answers, self.lens.read(model.logits, streams[name])):
+                for mv in self.lens.compare(ref_answers, self.lens.read(model.logits, own)):
                     acc.add("logits", mv)
             if not bool(torch.isfinite(logits).all()) and not any(f.variant == name for f in self.findings):
                 bad = int(pos[torch.nonzero(~torch.isfinite(logits).all(-1)).flatten()[0]])

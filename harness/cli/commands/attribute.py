@@ -18,7 +18,7 @@ from harness.cli.threads import (add_threads_argument, host_processes, narrow_mo
                                  oversubscription_note, torch_threads)
 from harness.errors import UsageError
 from harness.run.distributed import run_sharded, shared_gpu_note
-from harness.run.memory import check_fits
+from harness.run.memory import check_fits, placement_note
 from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
                                resume_problem, shadowing_warnings, spec_from_manifest)
 from harness.run.runner import RunSpec, VariantSpec
@@ -96,8 +96,17 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
             console(stderr=True).print(f"[yellow]warning[/]: {warning}", soft_wrap=True)
         spec.variants = [VariantSpec("patches", choices)]
         manifest = manifest_for(scenario, path.read_text(), overrides, spec, plan)
-        check_fits(first_pass, devices)
+        _fit(spec, first_pass, devices)
     return run_attribution(spec, store, manifest, policy, progress, interactions, _executor(devices)), store.dir
+
+
+def _fit(spec: RunSpec, first_pass: RunSpec, devices: int) -> None:
+    """check_fits on the first pass (the attribution's largest), refusing what would not fit; where it fits only with
+    the streams on the host, every pass of `spec` places them there, and the command says so."""
+    note = placement_note(first_pass, check_fits(first_pass, devices))
+    spec.streams_on_host = first_pass.streams_on_host
+    if note:
+        console(stderr=True).print(f"[yellow]note[/]: {note}", soft_wrap=True)
 
 
 def _first_pass(spec: RunSpec, choices: list) -> RunSpec:
@@ -162,7 +171,7 @@ def resume(run_dir: Path, manifest: dict, policy: str | None, device: str | None
                          f"now resolves to {[c.id for c in choices]}; cannot resume")
     first_pass = _first_pass(spec, choices)
     devices, sharded = _processes(first_pass, devices, threads)
-    check_fits(first_pass, devices)  # resumed on another machine or device, it is refused as a new one would be
+    _fit(spec, first_pass, devices)  # resumed on another machine or device, refused or placed as a new one would be
     spec.variants = [VariantSpec("patches", choices)]
     first = resume_layer(store)
     console(stderr=True).print(f"resuming {store.dir} " + (f"at layer {first}" if first is not None else

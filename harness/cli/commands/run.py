@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from harness.errors import UsageError
 from harness.run.distributed import (Group, RankFailed, RunRecipe, first_reported_failure, from_environment,
                                      record_rank_failure, run_share, run_sharded, shared_gpu_note)
-from harness.run.memory import check_fits
+from harness.run.memory import check_fits, placement_note
 from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
                                resume_problem, shadowing_warnings, spec_from_manifest)
 from harness.run.runner import LockstepRunner, RunSpec
@@ -95,7 +95,10 @@ def run(args: argparse.Namespace) -> int:
                 world, sharded = _ranks(args, spec, group.world if group is not None else None)
                 if sharded:
                     out.print(f"[yellow]note[/]: {sharded}", soft_wrap=True)
-                check_fits(spec, world)  # a run may be resumed on another machine or device: refused as a new one
+                # a run may be resumed on another machine or device: refused, or its streams placed, as a new one
+                note = placement_note(spec, check_fits(spec, world))
+                if note:
+                    out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
             else:
                 # may narrow the thread count (narrow_model_threads) and shard a narrow model's long run
                 spec, store, world = _start(args, group.world if group is not None else None)
@@ -195,6 +198,9 @@ def _start(args: argparse.Namespace, group_world: int | None) -> tuple[RunSpec, 
         for warning in shadowing_warnings(spec.variants):
             out.print(f"[yellow]warning[/]: {warning}", soft_wrap=True)
         estimate = check_fits(spec, world)  # refused here, with the numbers, if it would not fit
+        note = placement_note(spec, estimate)
+        if note:
+            out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
         store.create({**manifest_for(scenario, path.read_text(), overrides, spec, plan),
                       "memory_estimate": estimate.to_dict()})
     out.print(f"[bold]{scenario.name}[/]: {spec.n_prompt} prompt + {len(spec.decode_ids)} decode tokens, "

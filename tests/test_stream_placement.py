@@ -1,0 +1,83 @@
+"""harness.run.stream_placement: a global stack's streams may wait in host memory between layers (RunSpec.streams_on_host,
+set by check_fits when a run on one GPU fits only so). The copies are exact, so every metric must be the one of a run
+that keeps them on the device, and nothing may read a placed stream except through to_device."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from harness.run import runner as runner_module
+from harness.run.runner import LockstepRunner
+from harness.run.setup import Overrides, build_run_spec
+from harness.run.store import RunStore
+from harness.run.stream_placement import host_block_bytes, to_device, to_host
+from harness.scenario import find_scenario, load_scenario
+
+
+def _run(tmp_path, name: str, on_host: bool, device: str = "cpu", lanes: bool | None = None) -> RunStore:
+    """tiny-smoke with every patch, local on, to its logits, with the global stacks' streams placed as asked."""
+    spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all", device=device))[0]
+    spec.streams_on_host = on_host
+    store = RunStore(tmp_path / name)
+    store.create({})
+    runner = LockstepRunner(spec, store)
+    runner.HOST_LANES = lanes
+    runner.run()
+    return store
+
+
+def test_streams_placed_off_the_device_give_the_same_metrics_and_are_read_only_through_to_device(tmp_path,
+                                                                                              monkeypatch):
+    """Stand-ins make a placed stream a tensor without data (the meta device) that only to_device turns back into
+    the stream: any read of a placed stream that bypasses to_device fails, and the metrics (every layer, both lanes,
+    the final logits) are those of the run that keeps its streams."""
+    kept = _run(tmp_path, "kept", on_host=False, lanes=True)
+    placed_streams: dict[int, torch.Tensor] = {}
+
+    def placed(streams: torch.Tensor) -> torch.Tensor:
+        stand_in = torch.empty_like(streams, device="meta")
+        placed_streams[id(stand_in)] = streams
+        return stand_in
+
+    def back(streams: torch.Tensor, device) -> torch.Tensor:
+        return placed_streams[id(streams)] if streams.is_meta else to_device(streams, device)
+
+    save = RunStore.save_streams
+    monkeypatch.setattr(runner_module, "to_host", placed)
+    monkeypatch.setattr(runner_module, "to_device", back)
+    monkeypatch.setattr(RunStore, "save_streams", lambda self, layer, streams, background=False: save(
+        self, layer, {k: back(v, "cpu") for k, v in streams.items()}, background))
+    moved = _run(tmp_path, "moved", on_host=True, lanes=True)
+    assert len(placed_streams) > 10  # every global stack's streams after every layer
+    pd.testing.assert_frame_equal(pd.read_parquet(moved.metrics_path), pd.read_parquet(kept.metrics_path))
+
+
+def test_on_a_cpu_placing_moves_nothing_and_the_allocator_rounds_to_powers_of_two():
+    x = torch.randn(3, 4)
+    assert to_host(x) is x and to_device(x, "cpu") is x
+    assert [host_block_bytes(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
+    assert host_block_bytes(30784 * 4 * 4096 * 2) == 2**30  # a Flash stream at 30K tokens (1.009 GB): 1 GiB
+    assert host_block_bytes(2**30 + 1) == 2**31
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_placed_streams_wait_page_locked_on_the_host_and_give_the_same_metrics(tmp_path, monkeypatch):
+    """The same metrics row for row, and between layers every global stack's streams on the host, page-locked (the
+    copy in is queued without waiting), the reference's on the device."""
+    kept = _run(tmp_path, "kept", on_host=False, device="cuda")
+    seen: list[dict[str, tuple[str, bool]]] = []
+    run_layer = LockstepRunner.run_layer
+
+    def noting(self, layer, streams, weights=None):
+        out = run_layer(self, layer, streams, weights)
+        seen.append({k: (v.device.type, v.is_pinned() if v.device.type == "cpu" else False) for k, v in out.items()})
+        return out
+
+    monkeypatch.setattr(LockstepRunner, "run_layer", noting)
+    moved = _run(tmp_path, "moved", on_host=True, device="cuda")
+    assert seen and all(places.pop("reference")[0] == "cuda" for places in seen)
+    assert all(places and set(places.values()) == {("cpu", True)} for places in seen)
+    pd.testing.assert_frame_equal(pd.read_parquet(moved.metrics_path), pd.read_parquet(kept.metrics_path))
