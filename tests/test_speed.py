@@ -186,6 +186,7 @@ def test_a_gpu_run_that_fits_only_with_its_streams_on_the_host_gets_them_placed_
     anyway keeps them on the device; one that fits neither way is refused with the first estimate's numbers; a
     sharded run (each rank holds its share already) is not placed."""
     from harness.run.memory import placement_note
+    from harness.run.prefill_sharing import kept_prefill_keys
     from harness.run.stream_placement import host_block_bytes
 
     gib = 2.0**30
@@ -208,8 +209,10 @@ def test_a_gpu_run_that_fits_only_with_its_streams_on_the_host_gets_them_placed_
     global_stacks = sum(mode == "global" for _, mode in s.stacks())
     lanes = 2 if "second host lane" in placed.device_terms else 1
     assert placed.device_terms["streams"] == 2 * stream * (4 + 2 * lanes) < kept.device_terms["streams"]
-    assert placed.host_terms["streams (page-locked, between layers)"] == 2 * global_stacks * host_block_bytes(
-        stream * 2)
+    global_keys = sum(mode == "global" for mode, _ in kept_prefill_keys(s, s.stacks()))
+    # each stack's input and output, a third set while the resume state is written, each kept global prefill's rows
+    assert placed.host_terms["streams (page-locked, between layers)"] == (3 * global_stacks + 2 * global_keys) * (
+        host_block_bytes(stream * 2))
     assert placed.host_terms["resume state copy"] == stream * 4  # the reference's; the placed ones are held as they are
     assert kept.device_bytes - placed.device_bytes == kept.device_terms["streams"] - placed.device_terms["streams"]
 

@@ -8,7 +8,10 @@ import pandas as pd
 import pytest
 import torch
 
+from harness.attribution.plan import attribution_variants
+from harness.run import prefill_sharing
 from harness.run import runner as runner_module
+from harness.run.prefill_sharing import kept_prefill_keys
 from harness.run.runner import LockstepRunner
 from harness.run.setup import Overrides, build_run_spec
 from harness.run.store import RunStore
@@ -17,8 +20,12 @@ from harness.scenario import find_scenario, load_scenario
 
 
 def _run(tmp_path, name: str, on_host: bool, device: str = "cpu", lanes: bool | None = None) -> RunStore:
-    """tiny-smoke with every patch, local on, to its logits, with the global stacks' streams placed as asked."""
+    """tiny-smoke, local on, to its logits, with the global stacks' streams placed as asked: base, all, and a variant
+    that continues base's prefill (harness.run.prefill_sharing: its decode-only patch), so shares are kept too."""
     spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all", device=device))[0]
+    variants = {v.name: v for v in attribution_variants([c for v in spec.variants for c in v.choices])}
+    spec.variants = [variants["base"], variants["only:mma-sparse-decode"], variants["all"]]
+    assert len(kept_prefill_keys(spec, spec.stacks())) == 2  # base's prefill, kept in each mode
     spec.streams_on_host = on_host
     store = RunStore(tmp_path / name)
     store.create({})
@@ -47,10 +54,15 @@ def test_streams_placed_off_the_device_give_the_same_metrics_and_are_read_only_t
     save = RunStore.save_streams
     monkeypatch.setattr(runner_module, "to_host", placed)
     monkeypatch.setattr(runner_module, "to_device", back)
+    monkeypatch.setattr(prefill_sharing, "to_device", back)
     monkeypatch.setattr(RunStore, "save_streams", lambda self, layer, streams, background=False: save(
         self, layer, {k: back(v, "cpu") for k, v in streams.items()}, background))
     moved = _run(tmp_path, "moved", on_host=True, lanes=True)
-    assert len(placed_streams) > 10  # every global stack's streams after every layer
+    rows = sorted({tuple(v.shape) for v in placed_streams.values()})
+    # the three global stacks' streams (every position), at the start and after every layer, and base's global prefill
+    # rows (its input and output: the prompt positions), kept on the host for the variant that continues from them
+    assert len(rows) == 2 and rows[0][0] < rows[1][0]
+    assert sum(v.shape[0] == rows[0][0] for v in placed_streams.values()) >= 2
     pd.testing.assert_frame_equal(pd.read_parquet(moved.metrics_path), pd.read_parquet(kept.metrics_path))
 
 

@@ -16,8 +16,9 @@ what would not fit and which setting changes it:
 - **streams**: every stack's input and output streams [T, hc, D] (fp32 or fp64 for the reference, bf16 else); with
   RunSpec.streams_on_host (one GPU, turned on by check_fits when the run fits only so), the reference's and those of
   the pairs running at once (one per host lane), the global stacks' waiting in page-locked host memory between
-  layers (**streams (page-locked, between layers)**: each stack's input and output, rounded up to a power of two as
-  torch's page-locked allocator rounds them: harness.run.stream_placement);
+  layers (**streams (page-locked, between layers)**: each stack's input and output, a third set while the resume
+  state holds an earlier layer's, and each kept global prefill's input and output rows, rounded up to a power of two
+  as torch's page-locked allocator rounds them: harness.run.stream_placement);
 - **recorded taps**: the reference's dense taps of one layer, per position (probes.DENSE_TAPS);
 - **tap broadcast buffer** (sharded runs): the reference's rank sends those taps as one byte buffer, as large again (with the
   row and sampled taps, which are small beside them);
@@ -149,21 +150,23 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
         "recorded taps": T * taps_per_token,
         "working set": working,
     }
-    # local: the leader's bf16 output rows (global: views of streams counted above); both: a copy of the state's
-    # caches (~3 bytes per latent dimension and token); on the busiest rank, as stacks_of_rank deals the pairs
+    placed = spec.streams_on_host and device.type == "cuda"
+    # local: the leader's bf16 output rows (global: views of streams counted above, or with the streams placed, host
+    # copies of them: below); both: a copy of the state's caches (~3 bytes per latent dimension and token); on the
+    # busiest rank, as stacks_of_rank deals the pairs
     shared = max(sum(T * n * D * 2 * (mode == "local") + T * 3 * (hd + cfg.index_head_dim)
                      for mode, _ in kept_prefill_keys(spec, spec.stacks_of_rank(rank, world))) for rank in range(world))
     if shared:
         terms["shared prefills"] = shared
-    if device.type == "cuda" and world == 1 and len(lanes_of(spec, spec.stacks())) > 1 \
-            and any(cache_holds_every_copy(spec, layer, budget) for layer in range(cfg.num_hidden_layers)):
-        # two engine chunks at once, a stock one in the second host thread (ranks run one lane each); the
-        # reference's pass, which runs alone, may already need more
-        if 2 * chunk_working > working:
-            terms["second host lane"] = 2 * chunk_working - working
+    # two host lanes (one process on a GPU, stock and patched stacks, a layer's dense cache holding every fp32 copy):
+    # two pairs compute at once, a stock one in the second host thread (ranks run one lane each)
+    lanes = 2 if (device.type == "cuda" and world == 1 and len(lanes_of(spec, spec.stacks())) > 1
+                  and any(cache_holds_every_copy(spec, layer, budget) for layer in range(cfg.num_hidden_layers))) else 1
+    if lanes == 2 and 2 * chunk_working > working:
+        # two engine chunks' working sets; the reference's pass, which runs alone, may already need more
+        terms["second host lane"] = 2 * chunk_working - working
     if device.type == "cuda":  # the expert GEMMs' bf16 operands on tensor cores (numerics.grouped_bf16_products,
         # scaled_bf16_products): one group's weights, the chunk's pair rows and products — in each host lane
-        lanes = 2 if "second host lane" in terms else 1
         pairs = min(T, spec.chunk_size) * cfg.num_experts_per_tok
         terms["expert GEMM operands (bf16)"] = lanes * 2 * (GROUPED_EXPERTS * cfg.moe_intermediate_size * D
                                                             + pairs * (D + cfg.moe_intermediate_size))
@@ -184,13 +187,16 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
                 stored + min(budget, dense) + T * taps_per_token + T * n * D * ref_size)
     state_copy = T * n * D * (ref_size + 2 * all_global_stacks)  # the resume state, gathered on rank 0's host
     host = {"process (torch and its libraries)": PROCESS_BYTES[device.type], "resume state copy": state_copy}
-    if spec.streams_on_host and device.type == "cuda":
-        # the pairs running at once hold their input and output streams on the device; the others wait on the host,
-        # each stack's input and output there too, in blocks rounded up to a power of two; the resume state holds
-        # them instead of copies (RunStore._host_copy)
-        running = min(global_stacks, 2 if "second host lane" in terms else 1)
-        terms["streams"] = 2 * T * n * D * (ref_size + 2 * running)
-        host["streams (page-locked, between layers)"] = 2 * global_stacks * host_block_bytes(T * n * D * 2)
+    if placed:
+        # the device: the reference's input and output and those of the pairs running at once (one per host lane).
+        # The host, in blocks rounded up to a power of two: each global stack's input and output, a third set while
+        # the resume state of an earlier layer is written (it holds the placed streams instead of copies:
+        # RunStore._host_copy), and each kept global prefill's input and output rows (runner._run_engine)
+        block = host_block_bytes(T * n * D * 2)
+        terms["streams"] = 2 * T * n * D * (ref_size + 2 * lanes)
+        global_keys = max(sum(mode == "global" for mode, _ in kept_prefill_keys(spec, spec.stacks_of_rank(r, world)))
+                          for r in range(world))
+        host["streams (page-locked, between layers)"] = (3 * global_stacks + 2 * global_keys) * block
         host["resume state copy"] = T * n * D * ref_size
 
     if device.type == "cuda":
@@ -254,10 +260,14 @@ def check_fits(spec: RunSpec, world: int = 1) -> MemoryEstimate:
     problem = fit_problem(estimate, capacity, host_capacity)
     if problem and capacity is not None and world == 1 and not spec.streams_on_host:
         spec.streams_on_host = True
-        placed = predict_memory(spec, world)
-        if fit_problem(placed, capacity, host_capacity) is None:
+        try:
+            placed = predict_memory(spec, world)
+            fits = fit_problem(placed, capacity, host_capacity) is None
+        finally:
+            spec.streams_on_host = False  # unless it fits so; else the first estimate's problem is the one to report
+        if fits:
+            spec.streams_on_host = True
             return placed
-        spec.streams_on_host = False  # no better: the first estimate's problem is the one to report
     if problem:
         raise UsageError(problem)
     return estimate

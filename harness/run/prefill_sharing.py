@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from harness.run.probes import ComparingSink
+from harness.run.stream_placement import to_device
 from optimized.patching import PatchChoice
 from optimized.state import EngineState
 
@@ -67,8 +68,8 @@ class PrefillShare:
         NaN/Inf history and, in global mode, the same input rows bit for bit (in local mode every variant's input
         is the reference's)."""
         return sink.has_finding() == self.had_finding and (
-            self.prefill_in is None or (x_in.dtype == self.prefill_in.dtype
-                                        and bool(torch.equal(_bits(x_in[:n_prompt]), _bits(self.prefill_in)))))
+            self.prefill_in is None or (x_in.dtype == self.prefill_in.dtype and bool(torch.equal(
+                _bits(x_in[:n_prompt]), _bits(to_device(self.prefill_in, x_in.device))))))  # kept on the host or not
 
     def continue_as(self, variant: str) -> tuple[EngineState, ComparingSink]:
         """A state and sink of `variant`'s own to run its decode steps from."""
@@ -78,7 +79,8 @@ class PrefillShare:
 class SharedPrefills:
     """The shares of one layer: a pair's prefill is kept only when a later pair of this process has the same key,
     and dropped once the last of them has run (at Flash width a local share holds ~1 GB, its bf16 output rows:
-    30,784 tokens × 4 streams × 4096 × 2 B; a global share views the next layer's input)."""
+    30,784 tokens × 4 streams × 4096 × 2 B; a global share views the next layer's input, or with the streams placed on
+    the host, holds host copies of its rows: harness.run.stream_placement)."""
 
     def __init__(self, keys: dict[tuple[str, str], PrefillKey]) -> None:
         self._waiting = Counter(keys.values())  # pairs of each key not run yet

@@ -254,8 +254,9 @@ class LockstepRunner:
         n_layers = self.cfg.num_hidden_layers if end_layer is None else min(end_layer, self.cfg.num_hidden_layers)
         self.weights.until = n_layers
         if streams is None:
-            streams = self.initial_streams()
-        streams = {k: self._placed(k, v.to(self.device)) for k, v in streams.items()}
+            streams = self.initial_streams()  # placed as each is made
+        else:  # a saved state's, on the host: one at a time to the device, and placed
+            streams = {k: self._placed(k, v.to(self.device)) for k, v in streams.items()}
         self.findings = [Finding(**f) for f in self.store.read_findings() if f["layer"] < start_layer]
         last_save = time.perf_counter()
         try:
@@ -310,7 +311,7 @@ class LockstepRunner:
         streams = {"reference": x}
         for name, mode in self.own_stacks():
             if mode == "global":
-                streams[name] = x.to(torch.bfloat16)
+                streams[name] = self._placed(name, x.to(torch.bfloat16))
         return streams
 
     # Resume state: a few hundred MB write in a fraction of a second (the demo's is 28 MB), so save every layer;
@@ -477,6 +478,7 @@ class LockstepRunner:
             rows[(name, mode)] = sink.acc.rows(name, mode, layer)
             if mode == "global":
                 new_streams[name] = self._placed(name, out)
+            out = x_in = None  # placed or not, the next pair does not hold this one's device streams while it runs
         return rows, new_streams
 
     SHARE_PREFILL = True
@@ -498,11 +500,16 @@ class LockstepRunner:
             state, sink = share.continue_as(name)
             decode = engine.run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink, state=state,
                                       hold_sites=self.hold_sites)
-            return torch.cat([share.prefill_out, decode]), sink
+            return torch.cat([to_device(share.prefill_out, self.device), decode]), sink
         keep = shares.keeper(key, sink)
         out = engine.run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink, at_decode=keep,
                                hold_sites=self.hold_sites)
-        shares.finish(key, out[: spec.n_prompt], x_in[: spec.n_prompt] if mode == "global" else None)
+        rows_out, rows_in = out[: spec.n_prompt], (x_in[: spec.n_prompt] if mode == "global" else None)
+        if mode == "global" and spec.streams_on_host and shares.get(key) is not None:
+            # a global share's rows would hold this pair's device input and output (views) until its last continuer
+            # ran: with the streams placed, it keeps host copies of them (harness.run.memory counts them there)
+            rows_out, rows_in = to_host(rows_out), to_host(rows_in)
+        shares.finish(key, rows_out, rows_in)
         return out, sink
 
     # The steps a sharded run (harness.run.distributed) does differently: which stacks this process runs, where

@@ -5,7 +5,8 @@ holds every stack's input and output streams at once: at Flash width and 30,784 
 bf16, 31.9 GiB for an attribution's 15 global stacks and the reference (harness.run.memory: "streams") — more than
 an 80 GB GPU has left beside a layer's weights. Kept on the host between layers, only the pairs that are running hold
 their streams on the device (RunSpec.streams_on_host; harness.run.memory.check_fits turns it on when a run on one GPU
-fits only so).
+fits only so). A prefill that later variants continue from (harness.run.prefill_sharing) then keeps host copies of
+its global input and output rows too.
 
 The copies are exact, so the metrics are those of a run that keeps the streams on the device. The copy out waits for
 the work queued before it (the stack's pair is over: its rows have read the device already) and the host tensor is
@@ -24,7 +25,10 @@ def to_host(streams: torch.Tensor) -> torch.Tensor:
     """`streams` in page-locked host memory, complete when this returns (a CPU tensor is returned as it is)."""
     if streams.device.type != "cuda":
         return streams
-    host = torch.empty(streams.shape, dtype=streams.dtype, pin_memory=True)
+    try:
+        host = torch.empty(streams.shape, dtype=streams.dtype, pin_memory=True)
+    except RuntimeError:  # the host refused to lock more memory: an ordinary copy (slower both ways; it waits)
+        return streams.to("cpu")
     host.copy_(streams, non_blocking=True)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(streams.device))
