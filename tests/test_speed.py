@@ -236,6 +236,55 @@ def test_a_gpu_run_that_fits_only_with_its_streams_on_the_host_gets_them_placed_
     assert not tight.streams_on_host
 
 
+def test_an_attribution_is_fitted_for_its_pair_pass_too(monkeypatch, capsys):
+    """The interactions pass of six patches runs 16 variants against the first pass's 14: on a GPU that the first
+    pass fits but the pair pass fits only with the streams on the host, every pass places them; a pair pass that
+    does not fit at all is refused with --interactions always, and with auto (it may never run) warned about."""
+    from harness.attribution.plan import pair_variants
+    from harness.cli.commands.attribute import _first_pass, _fit, patches_of
+    from harness.run.runner import RunSpec
+
+    gpu = type("Props", (), {"total_memory": 0})()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
+    # the dense cache's budget, a share of the GPU's memory, held fixed: the estimates do not move with the capacity
+    monkeypatch.setattr(DenseCache, "for_device", classmethod(lambda cls, device, sharing=1: cls(2**40)))
+
+    def passes():
+        spec = _spec("tiny-smoke", "all")
+        spec.device = "cuda"
+        choices = patches_of(spec)
+        first = _first_pass(spec, choices)
+        pairs = RunSpec(**{**first.__dict__, "variants": first.variants[:1] + pair_variants(
+            choices, [c.id for c in choices])})
+        return spec, choices, first, pairs
+
+    def device_bytes(pass_spec, placed: bool) -> float:
+        return predict_memory(RunSpec(**{**pass_spec.__dict__, "streams_on_host": placed})).device_bytes
+
+    _, _, first, pairs = passes()
+    first_kept, first_placed = device_bytes(first, False), device_bytes(first, True)
+    pairs_kept, pairs_placed = device_bytes(pairs, False), device_bytes(pairs, True)
+    assert first_placed < pairs_placed < first_kept < pairs_kept  # tiny-smoke's sizes, which the cases below use
+
+    gpu.total_memory = int((first_kept + pairs_kept) / 2 / HEADROOM)  # the first pass fits; the pairs only placed
+    spec, choices, first, _ = passes()
+    _fit(spec, first, 1, choices, "never")
+    assert not spec.streams_on_host  # the pair pass will not run: the first pass fits as it is
+    spec, choices, first, _ = passes()
+    _fit(spec, first, 1, choices, "auto")
+    assert spec.streams_on_host and first.streams_on_host and "host memory" in capsys.readouterr().err
+
+    gpu.total_memory = int((first_placed + pairs_placed) / 2 / HEADROOM)  # the pairs do not fit even placed
+    spec, choices, first, _ = passes()
+    with pytest.raises(UsageError, match="the interactions pass"):
+        _fit(spec, first, 1, choices, "always")
+    spec, choices, first, _ = passes()
+    _fit(spec, first, 1, choices, "auto")
+    assert spec.streams_on_host and "the interactions pass, if the first pass asks for it, would not fit" in (
+        capsys.readouterr().err)
+
+
 def test_a_sharded_cpu_run_counts_the_reference_layer_its_reference_rank_holds_ahead(monkeypatch):
     """On a CPU the reference rank runs two layers ahead (ShardedRunner.reference_lead), so it holds one more layer's
     stored weights, dequantized copies, recorded taps and output streams than one process does; on a GPU it runs one

@@ -12,13 +12,13 @@ from rich.table import Table
 
 from harness.attribution.attribute import (ATTRIBUTION_FILE, Execute, resume_attribution, resume_layer,
                                            run_attribution, run_lockstep)
-from harness.attribution.plan import attribution_variants
+from harness.attribution.plan import attribution_variants, pair_variants
 from harness.cli.paths import new_output_dir
 from harness.cli.threads import (add_threads_argument, host_processes, narrow_model_processes, narrow_model_threads,
                                  oversubscription_note, torch_threads)
 from harness.errors import UsageError
 from harness.run.distributed import run_sharded, shared_gpu_note
-from harness.run.memory import check_fits, placement_note
+from harness.run.memory import check_fits, placement_note, predict_memory
 from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
                                resume_problem, shadowing_warnings, spec_from_manifest)
 from harness.run.runner import RunSpec, VariantSpec
@@ -96,17 +96,34 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
             console(stderr=True).print(f"[yellow]warning[/]: {warning}", soft_wrap=True)
         spec.variants = [VariantSpec("patches", choices)]
         manifest = manifest_for(scenario, path.read_text(), overrides, spec, plan)
-        _fit(spec, first_pass, devices)
+        _fit(spec, first_pass, devices, choices, interactions)
     return run_attribution(spec, store, manifest, policy, progress, interactions, _executor(devices)), store.dir
 
 
-def _fit(spec: RunSpec, first_pass: RunSpec, devices: int) -> None:
-    """check_fits on the first pass (the attribution's largest), refusing what would not fit; where it fits only with
-    the streams on the host, every pass of `spec` places them there, and the command says so."""
-    note = placement_note(first_pass, check_fits(first_pass, devices))
-    spec.streams_on_host = first_pass.streams_on_host
+def _fit(spec: RunSpec, first_pass: RunSpec, devices: int, choices: list, interactions: str) -> None:
+    """check_fits on the first pass, refusing what would not fit, and on the pair pass where one may run (three
+    patches or more, interactions not 'never') in its largest form, every pair of the patches: two global stacks more
+    than the first pass's with six patches. `always` refuses a pair pass that would not fit; `auto` warns, since the
+    pair pass runs only when the first pass's findings ask for it. Where a pass fits only with the streams on the
+    host, every pass of `spec` places them there, and the command says so."""
+    out = console(stderr=True)
+    check_fits(first_pass, devices)
+    placed = first_pass.streams_on_host
+    if interactions != "never" and len(choices) >= 3:
+        pairs = RunSpec(**{**first_pass.__dict__, "streams_on_host": placed,
+                           "variants": first_pass.variants[:1] + pair_variants(choices, [c.id for c in choices])})
+        try:
+            check_fits(pairs, devices)
+            placed = pairs.streams_on_host
+        except UsageError as e:
+            if interactions == "always":
+                raise UsageError(f"the interactions pass (every pair of the patches): {e}") from None
+            out.print(f"[yellow]warning[/]: the interactions pass, if the first pass asks for it, would not fit: {e} "
+                      "(give --interactions never to skip it)", soft_wrap=True)
+    spec.streams_on_host = first_pass.streams_on_host = placed
+    note = placement_note(first_pass, predict_memory(first_pass, devices))
     if note:
-        console(stderr=True).print(f"[yellow]note[/]: {note}", soft_wrap=True)
+        out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
 
 
 def _first_pass(spec: RunSpec, choices: list) -> RunSpec:
@@ -171,7 +188,9 @@ def resume(run_dir: Path, manifest: dict, policy: str | None, device: str | None
                          f"now resolves to {[c.id for c in choices]}; cannot resume")
     first_pass = _first_pass(spec, choices)
     devices, sharded = _processes(first_pass, devices, threads)
-    _fit(spec, first_pass, devices)  # resumed on another machine or device, refused or placed as a new one would be
+    interactions = interactions or manifest["attribution"].get("interactions", "auto")
+    # resumed on another machine or device: refused, or its streams placed, as a new one would be
+    _fit(spec, first_pass, devices, choices, interactions)
     spec.variants = [VariantSpec("patches", choices)]
     first = resume_layer(store)
     console(stderr=True).print(f"resuming {store.dir} " + (f"at layer {first}" if first is not None else
@@ -179,7 +198,6 @@ def resume(run_dir: Path, manifest: dict, policy: str | None, device: str | None
                                + f" with {torch.get_num_threads()} thread(s)")
     if sharded:
         console(stderr=True).print(f"[yellow]note[/]: {sharded}", soft_wrap=True)
-    interactions = interactions or manifest["attribution"].get("interactions", "auto")
     return resume_attribution(spec, store, policy, progress, interactions, _executor(devices)), store.dir
 
 
