@@ -505,7 +505,7 @@ class LockstepRunner:
         out = engine.run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink, at_decode=keep,
                                hold_sites=self.hold_sites)
         rows_out, rows_in = out[: spec.n_prompt], (x_in[: spec.n_prompt] if mode == "global" else None)
-        if mode == "global" and spec.streams_on_host and shares.get(key) is not None:
+        if mode == "global" and spec.streams_on_host and keep is not None and shares.get(key) is not None:
             # a global share's rows would hold this pair's device input and output (views) until its last continuer
             # ran: with the streams placed, it keeps host copies of them (harness.run.memory counts them there)
             rows_out, rows_in = to_host(rows_out), to_host(rows_in)

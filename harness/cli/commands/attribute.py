@@ -18,7 +18,7 @@ from harness.cli.threads import (add_threads_argument, host_processes, narrow_mo
                                  oversubscription_note, torch_threads)
 from harness.errors import UsageError
 from harness.run.distributed import run_sharded, shared_gpu_note
-from harness.run.memory import check_fits, placement_note, predict_memory
+from harness.run.memory import check_fits, placement_note
 from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
                                resume_problem, shadowing_warnings, spec_from_manifest)
 from harness.run.runner import RunSpec, VariantSpec
@@ -107,21 +107,22 @@ def _fit(spec: RunSpec, first_pass: RunSpec, devices: int, choices: list, intera
     pair pass runs only when the first pass's findings ask for it. Where a pass fits only with the streams on the
     host, every pass of `spec` places them there, and the command says so."""
     out = console(stderr=True)
-    check_fits(first_pass, devices)
+    estimate = check_fits(first_pass, devices)
     placed = first_pass.streams_on_host
     if interactions != "never" and len(choices) >= 3:
         pairs = RunSpec(**{**first_pass.__dict__, "streams_on_host": placed,
                            "variants": first_pass.variants[:1] + pair_variants(choices, [c.id for c in choices])})
         try:
-            check_fits(pairs, devices)
-            placed = pairs.streams_on_host
+            pair_estimate = check_fits(pairs, devices)
+            if pairs.streams_on_host:  # the larger pass, placed: its numbers are the ones to state
+                placed, estimate = True, pair_estimate
         except UsageError as e:
             if interactions == "always":
                 raise UsageError(f"the interactions pass (every pair of the patches): {e}") from None
             out.print(f"[yellow]warning[/]: the interactions pass, if the first pass asks for it, would not fit: {e} "
                       "(give --interactions never to skip it)", soft_wrap=True)
     spec.streams_on_host = first_pass.streams_on_host = placed
-    note = placement_note(first_pass, predict_memory(first_pass, devices))
+    note = placement_note(first_pass, estimate)
     if note:
         out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
 
