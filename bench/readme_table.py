@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
     parser.add_argument("--print", action="store_true", help="write the table to stdout, change no file")
     args = parser.parse_args(argv)
-    table = bench_markdown(read_record(args.bench_json))
+    record = read_record(args.bench_json)
+    table = bench_markdown(record)
     if args.print:
         sys.stdout.write(table)
         return 0
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         raise SystemExit(f"{args.readme}: cannot read it ({e})") from None
     args.readme.write_text(with_table(readme, table, args.readme))
-    print(f"{args.readme}: bench table from {args.bench_json} ({len(read_record(args.bench_json)['layers'])} layers)")
+    print(f"{args.readme}: bench table from {args.bench_json} ({len(record['layers'])} layers)")
     return 0
 
 

@@ -1,5 +1,5 @@
-"""harness.run.stream_placement: a global stack's streams may wait in host memory between layers (RunSpec.streams_on_host,
-set by check_fits when a run on one GPU fits only so). The copies are exact, so every metric must be the one of a run
+"""harness.run.stream_placement: a global stack's streams may wait in host memory between layers
+(RunSpec.streams_on_host, set by check_fits when a run on one GPU fits only so). The copies are exact, so every metric must be the one of a run
 that keeps them on the device, and nothing may read a placed stream except through to_device."""
 
 from __future__ import annotations

@@ -280,6 +280,11 @@ _PASS_PROGRESS = frozenset({"status", "finished", "failure", "state_layer", "seg
 """Manifest fields a pass writes as it runs: the pair pass's manifest is the first pass's without them."""
 
 
+def pair_pass(first_pass: RunSpec, choices: list, ids: list[str]) -> RunSpec:
+    """The interactions pass of an attribution whose first pass is `first_pass`: base and every pair among `ids`."""
+    return RunSpec(**{**first_pass.__dict__, "variants": first_pass.variants[:1] + pair_variants(choices, ids)})
+
+
 def _complete(spec: RunSpec, choices: list, store: RunStore, policy: str | Path | None, progress,
               interactions: str, execute: Execute) -> Attribution:
     """The first pass (what is left of it), the analysis, the pair pass when wanted, attribution.json."""
@@ -290,7 +295,7 @@ def _complete(spec: RunSpec, choices: list, store: RunStore, policy: str | Path 
     wants_pairs = interactions == "always" or (interactions == "auto" and result.full_fails and not result.ranking())
     if wants_pairs and len(ids) >= 3:
         pair_store = RunStore(store.dir / "interactions")
-        pair_spec = RunSpec(**{**spec.__dict__, "variants": [spec.variants[0]] + pair_variants(choices, ids)})
+        pair_spec = pair_pass(spec, choices, ids)
         if not pair_store.exists():
             pair_store.create({**{k: v for k, v in manifest.items() if k not in _PASS_PROGRESS}, "status": "running",
                                "finished": None, "attribution": {"patches": ids, "pass": "interactions"}})

@@ -198,7 +198,6 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
                           for r in range(world))
         host["streams (page-locked, between layers)"] = (3 * global_stacks + 2 * global_keys) * block
         host["resume state copy"] = T * n * D * ref_size
-
     if device.type == "cuda":
         return MemoryEstimate(spec.device, terms, host)
     return MemoryEstimate(spec.device, {}, {**terms, **host})
@@ -248,8 +247,9 @@ def check_fits(spec: RunSpec, world: int = 1) -> MemoryEstimate:
     estimate is one process's, so it is checked against that process's share of a GPU its ranks share.
 
     One process on a GPU that the run fits only with its global stacks' streams waiting on the host between layers
-    gets spec.streams_on_host set (the same numbers; a copy out and in per stack and layer: ~0.1 s each way for a
-    Flash stream at 30K tokens); the caller says so. A sharded run holds only its share of the streams already."""
+    gets spec.streams_on_host set (the same numbers; a copy out and in per stack and layer: a Flash stream at 30,784
+    tokens is 1.0 GB, ~0.04–0.1 s each way at the 10–25 GB/s page-locked copies reach over PCIe — not measured
+    apart); the caller says so. A sharded run holds only its share of the streams already."""
     from harness.errors import UsageError
 
     device = torch.device(spec.device)

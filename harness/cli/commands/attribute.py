@@ -10,9 +10,9 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from harness.attribution.attribute import (ATTRIBUTION_FILE, Execute, resume_attribution, resume_layer,
+from harness.attribution.attribute import (ATTRIBUTION_FILE, Execute, pair_pass, resume_attribution, resume_layer,
                                            run_attribution, run_lockstep)
-from harness.attribution.plan import attribution_variants, pair_variants
+from harness.attribution.plan import attribution_variants
 from harness.cli.paths import new_output_dir
 from harness.cli.threads import (add_threads_argument, host_processes, narrow_model_processes, narrow_model_threads,
                                  oversubscription_note, torch_threads)
@@ -110,8 +110,7 @@ def _fit(spec: RunSpec, first_pass: RunSpec, devices: int, choices: list, intera
     estimate = check_fits(first_pass, devices)
     placed = first_pass.streams_on_host
     if interactions != "never" and len(choices) >= 3:
-        pairs = RunSpec(**{**first_pass.__dict__, "streams_on_host": placed,
-                           "variants": first_pass.variants[:1] + pair_variants(choices, [c.id for c in choices])})
+        pairs = pair_pass(first_pass, choices, [c.id for c in choices])  # placed as the first pass, so far
         try:
             pair_estimate = check_fits(pairs, devices)
             if pairs.streams_on_host:  # the larger pass, placed: its numbers are the ones to state

@@ -55,8 +55,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "floor under its wall time); each layer then runs once less")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers as JSON")
     p.add_argument("--markdown", type=Path, metavar="FILE",
-                   help="also write the table as Markdown, as README's Benchmarks section shows it (bench/readme_table.py "
-                        "makes the same from a --json file and puts it into README.md)")
+                   help="also write the table as Markdown, as README's Benchmarks section shows it "
+                        "(bench/readme_table.py makes the same from a --json file and puts it into README.md)")
     p.set_defaults(func=run)
 
 
@@ -143,7 +143,6 @@ def bench_markdown(record: dict[str, Any]) -> str:
     measured in the same run; then a line with the run's shape, device, threads, versions and projections. Made from
     the JSON (not the live result) so that a file brought back from a GPU machine renders the same table."""
     stacks = ("reference", "yardstick", "base", "all")
-    short = {"reference": "ref", "yardstick": "yard", "base": "base", "all": "all"}
     lines = ["| layer | weights | alone: ref / yard / base / all | lockstep: ref · yard g/l · base g/l · all g/l"
              " | probes | lockstep (GPU busy) | tok/s | peak GiB | reference / fp32 rate |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -157,7 +156,8 @@ def bench_markdown(record: dict[str, Any]) -> str:
         total = f"**{row['run_s']:.2f}**" + (f" ({busy['run']:.2f}: {100 * busy['run'] / row['run_s']:.0f}%)"
                                               if "run" in busy else "")
         peak = "—" if row.get("peak_device_gib") is None else f"{row['peak_device_gib']:.1f}"
-        lines.append(f"| {row['layer']} ({row['kind'].upper()}) | {_with_busy(row['weights_s'], busy.get('weights'))} | "
+        lines.append(f"| {row['layer']} ({row['kind'].upper()}) | "
+                     f"{_with_busy(row['weights_s'], busy.get('weights'))} | "
                      + " / ".join(_with_busy(row["alone_s"][s], busy.get(s)) for s in stacks)
                      + f" | {lockstep} | {row['probes_s']:.2f} | {total} | {row['tokens_per_s']:,.0f} | {peak} | "
                      f"{100 * row['reference_share_of_peak']:.0f}% |")
