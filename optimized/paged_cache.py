@@ -131,8 +131,9 @@ def quantize_latent_nope(nope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     append, and no CUDA graph around it): e lies in range by construction. amax ≥ KV_AMAX_FLOOR = 1e-4 gives
     e = ⌈log2(amax/448)⌉ ≥ ⌈log2(2.2e-7)⌉ = −22 and a finite fp32 amax ≤ 3.4e38 gives e ≤ ⌈log2(7.6e35)⌉ = 120, so
     e + 127 ∈ [105, 247]. A block holding inf or NaN gets frexp's exponent for them: 0 on a CPU (and on an H100,
-    where the thirty-third session's review checked it), so e = 0 and the byte 127; CUDA leaves it unspecified for NaN, so e is clamped to [−127, 127] — a no-op in
-    range — and the byte stays valid (never 255, UE8M0's NaN) and equal to the scale its codes were divided by."""
+    where the thirty-third session's review checked it), so e = 0 and the byte 127; CUDA leaves it unspecified for
+    NaN, so e is clamped to [−127, 127] — a no-op in range — and the byte stays valid (never 255, UE8M0's NaN) and
+    equal to the scale its codes were divided by."""
     exp = ue8m0_scale_for(blockwise_amax_last(nope.float(), KV_SCALE_BLOCK), FP8_MAX, KV_AMAX_FLOOR).clamp(-127, 127)
     scale = expand_blocks_last(pow2(exp), KV_SCALE_BLOCK, nope.shape[-1])
     codes = torch.clamp(nope.float() / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

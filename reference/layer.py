@@ -307,9 +307,9 @@ class ReferenceLayer:
         (DenseCache.bf16_stack, made on the first ask when the fp32 copies are all cached, bf16-exact and fit; the
         engines' grouped GEMMs read the same copy), asked once per layer; None for fp32 and fp64, on a CPU, or when
         there is no such copy. Its rows are what `.to(bfloat16)` makes of each expert, exactly (bf16-exact values),
-        without three casts per expert and prefill chunk: 256 × 3 × 4 chunks of 8.4 M elements read in fp32 and written in
-        bf16, ~0.05 s at an H100's bandwidth per Flash layer and mode (a traced CSA layer at 30,720 tokens put all the
-        yardstick's bf16 casts at 0.051 s, thirty-third session)."""
+        without three casts per expert and prefill chunk: 256 × 3 × 4 chunks of 8.4 M elements read in fp32 and
+        written in bf16, ~0.05 s at an H100's bandwidth per Flash layer and mode (a traced CSA layer at 30,720 tokens
+        put all the yardstick's bf16 casts at 0.051 s, thirty-third session)."""
         if self.dtype != torch.bfloat16 or self.device.type != "cuda":
             return None
         if matrix not in self._bf16_expert_stacks:
