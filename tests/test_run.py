@@ -121,6 +121,45 @@ def test_resume_from_an_older_state_rewrites_later_layers_identically(tmp_path, 
     pd.testing.assert_frame_equal(sorted_metrics(out / "metrics.parquet"), sorted_metrics(tiny_run / "metrics.parquet"))
 
 
+def test_a_resumed_run_lets_go_of_its_loaded_state_once_its_streams_are_placed(tmp_path, monkeypatch):
+    """A resume loads every stack's streams from state/streams.pt (an attribution's at 30K: ~17 GB of host memory).
+    Once the runner has its own (moved to the device, or placed), the loaded copies must not stay referenced by the
+    callers for the whole pass: none may be alive when the second resumed layer starts."""
+    import weakref
+
+    real_write = RunStore.write_layer
+
+    def write_then_die(self, layer, rows, background=False):
+        real_write(self, layer, rows, background)
+        if layer == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(RunStore, "write_layer", write_then_die)
+    out = tmp_path / "stopped"
+    assert main(["run", "tiny-smoke", "--out", str(out), "--no-report", "--no-gate"]) == 130
+    monkeypatch.setattr(RunStore, "write_layer", real_write)
+    loaded: list[weakref.ref] = []
+    real_load, real_layer = RunStore.load_streams, LockstepRunner.run_layer
+
+    def load(self):
+        layer, streams = real_load(self)
+        loaded.extend(weakref.ref(t) for t in streams.values())
+        return layer, streams
+
+    alive_at: dict[int, int] = {}
+
+    def run_layer(self, layer, streams, weights=None):
+        alive_at[layer] = sum(r() is not None for r in loaded)
+        return real_layer(self, layer, streams, weights)
+
+    monkeypatch.setattr(RunStore, "load_streams", load)
+    monkeypatch.setattr(LockstepRunner, "run_layer", run_layer)
+    assert main(["run", "--resume", str(out), "--no-report", "--no-gate"]) == 0
+    first = min(alive_at)
+    assert loaded and first > 0 and alive_at[first] == len(loaded)  # the first resumed layer reads them (on a CPU)
+    assert all(alive_at[layer] == 0 for layer in alive_at if layer > first), alive_at
+
+
 def test_metrics_parquet_is_refreshed_in_the_background_and_whole_once_flushed(tmp_path, monkeypatch):
     """A run's thread does not wait for metrics.parquet's rewrite (O(rows so far) per layer): writes made while a
     combine runs are served by one more, flush_metrics() returns with every part in the file, and a combine's

@@ -247,7 +247,8 @@ class LockstepRunner:
     def run(self, start_layer: int = 0, streams: dict[str, torch.Tensor] | None = None,
             end_layer: int | None = None) -> None:
         """Layers start_layer … n−1, then the logits (with `end_layer`, layers up to end_layer − 1 only and no
-        logits: a partial pass, recorded as `end_layer` in the manifest). The manifest's status ends `complete`, or
+        logits: a partial pass, recorded as `end_layer` in the manifest). A resume's `streams` are taken: the dict
+        is left empty. The manifest's status ends `complete`, or
         `failed` / `interrupted` with where and why (`failure`) when the run stops on an exception: the layers
         already written stay, and `run --resume` continues from the last saved state."""
         ensure_no_tf32()
@@ -255,8 +256,11 @@ class LockstepRunner:
         self.weights.until = n_layers
         if streams is None:
             streams = self.initial_streams()  # placed as each is made
-        else:  # a saved state's, on the host: one at a time to the device, and placed
-            streams = {k: self._placed(k, v.to(self.device)) for k, v in streams.items()}
+        else:  # a saved state's, on the host: one at a time to the device, and placed. The caller's dict is
+            # emptied as they go, so the loaded copies (an attribution's at 30K: ~17 GB) are not held for the pass
+            loaded, streams = streams, {}
+            for k in list(loaded):
+                streams[k] = self._placed(k, loaded.pop(k).to(self.device))
         self.findings = [Finding(**f) for f in self.store.read_findings() if f["layer"] < start_layer]
         last_save = time.perf_counter()
         try:
