@@ -113,6 +113,18 @@ def test_bench_attribution_times_the_attribution_variants_in_the_lockstep(tmp_pa
     assert row["other_variants_s"] == pytest.approx(others) and others > 0
 
 
+def test_bench_refuses_before_any_compute_a_shape_the_host_would_not_hold(monkeypatch, capsys):
+    """bench checks its shape's memory as `run` does (harness.run.memory.check_fits), so an attribution-shaped bench
+    too large for the machine stops with the numbers instead of running out of memory mid-layer."""
+    import harness.run.memory as memory
+
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 0.1 * 2**30)
+    assert main(["bench", "--model", "tiny", "--tokens", "200", "--decode", "2", "--layers", "2", "--threads", "1",
+                 "--no-trace"]) == 2
+    err = capsys.readouterr().err
+    assert "predicted peak host memory" in err and "fp32 matmul peak" not in err
+
+
 def test_bench_refuses_a_layer_outside_the_model():
     assert main(["bench", "--model", "tiny", "--layers", "0-9"]) == 2
 

@@ -9,13 +9,16 @@ import pytest
 import torch
 
 from harness.attribution.plan import attribution_variants
+from harness.run import benchmark
 from harness.run import prefill_sharing
 from harness.run import runner as runner_module
 from harness.run.prefill_sharing import kept_prefill_keys
 from harness.run.runner import LockstepRunner
 from harness.run.setup import Overrides, build_run_spec
 from harness.run.store import RunStore
+from harness.run.memory import predict_memory
 from harness.run.stream_placement import host_block_bytes, to_device, to_host
+from reference.config import get_preset
 from harness.scenario import find_scenario, load_scenario
 
 
@@ -93,3 +96,46 @@ def test_on_a_gpu_placed_streams_wait_page_locked_on_the_host_and_give_the_same_
     assert seen and all(places.pop("reference")[0] == "cuda" for places in seen)
     assert all(places and set(places.values()) == {("cpu", True)} for places in seen)
     pd.testing.assert_frame_equal(pd.read_parquet(moved.metrics_path), pd.read_parquet(kept.metrics_path))
+
+
+def _placing_bench(monkeypatch) -> None:
+    """bench's memory check places the streams whatever the device holds (as check_fits does on a GPU too small)."""
+    def place(spec, world=1):
+        spec.streams_on_host = True
+        return predict_memory(spec, world)
+
+    monkeypatch.setattr(benchmark, "check_fits", place)
+
+
+def test_bench_whose_streams_are_placed_reads_them_only_through_to_device(monkeypatch):
+    """`bench` on a GPU its shape fits only with the streams on the host (an attribution-shaped bench at 30K on an
+    80 GB card) places them as `run` does: its stacks-alone timing and its lockstep read them back through
+    to_device (stand-ins without data fail any other read), and the record says so."""
+    placed_streams: dict[int, torch.Tensor] = {}
+
+    def placed(streams: torch.Tensor) -> torch.Tensor:
+        stand_in = torch.empty_like(streams, device="meta")
+        placed_streams[id(stand_in)] = streams
+        return stand_in
+
+    def back(streams: torch.Tensor, device) -> torch.Tensor:
+        return placed_streams[id(streams)] if streams.is_meta else to_device(streams, device)
+
+    _placing_bench(monkeypatch)
+    monkeypatch.setattr(runner_module, "to_host", placed)
+    for module in (runner_module, prefill_sharing, benchmark):
+        monkeypatch.setattr(module, "to_device", back)
+    lines: list[str] = []
+    result = benchmark.run_bench(get_preset("tiny"), 200, 2, [1, 2], "cpu", 128, lines.append, trace=False)
+    assert result.streams_on_host and placed_streams
+    assert any("wait in host memory between layers" in line for line in lines)
+    assert [lb.layer for lb in result.layers] == [1, 2] and all(lb.run_s > 0 for lb in result.layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_bench_with_placed_streams_runs_and_says_so(monkeypatch):
+    _placing_bench(monkeypatch)
+    result = benchmark.run_bench(get_preset("tiny"), 200, 2, [1, 2], "cuda", 128, trace=True)
+    assert result.streams_on_host
+    assert all(0 < lb.busy_s["run"] < lb.run_s for lb in result.layers)

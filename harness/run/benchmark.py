@@ -31,9 +31,10 @@ from typing import Any, Callable
 import torch
 
 from harness.run.device_time import DeviceBusy, device_busy
-from harness.run.memory import predict_memory
+from harness.run.memory import check_fits, placement_note
 from harness.run.runner import LockstepRunner, RunSpec, VariantSpec
 from harness.run.store import RunStore
+from harness.run.stream_placement import to_device
 from optimized.engine import OptimizedModel
 from optimized.registry import default_registry
 from reference.config import ModelConfig
@@ -166,6 +167,7 @@ class BenchResult:
     layers: list[LayerBench] = field(default_factory=list)
     peak_host_gib: float = 0.0
     predicted: dict[str, Any] = field(default_factory=dict)  # harness.run.memory's estimate for this shape
+    streams_on_host: bool = False  # the global stacks' streams waited on the host between layers (check_fits)
 
     def _over_all_layers(self, cfg: ModelConfig, seconds: Callable[[LayerBench], float]) -> float | None:
         """`seconds` of a measured layer, projected over every layer of the model: the mean of the measured layers
@@ -206,22 +208,22 @@ class BenchResult:
 
 
 def _stacks_alone(cfg: ModelConfig, layer: int, weights: TensorBundle, dev: torch.device,
-                  x: dict[str, torch.Tensor], ids: torch.Tensor, ref_segments: list[int], yard_segments: list[int],
-                  segments: list[int], tokens: int, reference: ReferenceModel, yardstick: ReferenceModel,
-                  engines: dict[str, OptimizedModel], measure: Callable[[Callable[[], Any]], Any]) -> dict[str, Any]:
+                  x_ref: torch.Tensor, x_base: torch.Tensor, ids: torch.Tensor, ref_segments: list[int],
+                  yard_segments: list[int], segments: list[int], tokens: int, reference: ReferenceModel,
+                  yardstick: ReferenceModel, engines: dict[str, OptimizedModel], measure: Callable[[Callable[[], Any]], Any]) -> dict[str, Any]:
     """`measure` of each stack over the layer without probes (its wall seconds: timed; its device-busy seconds:
     traced). They share one dequantized-weight cache, as in a run (the first to read a weight pays for it), freed
     on return, before the lockstep pass makes its own."""
     dense = DenseCache.for_device(dev)
     alone = {
         "reference": measure(lambda: reference.run_layer(
-            ReferenceLayer(cfg, layer, weights, device=dev, dense=dense), x["reference"], ids, ref_segments)),
+            ReferenceLayer(cfg, layer, weights, device=dev, dense=dense), x_ref, ids, ref_segments)),
         "yardstick": measure(lambda: yardstick.run_layer(
-            ReferenceLayer(cfg, layer, weights, torch.bfloat16, device=dev, dense=dense), x["base"], ids,
+            ReferenceLayer(cfg, layer, weights, torch.bfloat16, device=dev, dense=dense), x_base, ids,
             yard_segments)),
     }
     for name, engine in engines.items():
-        alone[name] = measure(lambda: engine.run_layer(engine.layer(layer, weights, dense), x["base"], ids,
+        alone[name] = measure(lambda: engine.run_layer(engine.layer(layer, weights, dense), x_base, ids,
                                                        segments, tokens))
     return alone
 
@@ -260,9 +262,13 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
     variants = variants or [VariantSpec("base", []), VariantSpec("all", all_patches)]
     spec = RunSpec(source, prompt, decode_ids, turns, [(tokens // 8, tokens // 8 + 16)], variants, chunk_size=chunk,
                    local=True, device=device)
+    estimate = check_fits(spec)  # refused with the numbers, or its streams placed on the host, as `run` would be
     result = BenchResult(cfg.name, tokens, decode, chunk, str(dev),
                          torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch.get_num_threads(),
-                         measure_fp32_peak(dev), predicted=predict_memory(spec).to_dict())
+                         measure_fp32_peak(dev), predicted=estimate.to_dict(), streams_on_host=spec.streams_on_host)
+    note = placement_note(spec, estimate)
+    if note:
+        progress(f"note: {note}")
     progress(f"fp32 matmul peak: {result.fp32_peak_flops / 1e12:.2f} TFLOP/s")
     ids = torch.tensor(prompt + decode_ids, device=dev)
     reference, yardstick = ReferenceModel(source, device=dev), ReferenceModel(source, torch.bfloat16, dev)
@@ -295,9 +301,9 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
         x = runner.initial_streams()
 
         def stacks_alone(layer: int, weights: TensorBundle, measure: Callable[[Callable[[], Any]], Any]
-                         ) -> dict[str, Any]:
-            return _stacks_alone(cfg, layer, weights, dev, x, ids, ref_segments, yard_segments, segments, tokens,
-                                 reference, yardstick, engines, measure)
+                         ) -> dict[str, Any]:  # base's streams back on the device if they were placed, untimed
+            return _stacks_alone(cfg, layer, weights, dev, x["reference"], to_device(x["base"], dev), ids,
+                                 ref_segments, yard_segments, segments, tokens, reference, yardstick, engines, measure)
         for layer in layers:
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)

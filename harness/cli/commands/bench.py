@@ -131,7 +131,8 @@ def _peak_memory(record: dict[str, Any]) -> str:
     predicted = record.get("predicted", {})
     if record["device"].startswith("cuda"):
         measured = max((row.get("peak_device_gib") or 0.0) for row in record["layers"])
-        return f"peak device memory {measured:.1f} GiB, {predicted.get('device_gib', 0.0):.1f} GiB predicted"
+        placed = ", the streams placed on the host between layers" if record.get("streams_on_host") else ""
+        return f"peak device memory {measured:.1f} GiB, {predicted.get('device_gib', 0.0):.1f} GiB predicted{placed}"
     return (f"peak host memory {record.get('peak_host_gib', 0.0):.2f} GiB, {predicted.get('host_gib', 0.0):.2f} GiB "
             "predicted")
 
