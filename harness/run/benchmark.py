@@ -260,8 +260,9 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
     prompt, decode_ids, turns = bench_prompt(cfg, tokens, decode)
     all_patches = default_registry().choose("all")
     variants = variants or [VariantSpec("base", []), VariantSpec("all", all_patches)]
+    # the reference prefills in chunks of `chunk` as a scenario's does by default (prefill.reference_chunk_size)
     spec = RunSpec(source, prompt, decode_ids, turns, [(tokens // 8, tokens // 8 + 16)], variants, chunk_size=chunk,
-                   local=True, device=device)
+                   reference_chunk_size=chunk, local=True, device=device)
     estimate = check_fits(spec)  # refused with the numbers, or its streams placed on the host, as `run` would be
     result = BenchResult(cfg.name, tokens, decode, chunk, str(dev),
                          torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch.get_num_threads(),
@@ -274,7 +275,7 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
     reference, yardstick = ReferenceModel(source, device=dev), ReferenceModel(source, torch.bfloat16, dev)
     engines = {"base": OptimizedModel(source, [], dev), "all": OptimizedModel(source, all_patches, dev)}
     together = LockstepRunner.decodes_together(spec)  # the reference and yardstick as the lockstep runs them
-    ref_segments = segment_lengths(tokens, decode, None, together)
+    ref_segments = segment_lengths(tokens, decode, chunk, together)
     segments = segment_lengths(tokens, decode, chunk)
     yard_segments = segment_lengths(tokens, decode, chunk, together)
     # compile the patches' kernels (Triton) before anything is timed: a short prefill and up to 2 decode steps (no
