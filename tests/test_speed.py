@@ -250,8 +250,9 @@ def test_a_gpu_run_that_fits_only_with_its_streams_on_the_host_gets_them_placed_
 
 def test_an_attribution_is_fitted_for_its_pair_pass_too(monkeypatch, capsys):
     """The interactions pass of six patches runs 16 variants against the first pass's 14: on a GPU that the first
-    pass fits but the pair pass fits only with the streams on the host, every pass places them; a pair pass that
-    does not fit at all is refused with --interactions always, and with auto (it may never run) warned about."""
+    pass fits but the pair pass fits only with the streams on the host, the pair pass places them and the first pass
+    does not (it would pay the copies for a pass that may never run); a pair pass that does not fit at all is refused
+    with --interactions always, and with auto (it may never run) warned about."""
     from harness.attribution.plan import pair_variants
     from harness.cli.commands.attribute import _first_pass, _fit, patches_of
     from harness.run.runner import RunSpec
@@ -281,20 +282,47 @@ def test_an_attribution_is_fitted_for_its_pair_pass_too(monkeypatch, capsys):
 
     gpu.total_memory = int((first_kept + pairs_kept) / 2 / HEADROOM)  # the first pass fits; the pairs only placed
     spec, choices, first, _ = passes()
-    _fit(spec, first, 1, choices, "never")
+    assert _fit(spec, first, 1, choices, "never") is False
     assert not spec.streams_on_host  # the pair pass will not run: the first pass fits as it is
     spec, choices, first, _ = passes()
-    _fit(spec, first, 1, choices, "auto")
-    assert spec.streams_on_host and first.streams_on_host and "host memory" in capsys.readouterr().err
+    assert _fit(spec, first, 1, choices, "auto") is True  # the pair pass's placing, for run_attribution
+    assert not spec.streams_on_host and not first.streams_on_host
+    assert "the interactions pass, if it runs: the global stacks' streams wait in host memory" in (
+        capsys.readouterr().err)
+
+    gpu.total_memory = int((first_placed + first_kept) / 2 / HEADROOM)  # both passes fit only placed
+    spec, choices, first, _ = passes()
+    assert _fit(spec, first, 1, choices, "auto") is True and spec.streams_on_host and first.streams_on_host
+    err = capsys.readouterr().err
+    assert "host memory" in err and "the interactions pass, if it runs" not in err  # one note, the first pass's
 
     gpu.total_memory = int((first_placed + pairs_placed) / 2 / HEADROOM)  # the pairs do not fit even placed
     spec, choices, first, _ = passes()
     with pytest.raises(UsageError, match="the interactions pass"):
         _fit(spec, first, 1, choices, "always")
     spec, choices, first, _ = passes()
-    _fit(spec, first, 1, choices, "auto")
+    assert _fit(spec, first, 1, choices, "auto") is False
     assert spec.streams_on_host and "the interactions pass, if the first pass asks for it, would not fit" in (
         capsys.readouterr().err)
+
+
+def test_an_attribution_places_each_pass_as_its_fit_decided(tmp_path, monkeypatch):
+    """The CLI's placing of the pair pass reaches the pair pass and not the first (run_attribution's pairs_on_host)."""
+    import harness.cli.commands.attribute as attribute_command
+    from harness.run.runner import LockstepRunner
+
+    monkeypatch.setattr(attribute_command, "_fit", lambda spec, first, devices, choices, interactions: True)
+    placed: dict[str, set[bool]] = {}
+    run_layer = LockstepRunner.run_layer
+
+    def noting(self, layer, streams, weights=None):
+        placed.setdefault(self.store.dir.name, set()).add(self.spec.streams_on_host)
+        return run_layer(self, layer, streams, weights)
+
+    monkeypatch.setattr(LockstepRunner, "run_layer", noting)
+    assert main(["attribute", "tiny-smoke", "--patches", "hash-topk,mma-sparse-decode,bf16-mhc-prelinear",
+                 "--interactions", "always", "--threads", "1", "--no-report", "--out", str(tmp_path / "attr")]) == 0
+    assert placed == {"attr": {False}, "interactions": {True}}
 
 
 def test_a_sharded_cpu_run_counts_the_reference_layer_its_reference_rank_holds_ahead(monkeypatch):

@@ -208,24 +208,27 @@ Execute = Callable[[RunSpec, RunStore, Any, int], None]
 
 
 def run_attribution(spec: RunSpec, store: RunStore, manifest: dict[str, Any], policy: str | Path | None,
-                    progress=None, interactions: str = "auto", execute: Execute = run_lockstep) -> Attribution:
+                    progress=None, interactions: str = "auto", execute: Execute = run_lockstep,
+                    pairs_on_host: bool | None = None) -> Attribution:
     """The whole of `dsv4-drift attribute`: the pass, the analysis, the optional pair pass, attribution.json.
-    `spec.variants` carry the patches to attribute."""
+    `spec.variants` carry the patches to attribute; `pairs_on_host`: the pair pass's RunSpec.streams_on_host (None:
+    the first pass's), which the CLI decides for each pass apart."""
     choices = _as_attribution(spec)
     manifest["stacks"]["variants"] = [{"name": v.name, "patches": [
         {"id": c.id, "options": c.options, "phases": list(c.patch.active_phases(c.options)), "source": c.patch.source,
          "description": c.patch.description} for c in v.choices]} for v in spec.variants]
     manifest["attribution"] = {"patches": [c.id for c in choices], "interactions": interactions}
     store.create(manifest)
-    return _complete(spec, choices, store, policy, progress, interactions, execute)
+    return _complete(spec, choices, store, policy, progress, interactions, execute, pairs_on_host)
 
 
 def resume_attribution(spec: RunSpec, store: RunStore, policy: str | Path | None, progress=None,
-                       interactions: str = "auto", execute: Execute = run_lockstep) -> Attribution:
+                       interactions: str = "auto", execute: Execute = run_lockstep,
+                       pairs_on_host: bool | None = None) -> Attribution:
     """`dsv4-drift attribute --resume`: an attribution stopped in a pass (killed, interrupted, failed) or before its
     analysis, continued — each unfinished pass from the layer after its saved state — and concluded. `spec` is the
     run's, rebuilt from its manifest, its variants carrying the patches."""
-    return _complete(spec, _as_attribution(spec), store, policy, progress, interactions, execute)
+    return _complete(spec, _as_attribution(spec), store, policy, progress, interactions, execute, pairs_on_host)
 
 
 def _as_attribution(spec: RunSpec) -> list:
@@ -286,7 +289,7 @@ def pair_pass(first_pass: RunSpec, choices: list, ids: list[str]) -> RunSpec:
 
 
 def _complete(spec: RunSpec, choices: list, store: RunStore, policy: str | Path | None, progress,
-              interactions: str, execute: Execute) -> Attribution:
+              interactions: str, execute: Execute, pairs_on_host: bool | None = None) -> Attribution:
     """The first pass (what is left of it), the analysis, the pair pass when wanted, attribution.json."""
     _run_pass(spec, store, progress, execute)
     manifest = store.read_manifest()
@@ -296,6 +299,8 @@ def _complete(spec: RunSpec, choices: list, store: RunStore, policy: str | Path 
     if wants_pairs and len(ids) >= 3:
         pair_store = RunStore(store.dir / "interactions")
         pair_spec = pair_pass(spec, choices, ids)
+        if pairs_on_host is not None:
+            pair_spec.streams_on_host = pairs_on_host
         if not pair_store.exists():
             pair_store.create({**{k: v for k, v in manifest.items() if k not in _PASS_PROGRESS}, "status": "running",
                                "finished": None, "attribution": {"patches": ids, "pass": "interactions"}})

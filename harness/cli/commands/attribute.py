@@ -96,34 +96,41 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
             console(stderr=True).print(f"[yellow]warning[/]: {warning}", soft_wrap=True)
         spec.variants = [VariantSpec("patches", choices)]
         manifest = manifest_for(scenario, path.read_text(), overrides, spec, plan)
-        _fit(spec, first_pass, devices, choices, interactions)
-    return run_attribution(spec, store, manifest, policy, progress, interactions, _executor(devices)), store.dir
+        pairs_on_host = _fit(spec, first_pass, devices, choices, interactions)
+    return run_attribution(spec, store, manifest, policy, progress, interactions, _executor(devices),
+                           pairs_on_host), store.dir
 
 
-def _fit(spec: RunSpec, first_pass: RunSpec, devices: int, choices: list, interactions: str) -> None:
+def _fit(spec: RunSpec, first_pass: RunSpec, devices: int, choices: list, interactions: str) -> bool:
     """check_fits on the first pass, refusing what would not fit, and on the pair pass where one may run (three
     patches or more, interactions not 'never') in its largest form, every pair of the patches: two global stacks more
     than the first pass's with six patches. `always` refuses a pair pass that would not fit; `auto` warns, since the
-    pair pass runs only when the first pass's findings ask for it. Where a pass fits only with the streams on the
-    host, every pass of `spec` places them there, and the command says so."""
+    pair pass runs only when the first pass's findings ask for it. Each pass has its streams placed on the host only
+    where it fits only so (the first pass in `spec`; the pair pass's placing is returned, for run_attribution), and
+    the command says so: a first pass that fits as it is does not pay the copies for a pair pass that may never run."""
     out = console(stderr=True)
+    first_pass.streams_on_host = False  # decided afresh: a resume may be on another machine or device
     estimate = check_fits(first_pass, devices)
-    placed = first_pass.streams_on_host
-    if interactions != "never" and len(choices) >= 3:
-        pairs = pair_pass(first_pass, choices, [c.id for c in choices])  # placed as the first pass, so far
-        try:
-            pair_estimate = check_fits(pairs, devices)
-            if pairs.streams_on_host:  # the larger pass, placed: its numbers are the ones to state
-                placed, estimate = True, pair_estimate
-        except UsageError as e:
-            if interactions == "always":
-                raise UsageError(f"the interactions pass (every pair of the patches): {e}") from None
-            out.print(f"[yellow]warning[/]: the interactions pass, if the first pass asks for it, would not fit: {e} "
-                      "(give --interactions never to skip it)", soft_wrap=True)
-    spec.streams_on_host = first_pass.streams_on_host = placed
+    spec.streams_on_host = first_pass.streams_on_host
     note = placement_note(first_pass, estimate)
     if note:
         out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
+    if interactions == "never" or len(choices) < 3:
+        return False
+    pairs = pair_pass(first_pass, choices, [c.id for c in choices])
+    pairs.streams_on_host = False
+    try:
+        pair_estimate = check_fits(pairs, devices)
+    except UsageError as e:
+        if interactions == "always":
+            raise UsageError(f"the interactions pass (every pair of the patches): {e}") from None
+        out.print(f"[yellow]warning[/]: the interactions pass, if the first pass asks for it, would not fit: {e} "
+                  "(give --interactions never to skip it)", soft_wrap=True)
+        return False
+    note = placement_note(pairs, pair_estimate)
+    if note and not first_pass.streams_on_host:
+        out.print(f"[yellow]note[/]: the interactions pass, if it runs: {note}", soft_wrap=True)
+    return pairs.streams_on_host
 
 
 def _first_pass(spec: RunSpec, choices: list) -> RunSpec:
@@ -190,7 +197,7 @@ def resume(run_dir: Path, manifest: dict, policy: str | None, device: str | None
     devices, sharded = _processes(first_pass, devices, threads)
     interactions = interactions or manifest["attribution"].get("interactions", "auto")
     # resumed on another machine or device: refused, or its streams placed, as a new one would be
-    _fit(spec, first_pass, devices, choices, interactions)
+    pairs_on_host = _fit(spec, first_pass, devices, choices, interactions)
     spec.variants = [VariantSpec("patches", choices)]
     first = resume_layer(store)
     console(stderr=True).print(f"resuming {store.dir} " + (f"at layer {first}" if first is not None else
@@ -198,7 +205,8 @@ def resume(run_dir: Path, manifest: dict, policy: str | None, device: str | None
                                + f" with {torch.get_num_threads()} thread(s)")
     if sharded:
         console(stderr=True).print(f"[yellow]note[/]: {sharded}", soft_wrap=True)
-    return resume_attribution(spec, store, policy, progress, interactions, _executor(devices)), store.dir
+    return resume_attribution(spec, store, policy, progress, interactions, _executor(devices),
+                              pairs_on_host), store.dir
 
 
 def run(args: argparse.Namespace) -> int:
