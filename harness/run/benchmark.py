@@ -210,7 +210,8 @@ class BenchResult:
 def _stacks_alone(cfg: ModelConfig, layer: int, weights: TensorBundle, dev: torch.device,
                   x_ref: torch.Tensor, x_base: torch.Tensor, ids: torch.Tensor, ref_segments: list[int],
                   yard_segments: list[int], segments: list[int], tokens: int, reference: ReferenceModel,
-                  yardstick: ReferenceModel, engines: dict[str, OptimizedModel], measure: Callable[[Callable[[], Any]], Any]) -> dict[str, Any]:
+                  yardstick: ReferenceModel, engines: dict[str, OptimizedModel],
+                  measure: Callable[[Callable[[], Any]], Any]) -> dict[str, Any]:
     """`measure` of each stack over the layer without probes (its wall seconds: timed; its device-busy seconds:
     traced). They share one dequantized-weight cache, as in a run (the first to read a weight pays for it), freed
     on return, before the lockstep pass makes its own."""
@@ -275,9 +276,8 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
     reference, yardstick = ReferenceModel(source, device=dev), ReferenceModel(source, torch.bfloat16, dev)
     engines = {"base": OptimizedModel(source, [], dev), "all": OptimizedModel(source, all_patches, dev)}
     together = LockstepRunner.decodes_together(spec)  # the reference and yardstick as the lockstep runs them
-    ref_segments = segment_lengths(tokens, decode, chunk, together)
+    ref_segments = yard_segments = segment_lengths(tokens, decode, chunk, together)
     segments = segment_lengths(tokens, decode, chunk)
-    yard_segments = segment_lengths(tokens, decode, chunk, together)
     # compile the patches' kernels (Triton) before anything is timed: a short prefill and up to 2 decode steps (no
     # more than the run has: a step past the ids would be empty)
     warm, warm_steps = min(tokens, 256), min(decode, 2)

@@ -42,8 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="model preset (default flash-mini; flash is the full width)")
     p.add_argument("--tokens", type=int, default=8192, metavar="N", help="prompt tokens (default 8192)")
     p.add_argument("--decode", type=int, default=8, metavar="N", help="teacher-forced decode steps (default 8)")
-    p.add_argument("--chunk-size", type=int, default=8192, metavar="N", help="prefill chunk of the engines and the reference, as a scenario's default "
-                   "(prefill.reference_chunk_size = chunk_size; default 8192)")
+    p.add_argument("--chunk-size", type=int, default=8192, metavar="N",
+                   help="prefill chunk of the engines and the reference, as a scenario's default "
+                        "(prefill.reference_chunk_size = chunk_size; default 8192)")
     p.add_argument("--layers", default="0-3", metavar="LIST",
                    help="layers to measure: comma list and ranges, e.g. 0-3 or 2,3 (default 0-3: SWA, CSA and HCA)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cpu)")
