@@ -17,7 +17,7 @@ from harness.run.runner import LockstepRunner
 from harness.run.setup import Overrides, build_run_spec
 from harness.run.store import RunStore
 from harness.run.memory import predict_memory
-from harness.run.stream_placement import host_block_bytes, to_device, to_host
+from harness.run.stream_placement import host_block_bytes, on_host, to_device, to_host
 from reference.config import get_preset
 from harness.scenario import find_scenario, load_scenario
 
@@ -71,7 +71,7 @@ def test_streams_placed_off_the_device_give_the_same_metrics_and_are_read_only_t
 
 def test_on_a_cpu_placing_moves_nothing_and_the_allocator_rounds_to_powers_of_two():
     x = torch.randn(3, 4)
-    assert to_host(x) is x and to_device(x, "cpu") is x
+    assert to_host(x) is x and to_device(x, "cpu") is x and on_host(x) is x
     assert [host_block_bytes(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
     assert host_block_bytes(30784 * 4 * 4096 * 2) == 2**30  # a Flash stream at 30K tokens (1.009 GB): 1 GiB
     assert host_block_bytes(2**30 + 1) == 2**31
@@ -96,6 +96,10 @@ def test_on_a_gpu_placed_streams_wait_page_locked_on_the_host_and_give_the_same_
     assert seen and all(places.pop("reference")[0] == "cuda" for places in seen)
     assert all(places and set(places.values()) == {("cpu", True)} for places in seen)
     pd.testing.assert_frame_equal(pd.read_parquet(moved.metrics_path), pd.read_parquet(kept.metrics_path))
+    # the resume state holds the placed streams themselves (RunStore._host_copy): saved once their copies arrived
+    (kept_layer, kept_state), (moved_layer, moved_state) = kept.load_streams(), moved.load_streams()
+    assert kept_layer == moved_layer and kept_state.keys() == moved_state.keys()
+    assert all(torch.equal(kept_state[k], moved_state[k]) for k in kept_state)
 
 
 def _placing_bench(monkeypatch) -> None:
@@ -139,3 +143,16 @@ def test_on_a_gpu_a_bench_with_placed_streams_runs_and_says_so(monkeypatch):
     result = benchmark.run_bench(get_preset("tiny"), 200, 2, [1, 2], "cuda", 128, trace=True)
     assert result.streams_on_host
     assert all(0 < lb.busy_s["run"] < lb.run_s for lb in result.layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_stream_copied_out_is_copied_back_and_read_on_the_host_after_its_copy():
+    """to_host queues its copy without the host waiting: a copy straight back, and a read on the host through
+    on_host, see the values the queued work wrote (not the page-locked buffer's earlier bytes)."""
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):  # work queued before the copy out, so that it is still running when to_host returns
+        x = x * 1.0001 + 1.0
+    host = to_host(x)
+    assert torch.equal(to_device(host, "cuda"), x)
+    assert torch.equal(on_host(host), x.cpu())
