@@ -17,7 +17,7 @@ from harness.run.runner import LockstepRunner
 from harness.run.setup import Overrides, build_run_spec
 from harness.run.store import RunStore
 from harness.run.memory import predict_memory
-from harness.run.stream_placement import host_block_bytes, on_host, to_device, to_host
+from harness.run.stream_placement import host_block_bytes, to_device, to_host
 from reference.config import get_preset
 from harness.scenario import find_scenario, load_scenario
 
@@ -71,7 +71,7 @@ def test_streams_placed_off_the_device_give_the_same_metrics_and_are_read_only_t
 
 def test_on_a_cpu_placing_moves_nothing_and_the_allocator_rounds_to_powers_of_two():
     x = torch.randn(3, 4)
-    assert to_host(x) is x and to_device(x, "cpu") is x and on_host(x) is x
+    assert to_host(x) is x and to_device(x, "cpu") is x
     assert [host_block_bytes(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
     assert host_block_bytes(30784 * 4 * 4096 * 2) == 2**30  # a Flash stream at 30K tokens (1.009 GB): 1 GiB
     assert host_block_bytes(2**30 + 1) == 2**31
@@ -145,14 +145,15 @@ def test_on_a_gpu_a_bench_with_placed_streams_runs_and_says_so(monkeypatch):
     assert all(0 < lb.busy_s["run"] < lb.run_s for lb in result.layers)
 
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_a_gpu_a_stream_copied_out_is_copied_back_and_read_on_the_host_after_its_copy():
-    """to_host queues its copy without the host waiting: a copy straight back, and a read on the host through
-    on_host, see the values the queued work wrote (not the page-locked buffer's earlier bytes)."""
+def test_on_a_gpu_a_stream_copied_out_behind_queued_work_holds_what_that_work_wrote():
+    """to_host copies behind the work queued before it: the host tensor, and a copy straight back, hold the values
+    that work wrote (not the page-locked buffer's earlier bytes)."""
     x = torch.randn(4096, 4096, device="cuda")
-    for _ in range(8):  # work queued before the copy out, so that it is still running when to_host returns
+    for _ in range(8):  # work queued before the copy out
         x = x * 1.0001 + 1.0
     host = to_host(x)
+    assert host.is_pinned() and torch.equal(host, x.cpu())
     assert torch.equal(to_device(host, "cuda"), x)
-    assert torch.equal(on_host(host), x.cpu())

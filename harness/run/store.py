@@ -26,7 +26,6 @@ import pyarrow.parquet as pq
 import torch
 
 from harness.errors import UsageError
-from harness.run.stream_placement import on_host
 
 METRICS_SCHEMA = pa.schema([
     ("variant", pa.string()), ("mode", pa.string()), ("layer", pa.int32()), ("phase", pa.string()),
@@ -239,8 +238,7 @@ class RunStore:
         life (rounded up to a power of two): a run locks at most ~2× its streams' size."""
         value = value.detach()
         if not value.is_cuda and value.is_pinned():  # a stream placed on the host (harness.run.stream_placement):
-            return on_host(value)  # never written again once its copy has arrived, so the snapshot may hold it
-            # instead of a copy (15 GB for Flash's 15)
+            return value  # never written again, so the snapshot may hold it instead of a copy (15 GB for Flash's 15)
         if not value.is_cuda:
             return value.to("cpu", copy=True)
         buffer = self._host_buffers.get(name)

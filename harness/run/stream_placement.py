@@ -8,31 +8,21 @@ their streams on the device (RunSpec.streams_on_host; harness.run.memory.check_f
 fits only so). A prefill that later variants continue from (harness.run.prefill_sharing) then keeps host copies of
 its global input and output rows too.
 
-The copies are exact, so the metrics are those of a run that keeps the streams on the device. The copy out is queued
-behind the stack's work without the host waiting for it (a wait there drained the GPU's queue at every global stack:
-~1 s each of an attribution-shaped layer on an H100, bench --attribution); the host tensor is never written again.
-A copy in is queued on the device's stream after the copy out (the stream waits for it), so it reads what the stack
-wrote; a read on the host — the resume state's snapshot — first waits for it (on_host). The device rows the copy
-out reads are freed at once but reused only by work queued after it (torch's caching allocator is stream-ordered,
-and both host lanes queue on one stream), and torch's page-locked host allocator keeps a freed block from being
-reused until the copies queued from or into it are done. It rounds each block up to a power of two (a Flash stream
-of 1.009 GB at 30,784 tokens takes 1 GiB), which the memory estimate counts. On a CPU both placements are the same
-memory: nothing moves.
+The copies are exact, so the metrics are those of a run that keeps the streams on the device. The copy out waits for
+the work queued before it (the stack's pair is over: its rows have read the device already) and the host tensor is
+never written again, so a later copy in from it, queued without waiting (page-locked memory), reads what the stack
+wrote; torch's page-locked host allocator keeps a freed block from being reused until the copies queued from it are
+done. It rounds each block up to a power of two (a Flash stream of 1.009 GB at 30,784 tokens takes 1 GiB), which the
+memory estimate counts. On a CPU both placements are the same memory: nothing moves.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
-
-_copies_out: dict[int, torch.cuda.Event] = {}
-"""id(host tensor) → the event after its copy out, while the tensor lives (weakref.finalize drops the entry)."""
 
 
 def to_host(streams: torch.Tensor) -> torch.Tensor:
-    """`streams` in page-locked host memory, the copy queued (a CPU tensor is returned as it is): to_device may copy
-    it back at once; a read on the host goes through on_host."""
+    """`streams` in page-locked host memory, complete when this returns (a CPU tensor is returned as it is)."""
     if streams.device.type != "cuda":
         return streams
     try:
@@ -42,28 +32,15 @@ def to_host(streams: torch.Tensor) -> torch.Tensor:
     host.copy_(streams, non_blocking=True)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(streams.device))
-    _copies_out[id(host)] = done
-    weakref.finalize(host, _copies_out.pop, id(host), None)
+    done.synchronize()  # the bytes are on the host: the tensor may be read, saved or copied back
     return host
 
 
-def on_host(streams: torch.Tensor) -> torch.Tensor:
-    """`streams`, once a copy out to them (to_host) has arrived: what a read on the host waits for."""
-    done = _copies_out.pop(id(streams), None)
-    if done is not None:
-        done.synchronize()
-    return streams
-
-
 def to_device(streams: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """`streams` on `device`: a copy queued on the current stream when they wait on the host (after their copy out,
-    if it is still queued), else themselves."""
+    """`streams` on `device`: a copy queued on the current stream when they wait on the host, else themselves."""
     device = torch.device(device)
     if streams.device.type == device.type and device.index in (None, streams.device.index):
         return streams
-    done = _copies_out.get(id(streams))
-    if done is not None:  # the device waits, not the host
-        torch.cuda.current_stream(device).wait_event(done)
     return streams.to(device, non_blocking=streams.is_pinned())
 
 
