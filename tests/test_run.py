@@ -160,6 +160,27 @@ def test_a_resumed_run_lets_go_of_its_loaded_state_once_its_streams_are_placed(t
     assert all(alive_at[layer] == 0 for layer in alive_at if layer > first), alive_at
 
 
+def test_a_resumed_rank_keeps_only_the_loaded_streams_of_its_own_stacks(tmp_path, monkeypatch):
+    """A sharded run's rank (ShardedRunner.own_stacks: its share) resumes from a state that holds every stack's
+    streams; it keeps the reference's and its own global stacks' — what its memory estimate counts — not every one
+    on its device for the first resumed layer."""
+    from harness.run.setup import Overrides, build_run_spec
+    from harness.scenario import find_scenario, load_scenario
+
+    spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))[0]
+    store = RunStore(tmp_path / "r")
+    store.create({})
+    runner = LockstepRunner(spec, store)
+    loaded = {k: v.clone() for k, v in runner.initial_streams().items()}
+    assert {"reference", "yardstick", "base"} <= set(loaded) and len(loaded) >= 4
+    monkeypatch.setattr(LockstepRunner, "own_stacks", lambda self: [("base", "global"), ("base", "local")])
+    given: list[set[str]] = []
+    monkeypatch.setattr(LockstepRunner, "run_layer", lambda self, layer, streams, weights=None: given.append(
+        set(streams)) or streams)
+    runner.run(1, loaded, end_layer=2)
+    assert given == [{"reference", "base"}] and not loaded
+
+
 def test_metrics_parquet_is_refreshed_in_the_background_and_whole_once_flushed(tmp_path, monkeypatch):
     """A run's thread does not wait for metrics.parquet's rewrite (O(rows so far) per layer): writes made while a
     combine runs are served by one more, flush_metrics() returns with every part in the file, and a combine's

@@ -293,36 +293,57 @@ def test_an_attribution_is_fitted_for_its_pair_pass_too(monkeypatch, capsys):
     gpu.total_memory = int((first_placed + first_kept) / 2 / HEADROOM)  # both passes fit only placed
     spec, choices, first, _ = passes()
     assert _fit(spec, first, 1, choices, "auto") is True and spec.streams_on_host and first.streams_on_host
-    err = capsys.readouterr().err
-    assert "host memory" in err and "the interactions pass, if it runs" not in err  # one note, the first pass's
+    err = capsys.readouterr().err  # a note for each pass: the pair pass pins more than the first pass's note says
+    assert err.count("wait in host memory") == 2 and "the interactions pass, if it runs" in err
 
     gpu.total_memory = int((first_placed + pairs_placed) / 2 / HEADROOM)  # the pairs do not fit even placed
     spec, choices, first, _ = passes()
     with pytest.raises(UsageError, match="the interactions pass"):
         _fit(spec, first, 1, choices, "always")
     spec, choices, first, _ = passes()
-    assert _fit(spec, first, 1, choices, "auto") is False
+    assert _fit(spec, first, 1, choices, "auto") is True  # fits neither way: if it runs, placed comes closest
     assert spec.streams_on_host and "the interactions pass, if the first pass asks for it, would not fit" in (
         capsys.readouterr().err)
+    import harness.cli.commands.attribute as attribute_command
+
+    def sharded_fits(pass_spec, devices):  # two ranks: the first pass fits, the pair pass not (never placed, sharded)
+        if len(pass_spec.variants) > len(first.variants):
+            raise UsageError("predicted peak device memory too large")
+        return predict_memory(pass_spec, devices)
+
+    monkeypatch.setattr(attribute_command, "check_fits", sharded_fits)
+    spec, choices, first, _ = passes()
+    assert _fit(spec, first, 2, choices, "auto") is False and not spec.streams_on_host
 
 
 def test_an_attribution_places_each_pass_as_its_fit_decided(tmp_path, monkeypatch):
-    """The CLI's placing of the pair pass reaches the pair pass and not the first (run_attribution's pairs_on_host)."""
+    """The CLI's placing of the pair pass reaches the pair pass and not the first (run_attribution's pairs_on_host),
+    in a new attribution and in one resumed from its first pass (resume_attribution's)."""
     import harness.cli.commands.attribute as attribute_command
     from harness.run.runner import LockstepRunner
 
     monkeypatch.setattr(attribute_command, "_fit", lambda spec, first, devices, choices, interactions: True)
     placed: dict[str, set[bool]] = {}
     run_layer = LockstepRunner.run_layer
+    stop = {"armed": False}
 
     def noting(self, layer, streams, weights=None):
+        if stop["armed"] and layer == 2:
+            raise KeyboardInterrupt  # in the first pass
         placed.setdefault(self.store.dir.name, set()).add(self.spec.streams_on_host)
         return run_layer(self, layer, streams, weights)
 
     monkeypatch.setattr(LockstepRunner, "run_layer", noting)
-    assert main(["attribute", "tiny-smoke", "--patches", "hash-topk,mma-sparse-decode,bf16-mhc-prelinear",
-                 "--interactions", "always", "--threads", "1", "--no-report", "--out", str(tmp_path / "attr")]) == 0
+    args = ["--patches", "hash-topk,mma-sparse-decode,bf16-mhc-prelinear", "--interactions", "always", "--threads",
+            "1", "--no-report"]
+    assert main(["attribute", "tiny-smoke", *args, "--out", str(tmp_path / "attr")]) == 0
     assert placed == {"attr": {False}, "interactions": {True}}
+    placed.clear()
+    stop["armed"] = True
+    assert main(["attribute", "tiny-smoke", *args, "--out", str(tmp_path / "resumed")]) == 130
+    stop["armed"] = False
+    assert main(["attribute", "--resume", str(tmp_path / "resumed"), "--no-report"]) == 0
+    assert placed == {"resumed": {False}, "interactions": {True}}
 
 
 def test_a_sharded_cpu_run_counts_the_reference_layer_its_reference_rank_holds_ahead(monkeypatch):

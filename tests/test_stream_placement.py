@@ -12,14 +12,14 @@ from harness.attribution.plan import attribution_variants
 from harness.run import benchmark
 from harness.run import prefill_sharing
 from harness.run import runner as runner_module
+from harness.run.memory import predict_memory
 from harness.run.prefill_sharing import kept_prefill_keys
 from harness.run.runner import LockstepRunner
 from harness.run.setup import Overrides, build_run_spec
 from harness.run.store import RunStore
-from harness.run.memory import predict_memory
 from harness.run.stream_placement import host_block_bytes, to_device, to_host
-from reference.config import get_preset
 from harness.scenario import find_scenario, load_scenario
+from reference.config import get_preset
 
 
 def _run(tmp_path, name: str, on_host: bool, device: str = "cpu", lanes: bool | None = None) -> RunStore:
@@ -139,11 +139,45 @@ def test_bench_whose_streams_are_placed_reads_them_only_through_to_device(monkey
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_a_bench_with_placed_streams_runs_and_says_so(monkeypatch):
+    """The placed bench on a GPU: the page-locked copies (and the blocks locked before timing) for real, traced."""
     _placing_bench(monkeypatch)
-    result = benchmark.run_bench(get_preset("tiny"), 200, 2, [1, 2], "cuda", 128, trace=True)
-    assert result.streams_on_host
+    lines: list[str] = []
+    result = benchmark.run_bench(get_preset("tiny"), 200, 2, [1, 2], "cuda", 128, lines.append, trace=True)
+    assert result.streams_on_host and any("wait in host memory between layers" in line for line in lines)
     assert all(0 < lb.busy_s["run"] < lb.run_s for lb in result.layers)
 
+
+def test_bench_locks_as_many_host_blocks_as_its_layer_places_before_timing(tmp_path, monkeypatch):
+    """_lock_host_blocks: one page-locked block per placed global stream and two (input and output rows) per kept
+    global prefill, of their shapes, all freed again (to torch's page-locked cache); nothing without placed streams,
+    and nothing when the host refuses to lock memory (to_host copies to ordinary memory then)."""
+    spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))[0]
+    variants = {v.name: v for v in attribution_variants([c for v in spec.variants for c in v.choices])}
+    spec.variants = [variants["base"], variants["only:mma-sparse-decode"], variants["all"]]
+    x = LockstepRunner(spec, RunStore(tmp_path / "r")).initial_streams()
+    made: list[tuple[tuple[int, ...], bool]] = []
+    empty = torch.empty
+
+    def recording(*shape, **kwargs):
+        made.append((tuple(shape[0]) if len(shape) == 1 else shape, kwargs.get("pin_memory", False)))
+        return empty(*shape, **{k: v for k, v in kwargs.items() if k != "pin_memory"})
+
+    monkeypatch.setattr(torch, "empty", recording)
+    benchmark._lock_host_blocks(spec, x)
+    stream, rows = tuple(x["base"].shape), (spec.n_prompt, *x["base"].shape[1:])
+    globals_ = sum(mode == "global" for _, mode in spec.stacks())
+    kept = sum(mode == "global" for mode, _ in kept_prefill_keys(spec, spec.stacks()))
+    assert kept == 1 and globals_ == 4  # yardstick, base, only:mma-sparse-decode, all; base's prefill kept
+    assert made == [(stream, True)] * globals_ + [(rows, True)] * 2 * kept
+    made.clear()
+    benchmark._lock_host_blocks(spec, {"reference": x["reference"]})
+    assert made == []
+
+    def refusing(*shape, **kwargs):
+        raise RuntimeError("cudaHostAlloc failed")
+
+    monkeypatch.setattr(torch, "empty", refusing)
+    benchmark._lock_host_blocks(spec, x)  # returns: the run copies to ordinary memory
 
 
 @pytest.mark.gpu

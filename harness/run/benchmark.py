@@ -140,7 +140,8 @@ class LayerBench:
     @property
     def probes_s(self) -> float:
         """Runner time beyond the stacks' own: recording, comparing, binning (each mode runs the stack once), of the
-        stacks timed alone (the attribution's other variants are not)."""
+        stacks timed alone (the attribution's other variants are not); with the streams placed on the host, the
+        global stacks' copies out and in too (the stacks alone read base's streams untimed)."""
         timed = {key: s for key, s in self.runner_s.items() if key.split("/")[0] in self.alone_s}
         return sum(timed.values()) - sum(self.alone_s[key.split("/")[0]] for key in timed)
 
@@ -349,10 +350,15 @@ def _lock_host_blocks(spec: RunSpec, x: dict[str, torch.Tensor]) -> None:
     would lock fresh ones — 0.34 s per GiB on an H100 host against ~0 reused (thirty-fifth session), ~6 s of an
     attribution-shaped layer at 30K that no run's layer after its first pays."""
     placed = [v for k, v in x.items() if k != "reference"]
-    rows = (spec.n_prompt, *placed[0].shape[1:]) if placed else ()
+    if not placed:
+        return
+    rows = (spec.n_prompt, *placed[0].shape[1:])
     kept = sum(mode == "global" for mode, _ in kept_prefill_keys(spec, spec.stacks()))
-    blocks = [torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for v in placed]
-    blocks += [torch.empty(rows, dtype=placed[0].dtype, pin_memory=True) for _ in range(2 * kept)]
+    try:
+        blocks = [torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for v in placed]
+        blocks += [torch.empty(rows, dtype=placed[0].dtype, pin_memory=True) for _ in range(2 * kept)]
+    except RuntimeError:  # the host refuses to lock that much: the run's to_host copies to ordinary memory then
+        return
     del blocks
 
 

@@ -257,10 +257,15 @@ class LockstepRunner:
         if streams is None:
             streams = self.initial_streams()  # placed as each is made
         else:  # a saved state's, on the host: one at a time to the device, and placed. The caller's dict is
-            # emptied as they go, so the loaded copies (an attribution's at 30K: ~17 GB) are not held for the pass
+            # emptied as they go, so the loaded copies (an attribution's at 30K: ~17 GB) are not held for the pass;
+            # a sharded run's rank keeps the reference's and its own stacks' (what its memory estimate counts)
+            keep = {"reference", *(name for name, mode in self.own_stacks() if mode == "global")}
             loaded, streams = streams, {}
-            for k in list(loaded):
-                streams[k] = self._placed(k, loaded.pop(k).to(self.device))
+            for k in list(loaded):  # (no local name may hold one after the loop)
+                if k in keep:
+                    streams[k] = self._placed(k, loaded.pop(k).to(self.device))
+                else:
+                    del loaded[k]
         self.findings = [Finding(**f) for f in self.store.read_findings() if f["layer"] < start_layer]
         last_save = time.perf_counter()
         try:

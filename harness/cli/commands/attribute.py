@@ -107,7 +107,8 @@ def _fit(spec: RunSpec, first_pass: RunSpec, devices: int, choices: list, intera
     than the first pass's with six patches. `always` refuses a pair pass that would not fit; `auto` warns, since the
     pair pass runs only when the first pass's findings ask for it. Each pass has its streams placed on the host only
     where it fits only so (the first pass in `spec`; the pair pass's placing is returned, for run_attribution), and
-    the command says so: a first pass that fits as it is does not pay the copies for a pair pass that may never run."""
+    the command says so for each: a first pass that fits as it is does not pay the copies for a pair pass that may
+    never run. A pair pass that fits neither way is placed where that is possible, as the closest."""
     out = console(stderr=True)
     first_pass.streams_on_host = False  # decided afresh: a resume may be on another machine or device
     estimate = check_fits(first_pass, devices)
@@ -126,9 +127,11 @@ def _fit(spec: RunSpec, first_pass: RunSpec, devices: int, choices: list, intera
             raise UsageError(f"the interactions pass (every pair of the patches): {e}") from None
         out.print(f"[yellow]warning[/]: the interactions pass, if the first pass asks for it, would not fit: {e} "
                   "(give --interactions never to skip it)", soft_wrap=True)
-        return False
+        # it fits neither way: if it runs, its streams on the host come closest (one process on a GPU; a sharded
+        # pass is never placed)
+        return devices == 1 and torch.device(first_pass.device).type == "cuda"
     note = placement_note(pairs, pair_estimate)
-    if note and not first_pass.streams_on_host:
+    if note:  # its own numbers: the larger pass pins more than the first pass's note says
         out.print(f"[yellow]note[/]: the interactions pass, if it runs: {note}", soft_wrap=True)
     return pairs.streams_on_host
 

@@ -117,8 +117,9 @@ def run(args: argparse.Namespace) -> int:
     measured = max((lb.peak_device_gib or 0.0) for lb in result.layers) if device.startswith("cuda") \
         else result.peak_host_gib
     terms = result.predicted["device_terms_gib" if device.startswith("cuda") else "host_terms_gib"]
+    placed = "; the streams placed on the host between layers" if result.streams_on_host else ""
     console().print(f"peak memory: {measured:.1f} GiB measured, {predicted:.1f} GiB predicted (harness.run.memory: "
-                    + ", ".join(f"{k} {v:.1f}" for k, v in terms.items()) + ")")
+                    + ", ".join(f"{k} {v:.1f}" for k, v in terms.items()) + f"){placed}")
     if args.json:
         args.json.write_text(json.dumps(record, indent=1) + "\n")
         out.print(f"wrote {args.json}")

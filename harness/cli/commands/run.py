@@ -118,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
             execute = lambda started: _share_as_rank_zero(group, recipe, store)  # noqa: E731 - torchrun
         elif world > 1:
             execute = lambda started: run_sharded(world, spec, store, threads_now, start, started)  # noqa: E731
+        if execute is not None:  # the ranks load the state themselves: this process need not hold it meanwhile
+            streams = None
         try:
             segments, seconds, peaks = _run_layers(spec, store, start, streams, out, execute, world)
         except (PluginOpError, RankFailed) as e:
