@@ -1,8 +1,11 @@
 """harness.run.stream_placement: a global stack's streams may wait in host memory between layers
-(RunSpec.streams_on_host, set by check_fits when a run on one GPU fits only so). The copies are exact, so every metric must be the one of a run
-that keeps them on the device, and nothing may read a placed stream except through to_device."""
+(RunSpec.streams_on_host, set by check_fits when a run on one GPU fits only so). The copies are exact, so every
+metric must be the one of a run that keeps them on the device, and nothing may read a placed stream except through
+to_device."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import pandas as pd
 import pytest
@@ -38,12 +41,10 @@ def _run(tmp_path, name: str, on_host: bool, device: str = "cpu", lanes: bool | 
     return store
 
 
-def test_streams_placed_off_the_device_give_the_same_metrics_and_are_read_only_through_to_device(tmp_path,
-                                                                                              monkeypatch):
-    """Stand-ins make a placed stream a tensor without data (the meta device) that only to_device turns back into
-    the stream: any read of a placed stream that bypasses to_device fails, and the metrics (every layer, both lanes,
-    the final logits) are those of the run that keeps its streams."""
-    kept = _run(tmp_path, "kept", on_host=False, lanes=True)
+def _stand_ins(monkeypatch, *readers) -> tuple[dict[int, torch.Tensor], Callable[..., torch.Tensor]]:
+    """The runner places a stream as a stand-in without data (the meta device), and `readers`' to_device turns only
+    a stand-in back into its stream: any read of a placed stream that bypasses to_device fails. Returns the placed
+    streams (by their stand-in's id) and the copy back."""
     placed_streams: dict[int, torch.Tensor] = {}
 
     def placed(streams: torch.Tensor) -> torch.Tensor:
@@ -54,10 +55,20 @@ def test_streams_placed_off_the_device_give_the_same_metrics_and_are_read_only_t
     def back(streams: torch.Tensor, device) -> torch.Tensor:
         return placed_streams[id(streams)] if streams.is_meta else to_device(streams, device)
 
-    save = RunStore.save_streams
     monkeypatch.setattr(runner_module, "to_host", placed)
-    monkeypatch.setattr(runner_module, "to_device", back)
-    monkeypatch.setattr(prefill_sharing, "to_device", back)
+    for module in readers:
+        monkeypatch.setattr(module, "to_device", back)
+    return placed_streams, back
+
+
+def test_streams_placed_off_the_device_give_the_same_metrics_and_are_read_only_through_to_device(tmp_path,
+                                                                                              monkeypatch):
+    """Stand-ins make a placed stream a tensor without data (the meta device) that only to_device turns back into
+    the stream: any read of a placed stream that bypasses to_device fails, and the metrics (every layer, both lanes,
+    the final logits) are those of the run that keeps its streams."""
+    kept = _run(tmp_path, "kept", on_host=False, lanes=True)
+    placed_streams, back = _stand_ins(monkeypatch, runner_module, prefill_sharing)
+    save = RunStore.save_streams
     monkeypatch.setattr(RunStore, "save_streams", lambda self, layer, streams, background=False: save(
         self, layer, {k: back(v, "cpu") for k, v in streams.items()}, background))
     moved = _run(tmp_path, "moved", on_host=True, lanes=True)
@@ -115,20 +126,8 @@ def test_bench_whose_streams_are_placed_reads_them_only_through_to_device(monkey
     """`bench` on a GPU its shape fits only with the streams on the host (an attribution-shaped bench at 30K on an
     80 GB card) places them as `run` does: its stacks-alone timing and its lockstep read them back through
     to_device (stand-ins without data fail any other read), and the record says so."""
-    placed_streams: dict[int, torch.Tensor] = {}
-
-    def placed(streams: torch.Tensor) -> torch.Tensor:
-        stand_in = torch.empty_like(streams, device="meta")
-        placed_streams[id(stand_in)] = streams
-        return stand_in
-
-    def back(streams: torch.Tensor, device) -> torch.Tensor:
-        return placed_streams[id(streams)] if streams.is_meta else to_device(streams, device)
-
     _placing_bench(monkeypatch)
-    monkeypatch.setattr(runner_module, "to_host", placed)
-    for module in (runner_module, prefill_sharing, benchmark):
-        monkeypatch.setattr(module, "to_device", back)
+    placed_streams, _ = _stand_ins(monkeypatch, runner_module, prefill_sharing, benchmark)
     lines: list[str] = []
     result = benchmark.run_bench(get_preset("tiny"), 200, 2, [1, 2], "cpu", 128, lines.append, trace=False)
     assert result.streams_on_host and placed_streams

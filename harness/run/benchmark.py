@@ -32,7 +32,7 @@ import torch
 
 from harness.run.device_time import DeviceBusy, device_busy
 from harness.run.memory import check_fits, placement_note
-from harness.run.prefill_sharing import kept_prefill_keys
+from harness.run.prefill_sharing import kept_global_prefills
 from harness.run.runner import LockstepRunner, RunSpec, VariantSpec
 from harness.run.store import RunStore
 from harness.run.stream_placement import to_device
@@ -353,7 +353,7 @@ def _lock_host_blocks(spec: RunSpec, x: dict[str, torch.Tensor]) -> None:
     if not placed:
         return
     rows = (spec.n_prompt, *placed[0].shape[1:])
-    kept = sum(mode == "global" for mode, _ in kept_prefill_keys(spec, spec.stacks()))
+    kept = kept_global_prefills(spec, spec.stacks())
     try:
         blocks = [torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for v in placed]
         blocks += [torch.empty(rows, dtype=placed[0].dtype, pin_memory=True) for _ in range(2 * kept)]

@@ -55,7 +55,7 @@ import torch
 
 from harness.run.distributed import ranks_per_device, reference_lead
 from harness.run.host_lanes import cache_holds_every_copy, lanes_of
-from harness.run.prefill_sharing import kept_prefill_keys
+from harness.run.prefill_sharing import kept_global_prefills, kept_prefill_keys
 from harness.run.runner import RunSpec
 from harness.run.stream_placement import host_block_bytes
 from optimized.base_ops import NVFP4_GROUP
@@ -194,8 +194,7 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
         # RunStore._host_copy), and each kept global prefill's input and output rows (runner._run_engine)
         block = host_block_bytes(T * n * D * 2)
         terms["streams"] = 2 * T * n * D * (ref_size + 2 * lanes)
-        global_keys = max(sum(mode == "global" for mode, _ in kept_prefill_keys(spec, spec.stacks_of_rank(r, world)))
-                          for r in range(world))
+        global_keys = max(kept_global_prefills(spec, spec.stacks_of_rank(r, world)) for r in range(world))
         host["streams (page-locked, between layers)"] = (3 * global_stacks + 2 * global_keys) * block
         host["resume state copy"] = T * n * D * ref_size
     if device.type == "cuda":
@@ -249,8 +248,8 @@ def check_fits(spec: RunSpec, world: int = 1) -> MemoryEstimate:
     One process on a GPU that the run fits only with its global stacks' streams waiting on the host between layers
     gets spec.streams_on_host set (the same numbers; a copy out and in per stack and layer: a Flash stream at 30,784
     tokens is 1.0 GB, 0.02 s each way on an H100 host, and the first layer page-locks fresh blocks, 0.34 s per GiB,
-    which later layers reuse: thirty-fifth session, README Memory); the caller says so. A sharded
-    run holds only its share of the streams already."""
+    which later layers reuse: thirty-fifth session, README Memory); the caller says so. A sharded run holds only its
+    share of the streams already."""
     from harness.errors import UsageError
 
     device = torch.device(spec.device)

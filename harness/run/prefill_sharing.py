@@ -79,8 +79,8 @@ class PrefillShare:
 class SharedPrefills:
     """The shares of one layer: a pair's prefill is kept only when a later pair of this process has the same key,
     and dropped once the last of them has run (at Flash width a local share holds ~1 GB, its bf16 output rows:
-    30,784 tokens × 4 streams × 4096 × 2 B; a global share views the next layer's input, or with the streams placed on
-    the host, holds host copies of its rows: harness.run.stream_placement)."""
+    30,784 tokens × 4 streams × 4096 × 2 B; a global share views the next layer's input, or with the streams placed
+    on the host, holds host copies of its rows: harness.run.stream_placement)."""
 
     def __init__(self, keys: dict[tuple[str, str], PrefillKey]) -> None:
         self._waiting = Counter(keys.values())  # pairs of each key not run yet
@@ -141,3 +141,9 @@ def kept_prefill_keys(spec: Any, pairs: list[tuple[str, str]]) -> list[PrefillKe
     if not spec.decode_ids:
         return []
     return [key for key, n in Counter(pair_keys(spec, pairs).values()).items() if n >= 2]
+
+
+def kept_global_prefills(spec: Any, pairs: list[tuple[str, str]]) -> int:
+    """How many of kept_prefill_keys(spec, pairs) are global mode's: each keeps its input and output rows, which
+    are host copies when the streams are placed (harness.run.stream_placement)."""
+    return sum(mode == "global" for mode, _ in kept_prefill_keys(spec, pairs))

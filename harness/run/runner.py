@@ -248,9 +248,9 @@ class LockstepRunner:
             end_layer: int | None = None) -> None:
         """Layers start_layer … n−1, then the logits (with `end_layer`, layers up to end_layer − 1 only and no
         logits: a partial pass, recorded as `end_layer` in the manifest). A resume's `streams` are taken: the dict
-        is left empty. The manifest's status ends `complete`, or
-        `failed` / `interrupted` with where and why (`failure`) when the run stops on an exception: the layers
-        already written stay, and `run --resume` continues from the last saved state."""
+        is left empty. The manifest's status ends `complete`, or `failed` / `interrupted` with where and why
+        (`failure`) when the run stops on an exception: the layers already written stay, and `run --resume`
+        continues from the last saved state."""
         ensure_no_tf32()
         n_layers = self.cfg.num_hidden_layers if end_layer is None else min(end_layer, self.cfg.num_hidden_layers)
         self.weights.until = n_layers

@@ -25,6 +25,8 @@ from reference.config import PRESETS, get_preset
 KERNEL_NAME_CHARS = 90
 """Characters of a kernel's name printed: CUDA kernel names are whole C++ template instantiations (hundreds of
 characters); their first 90 name the library, operation and tile shape. The JSON keeps them whole."""
+PLACED = "the streams placed on the host between layers"
+"""What the memory lines add when check_fits placed the streams (BenchResult.streams_on_host)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     measured = max((lb.peak_device_gib or 0.0) for lb in result.layers) if device.startswith("cuda") \
         else result.peak_host_gib
     terms = result.predicted["device_terms_gib" if device.startswith("cuda") else "host_terms_gib"]
-    placed = "; the streams placed on the host between layers" if result.streams_on_host else ""
+    placed = f"; {PLACED}" if result.streams_on_host else ""
     console().print(f"peak memory: {measured:.1f} GiB measured, {predicted:.1f} GiB predicted (harness.run.memory: "
                     + ", ".join(f"{k} {v:.1f}" for k, v in terms.items()) + f"){placed}")
     if args.json:
@@ -134,7 +136,7 @@ def _peak_memory(record: dict[str, Any]) -> str:
     predicted = record.get("predicted", {})
     if record["device"].startswith("cuda"):
         measured = max((row.get("peak_device_gib") or 0.0) for row in record["layers"])
-        placed = ", the streams placed on the host between layers" if record.get("streams_on_host") else ""
+        placed = f", {PLACED}" if record.get("streams_on_host") else ""
         return f"peak device memory {measured:.1f} GiB, {predicted.get('device_gib', 0.0):.1f} GiB predicted{placed}"
     return (f"peak host memory {record.get('peak_host_gib', 0.0):.2f} GiB, {predicted.get('host_gib', 0.0):.2f} GiB "
             "predicted")
