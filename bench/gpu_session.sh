@@ -54,7 +54,9 @@ PY
       # order old, new, new, old and each side's mean is compared. OLD_TAR: `git archive <rev> -o .scratch/old.tar`
       # made beside the work tree and carried along.
       old_tree compare
-      B=(bench --model "${MODEL:-flash}" --tokens "${TOKENS:-30720}" --decode "${DECODE:-64}" --layers "${LAYERS:-2,3}" --device "${DEVICE:-cuda}")
+      # BENCH_ARGS: more bench arguments for both sides, e.g. "--attribution --no-trace"
+      B=(bench --model "${MODEL:-flash}" --tokens "${TOKENS:-30720}" --decode "${DECODE:-64}" --layers "${LAYERS:-2,3}"
+         --device "${DEVICE:-cuda}" ${BENCH_ARGS:-})
       for side in old new new old; do
         n=$(ls "$OUT"/compare-$side-*.json 2>/dev/null | wc -l)
         tree=$PWD; [ $side = old ] && tree=/tmp/old
@@ -87,9 +89,16 @@ PY
 import pandas as pd
 old, new = (pd.read_parquet(f"/tmp/samebits-{side}/metrics.parquet") for side in ("old", "new"))
 print(f"samebits: {len(old)} and {len(new)} rows, identical: {old.equals(new)}")
-if len(old) == len(new) and not old.equals(new):
+if not old.equals(new):
     keys = [c for c in old.columns if c not in ("value", "max", "count")]
-    both = old.merge(new, on=keys, suffixes=("_old", "_new"))
+    sides = old.merge(new, on=keys, how="outer", suffixes=("_old", "_new"), indicator=True)
+    for side in ("left_only", "right_only"):  # rows one side has and the other lacks, by tap and metric
+        only = sides[sides._merge == side]
+        if len(only):
+            print(f"samebits: {len(only)} rows only in the {'old' if side == 'left_only' else 'new'} run:",
+                  only.groupby(["tap", "metric"]).size().to_dict(), "largest |value|:",
+                  float(only[f"value_{'old' if side == 'left_only' else 'new'}"].abs().max()))
+    both = sides[sides._merge == "both"]
     moved = False
     for col in ("value", "max", "count"):
         a, b = both[f"{col}_old"], both[f"{col}_new"]

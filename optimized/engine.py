@@ -408,7 +408,8 @@ class OptimizedLayer:
         self.kind, self.ratio = cfg.layer_kind(layer), cfg.compress_ratio(layer)
         self.device, self.options = torch.device(device), options
         self.dense = dense if dense is not None else DenseCache()
-        self.tables = {phase: OpTable(BASE_OPS, list(choices), phase) for phase in PHASES}
+        acting = [c for c in choices if c.patch.acts_at(cfg, layer, c.options)]  # Patch.layers_for, enforced here
+        self.tables = {phase: OpTable(BASE_OPS, acting, phase) for phase in PHASES}
         self.stock_tables = {phase: OpTable(BASE_OPS, [], phase) for phase in PHASES}
         self.hadamard = hadamard_matrix(cfg.index_head_dim, device=self.device) if self.kind == "csa" else None
         self._held_sampled = _HeldSampled()

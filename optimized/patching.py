@@ -60,6 +60,12 @@ class Patch:
     ops: dict[str, Callable[..., Any]] = field(default_factory=dict)
     phases_for: Callable[[dict[str, Any]], tuple[str, ...]] | None = None
     """Optional: phases as a function of the options (e.g. triton-indexer's prefill_rows)."""
+    layers_for: Callable[[Any, int, dict[str, Any]], bool] | None = None
+    """Optional: `layers_for(cfg, layer, options)`, whether the patch acts at layer `layer` of model config `cfg`
+    (e.g. only where the layer has an indexer, or only on hash-routed layers); without it, at every layer. At
+    the other layers the engine leaves the patch out of the layer's op chains, so it cannot act there: what a
+    patch declares here is enforced, not trusted. Variants that then differ only by patches left out compute the
+    same layer on the same input, which a local-mode run computes once (harness.run.prefill_sharing)."""
 
     def __post_init__(self) -> None:
         self.phases = tuple(self.phases)
@@ -108,6 +114,10 @@ class Patch:
 
     def active_phases(self, options: dict[str, Any]) -> tuple[str, ...]:
         return self.phases_for(options) if self.phases_for else self.phases
+
+    def acts_at(self, cfg: Any, layer: int, options: dict[str, Any]) -> bool:
+        """Whether the patch is in layer `layer`'s op chains (layers_for; every layer without it)."""
+        return self.layers_for is None or bool(self.layers_for(cfg, layer, options))
 
 
 def _type_of(default: Any) -> tuple[type, ...]:

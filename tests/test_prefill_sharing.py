@@ -19,9 +19,11 @@ from optimized.registry import default_registry
 LAYERS = 4  # tiny's first four layers: SWA, SWA, CSA, HCA (reference.config.TINY), so every attention kind decodes
 
 
-def _run(tmp_path, name: str, share: bool, monkeypatch, variants=None, nan_patch=None) -> tuple[RunStore, int]:
+def _run(tmp_path, name: str, share: bool, monkeypatch, variants=None, share_layers: bool = False
+         ) -> tuple[RunStore, int]:
     """tiny-smoke's first LAYERS layers with the attribution variants of every built-in patch; the number of prefill
-    chunks the engines computed."""
+    chunks the engines computed. `share_layers`: local pairs with the same patches acting at a layer share it too
+    (off by default here, so the counts are the prefill sharing's alone)."""
     spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))[0]
     spec.variants = variants or attribution_variants(default_registry().choose("all"))
     store = RunStore(tmp_path / name)
@@ -36,6 +38,7 @@ def _run(tmp_path, name: str, share: bool, monkeypatch, variants=None, nan_patch
     with monkeypatch.context() as m:
         m.setattr(engine.OptimizedLayer, "forward", counting)
         m.setattr(LockstepRunner, "SHARE_PREFILL", share)
+        m.setattr(LockstepRunner, "SHARE_LAYERS", share_layers)
         LockstepRunner(spec, store).run(end_layer=LAYERS)
     return store, chunks.count("prefill")
 
@@ -155,3 +158,87 @@ def test_a_nan_in_a_shared_prefill_is_each_members_own_finding(tmp_path, monkeyp
         (v, m) for v in ("nan", "nan+mma") for m in ("global", "local")}
     pd.testing.assert_frame_equal(shared.read_metrics().to_pandas(), full.read_metrics().to_pandas())
     assert n_shared < n_full  # layer 0 was shared in both modes (from layer 1 on each has a finding: shared again)
+
+
+def _layers_run(tmp_path, name: str, share_layers: bool, monkeypatch, variants=None) -> tuple[RunStore, list[int]]:
+    """As _run, prefill sharing on; the layer of every pair whose layer the engines computed (run_layer calls: a
+    pair continuing from a shared prefill counts, one taking a shared layer does not)."""
+    layers: list[int] = []
+    run_layer = engine.OptimizedModel.run_layer
+
+    def counting(self, block, *args, **kwargs):
+        layers.append(block.layer)
+        return run_layer(self, block, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(engine.OptimizedModel, "run_layer", counting)
+        store, _ = _run(tmp_path, name, True, m, variants, share_layers)
+    return store, layers
+
+
+def test_local_pairs_with_the_same_patches_acting_at_a_layer_share_it_bit_for_bit(tmp_path, monkeypatch):
+    """Attribution over the built-in patches on tiny's SWA, SWA, CSA, HCA layers (hash-routed: 0-2): triton-indexer
+    and bf16-indexer-gemm act only on CSA layers, hash-topk only on hash layers (Patch.layers_for), so in local mode
+    only:<those> compute base's layer and all-but:<those> all's — 2 + 2 pairs on each SWA layer, none on the CSA
+    one, 3 + 3 on the HCA one. The metrics and findings are those of every pair run."""
+    registry = default_registry()
+    cfg = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides())[0].source.config
+    acting = {layer: {c.id for c in registry.choose("all") if c.patch.acts_at(cfg, layer, c.options)}
+              for layer in range(LAYERS)}
+    inert = {layer: len(registry.choose("all")) - len(ids) for layer, ids in acting.items()}
+    assert inert == {0: 2, 1: 2, 2: 0, 3: 3}
+    shared, computed = _layers_run(tmp_path, "shared", True, monkeypatch)
+    full, computed_full = _layers_run(tmp_path, "full", False, monkeypatch)
+    for layer in range(LAYERS):  # the only:<inert> and all-but:<inert> pairs, local mode only
+        assert computed_full.count(layer) - computed.count(layer) == 2 * inert[layer]
+    a, b = shared.read_metrics(), full.read_metrics()
+    assert a.num_rows == b.num_rows > 0
+    assert a.equals(b)
+    assert shared.read_findings() == full.read_findings()
+
+
+def test_a_patch_runs_only_at_the_layers_it_declares(tmp_path, monkeypatch):
+    """Patch.layers_for is enforced: the engine leaves the patch out of the other layers' op chains, whatever its
+    op would do there."""
+    from harness.run.runner import VariantSpec
+    from optimized.patching import Patch, PatchChoice
+
+    called: list[int] = []
+    hca_only = Patch("hca-only", ("prefill", "decode"), "notes where its op runs", source="test",
+                     layers_for=lambda cfg, layer, options: cfg.layer_kind(layer) == "hca")
+
+    @hca_only.op("hc_prelinear")
+    def noting(ctx, **inputs):
+        called.append(ctx.layer)
+        return ctx.base(**inputs)
+
+    _run(tmp_path, "run", True, monkeypatch, [VariantSpec("v", [PatchChoice(hca_only, {})])])
+    assert set(called) == {3}  # tiny's only HCA layer among the first LAYERS
+
+
+def test_a_shared_layer_keeps_each_pairs_own_nan_history(tmp_path, monkeypatch):
+    """`early` puts NaN into the experts' output on SWA layers, `late` from layer 2 on. Local mode: `early+late`
+    finds NaN at layer 0, `late` at layer 2 — where both have only `late` acting, but the first already has its
+    finding and notes no more, so `late` runs its own layer 2 and finds it; at layer 3 both have their findings and
+    `late` takes `early+late`'s layer. The findings and metrics are those of every pair run."""
+    from harness.run.runner import VariantSpec
+    from optimized.patching import Patch, PatchChoice
+
+    def poison(pid, layers_for):
+        patch = Patch(pid, ("prefill", "decode"), "NaN in the experts' output", source="test", layers_for=layers_for)
+
+        @patch.op("experts")
+        def experts(ctx, **inputs):
+            return ctx.base(**inputs) * float("nan")
+        return PatchChoice(patch, {})
+
+    early = poison("early", lambda cfg, layer, options: cfg.layer_kind(layer) == "swa")
+    late = poison("late", lambda cfg, layer, options: layer >= 2)
+    variants = [VariantSpec("early+late", [early, late]), VariantSpec("late", [late])]
+    shared, computed = _layers_run(tmp_path, "shared", True, monkeypatch, variants)
+    full, computed_full = _layers_run(tmp_path, "full", False, monkeypatch, variants)
+    findings = full.read_findings()
+    assert shared.read_findings() == findings
+    assert {(f["variant"], f["layer"]) for f in findings if f["mode"] == "local"} == {("early+late", 0), ("late", 2)}
+    pd.testing.assert_frame_equal(shared.read_metrics().to_pandas(), full.read_metrics().to_pandas())
+    assert [computed_full.count(layer) - computed.count(layer) for layer in range(LAYERS)] == [0, 0, 0, 1]

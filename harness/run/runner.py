@@ -26,7 +26,7 @@ from harness.run.deal import deal
 from harness.run.host_lanes import LaneStopped, blamed_lane, lanes_of
 from harness.run.metrics import CompareContext, compare_logits
 from harness.run.needles import AnswerLens, needle_queries
-from harness.run.prefill_sharing import PrefillKey, SharedPrefills, pair_keys
+from harness.run.prefill_sharing import PrefillKey, SharedLayers, SharedPrefills, layer_keys, pair_keys
 from harness.run.probes import ComparingSink, DumpSink, Finding, RecordingSink
 from harness.run.store import RunStore
 from harness.run.stream_placement import to_device, to_host
@@ -458,14 +458,22 @@ class LockstepRunner:
         engine_layers: dict[str, OptimizedLayer] = {}
         keys = self._prefill_keys(own)
         shares = SharedPrefills(keys)
+        layers = SharedLayers(layer_keys(spec, own, layer) if self.SHARE_LAYERS else {})
         for name, mode in own:
             if stop is not None and stop.is_set():
                 raise LaneStopped
             self._enter(layer, name, mode, where)
+            taken = layers.take((name, mode), findings)
+            if taken is not None:  # an earlier pair computed this pair's layer: harness.run.prefill_sharing
+                rows[(name, mode)] = taken
+                shares.done(keys.get((name, mode)))
+                layers.done((name, mode))
+                continue
             if dump:
                 dump.prefix = f"{name}.{mode}/"
             sink = ComparingSink(record, LayerAccumulator(self.plan), ctx, name, mode, layer, self.phase_of,
                                  findings, dump)
+            had_finding = sink.has_finding()
             x_in = to_device(streams[name], self.device) if mode == "global" else ref_in.to(torch.bfloat16)
             if name == YARDSTICK:
                 out = self.yardstick.run_layer(yard_layer, x_in, self.ids, self.yardstick_segments, sink)
@@ -485,6 +493,8 @@ class LockstepRunner:
                 for mv in self.lens.compare(ref_answers, self.lens.read(model.logits, out)):
                     sink.acc.add(ANSWER_TAP, mv)
             rows[(name, mode)] = sink.acc.rows(name, mode, layer)
+            layers.keep((name, mode), rows[(name, mode)], had_finding, findings, layer)
+            layers.done((name, mode))
             if mode == "global":
                 new_streams[name] = self._placed(name, out)
             out = x_in = None  # placed or not, the next pair does not hold this one's device streams while it runs
@@ -493,6 +503,9 @@ class LockstepRunner:
     SHARE_PREFILL = True
     """Variants with the same patches in prefill compute their prefill once per mode (harness.run.prefill_sharing);
     False runs every variant in full (tests compare the two)."""
+    SHARE_LAYERS = True
+    """Local pairs with the same patches acting at a layer compute it once (harness.run.prefill_sharing); False
+    runs each (tests compare the two)."""
 
     def _prefill_keys(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], PrefillKey]:
         """The prefill key of each engine pair that may share its prefill (none when sharing is off)."""

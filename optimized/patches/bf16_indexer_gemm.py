@@ -35,11 +35,19 @@ PATCH = Patch(
     choices={"sites": ("indexer", "indexer+compressor", "indexer+router", "indexer+compressor+router"),
              "output": ("bf16", "fp32")},
     spec="optimized-stack §4.2 (O3)",
+    layers_for=lambda cfg, layer, options: _acts_at(cfg.layer_kind(layer), options["sites"]),
 )
 
 
 def _sites(option: str) -> set[str]:
     return {site for group in option.split("+") for site in _SITE_GROUPS[group]}
+
+
+def _acts_at(kind: str, sites: str) -> bool:
+    """Whether a layer of `kind` has any of the sites: the indexer's only on CSA layers, the main compressor's on
+    CSA and HCA layers, the router's on every layer."""
+    groups = set(sites.split("+"))
+    return "router" in groups or kind == "csa" or ("compressor" in groups and kind == "hca")
 
 
 @PATCH.op("linear")

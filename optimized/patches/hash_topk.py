@@ -28,6 +28,7 @@ PATCH = Patch(
     defaults={"scale_on": "output", "floor": 1e-20, "weights_dtype": "fp32"},
     choices={"scale_on": ("output", "weights", "none"), "weights_dtype": ("fp32", "bf16")},
     spec="optimized-stack §5 (O4)",
+    layers_for=lambda cfg, layer, options: cfg.is_hash_layer(layer),  # learned-routing layers: the stock router
 )
 
 
@@ -37,8 +38,6 @@ def stable_softplus(x: torch.Tensor) -> torch.Tensor:
 
 @PATCH.op("router")
 def router(ctx: OpContext, y: torch.Tensor, token_ids: torch.Tensor) -> Routing:
-    if not ctx.cfg.is_hash_layer(ctx.layer):
-        return ctx.base(y=y, token_ids=token_ids)
     scale_on, floor, wdt = ctx.options["scale_on"], float(ctx.options["floor"]), ctx.options["weights_dtype"]
     logits = ctx.call("linear", x=y, site="ffn.gate").float()
     scores = torch.sqrt(stable_softplus(logits))

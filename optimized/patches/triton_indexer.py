@@ -39,6 +39,7 @@ PATCH = Patch(
     choices={"dot_precision": DOT_PRECISIONS, "masked_value": ("-inf", float), "impl": IMPLS},
     spec="optimized-stack §3 (O2)",
     phases_for=_phases,
+    layers_for=lambda cfg, layer, options: cfg.layer_kind(layer) == "csa",  # the only layers with an indexer
 )
 
 
