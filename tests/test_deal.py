@@ -73,4 +73,28 @@ def test_without_decode_steps_a_shared_prefill_costs_each_pair_in_full():
     spec.decode_ids, spec.turn_of_position = [], spec.turn_of_position[: spec.n_prompt]
     full = {tuple(m): c for m, c in _units(spec, spec.stacks()) if len(m) > 1}
     assert grouped.keys() == full.keys() and all(full[k] > grouped[k] for k in full)
-    assert all(abs(c - sum(pair_cost(spec, name) for name, _ in k)) < 1e-12 for k, c in full.items())
+    for members, c in full.items():  # global groups: every pair in full; local ones: the layers a pair shares cost 0
+        if members[0][1] == "global":
+            assert abs(c - sum(pair_cost(spec, name) for name, _ in members)) < 1e-12
+
+
+def test_local_pairs_that_share_a_layer_are_dealt_together_and_costed_by_the_layers_they_compute():
+    """Attribution on tiny (SWA, SWA hash-routed; CSA hash-routed; HCA; CSA): triton-indexer and bf16-indexer-gemm
+    act on CSA layers only, hash-topk on hash layers only (Patch.layers_for), so in local mode only:<each of them>
+    computes base's layer elsewhere, and one group holds base, only:mma-sparse-decode and those three. Its cost by
+    layer, with the table's costs (base 1.45, one patch 1.49, a continued prefill 0.3 of that): layers 0 and 1 base
+    + only:mma continued + only:hash 1.45 + 0.447 + 1.49; layer 2 base + only:mma and only:triton continued +
+    only:bf16 + only:hash 1.45 + 2 · 0.447 + 2 · 1.49; layer 3 base + only:mma; layer 4 as layer 2 without hash."""
+    spec = _spec("tiny-smoke", attribution=True)
+    units = {tuple(m): c for m, c in _units(spec, spec.stacks())}
+    group = next(m for m in units if ("base", "local") in m)
+    assert {name for name, _ in group} == {"base", "only:mma-sparse-decode", "only:triton-indexer",
+                                          "only:bf16-indexer-gemm", "only:hash-topk"}
+    full, continued = pair_cost(spec, "only:hash-topk"), 0.3 * pair_cost(spec, "only:hash-topk")
+    base = pair_cost(spec, "base")
+    by_layer = [base + continued + full] * 2 + [base + 2 * continued + 2 * full, base + continued,
+                                                 base + 2 * continued + full]
+    assert abs(units[group] - sum(by_layer) / 5) < 1e-12
+    for world in (2, 3):
+        rank_of = {p: r for r, share in enumerate(deal(spec, world)) for p in share}
+        assert len({rank_of[p] for p in group}) == 1

@@ -12,8 +12,9 @@ demo's, never worse ordered. With them the demo deals the yardstick and `base` t
 1 beside the reference (62.9 s; measured after the change: 63.4 s with rank 0's writing, 59.2 s).
 
 A stack's global mode, which carries its own streams from layer to layer, stays on one rank (the deal is fixed for
-the run), and pairs that share a prefill (harness.run.prefill_sharing) are dealt together, so a sharded run shares
-what one process shares. The deal is a longest-first greedy one, then single moves and swaps between the busiest
+the run), and pairs that share a prefill or, in local mode, a layer (harness.run.prefill_sharing) are dealt
+together, so a sharded run shares what one process shares (attribution over the six built-in patches on 2 ranks
+shared 8 of tiny-smoke's 16 local layer shares before the layers counted here). The deal is a longest-first greedy one, then single moves and swaps between the busiest
 rank and another while they lower the busiest rank's load: deterministic, and every rank computes the same deal.
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.run.prefill_sharing import pair_keys
+from harness.run.prefill_sharing import layer_keys, pair_keys
 
 REFERENCE_COST = 0.8
 """The reference's pass over a layer (demo: 20.2 s against the yardstick's 25.4 s), on the reference rank."""
@@ -51,22 +52,44 @@ def pair_cost(spec: Any, name: str) -> float:
 
 
 def _units(spec: Any, pairs: list[tuple[str, str]]) -> list[tuple[list[tuple[str, str]], float]]:
-    """The pairs grouped by the prefill they share (one group per pair that shares none), in `pairs`' order, each
-    with its cost: the first of a group in full, the others continuing its prefill."""
-    keys = pair_keys(spec, pairs)
-    continued = CONTINUED_SHARE if spec.decode_ids else 1.0  # without decode steps nothing is kept to continue from
-    units: list[tuple[list[tuple[str, str]], float]] = []
-    unit_of_key: dict[Any, int] = {}
+    """The pairs grouped so that a sharded run shares what one process shares: pairs that share a prefill, and local
+    pairs that share a layer (prefill_sharing.layer_keys, at any layer), are one group (one per pair that shares
+    nothing), in `pairs`' order. Each group's cost is the mean over the layers of what its pairs compute at each, in
+    order, as the runner does: nothing for a pair whose layer an earlier one computed, CONTINUED_SHARE of its cost
+    for one that continues an earlier one's prefill, else its cost."""
+    prefill = pair_keys(spec, pairs)
+    n_layers = spec.source.config.num_hidden_layers
+    by_layer = [layer_keys(spec, pairs, layer) for layer in range(n_layers)]
+    parent = {pair: pair for pair in pairs}
+
+    def root(pair: tuple[str, str]) -> tuple[str, str]:
+        while parent[pair] != pair:
+            pair = parent[pair]
+        return pair
+
+    for keys in [prefill, *by_layer]:
+        first: dict[Any, tuple[str, str]] = {}
+        for pair, key in keys.items():
+            a, b = root(first.setdefault(key, pair)), root(pair)
+            if a != b:  # the group's root is its earliest pair
+                parent[max(a, b, key=pairs.index)] = min(a, b, key=pairs.index)
+    groups: dict[tuple[str, str], list[tuple[str, str]]] = {}
     for pair in pairs:
-        cost = pair_cost(spec, pair[0])
-        key = keys.get(pair)
-        if key is not None and key in unit_of_key:
-            members, total = units[unit_of_key[key]]
-            units[unit_of_key[key]] = (members + [pair], total + continued * cost)
-            continue
-        if key is not None:
-            unit_of_key[key] = len(units)
-        units.append(([pair], cost))
+        groups.setdefault(root(pair), []).append(pair)
+    continued = CONTINUED_SHARE if spec.decode_ids else 1.0  # without decode steps nothing is kept to continue from
+    units = []
+    for members in groups.values():
+        total = 0.0
+        for keys in by_layer:
+            layers_run, prefills_run = set(), set()
+            for pair in members:
+                if keys.get(pair) is not None and keys[pair] in layers_run:
+                    continue
+                cost = pair_cost(spec, pair[0])
+                total += continued * cost if prefill.get(pair) is not None and prefill[pair] in prefills_run else cost
+                layers_run.add(keys.get(pair))
+                prefills_run.add(prefill.get(pair))
+        units.append((members, total / n_layers))
     return units
 
 
