@@ -48,8 +48,13 @@ def prefill_key(choices: list[PatchChoice], mode: str) -> PrefillKey | None:
     earlier one), each as (the patch object's identity, its options). None for a mode that is never shared."""
     if mode == "forced":
         return None
-    return mode, tuple((id(c.patch), repr(sorted(c.options.items()))) for c in choices
-                       if "prefill" in c.patch.active_phases(c.options))
+    return mode, _active_in(choices, "prefill")
+
+
+def _active_in(choices: list[PatchChoice], phase: str) -> tuple[tuple[int, str], ...]:
+    """The choices active in `phase`, in order, each as (the patch object's identity, its options)."""
+    return tuple((id(c.patch), repr(sorted(c.options.items()))) for c in choices
+                 if phase in c.patch.active_phases(c.options))
 
 
 @dataclass
@@ -132,8 +137,7 @@ def layer_key(choices: list[PatchChoice], mode: str, cfg: Any, layer: int) -> La
     if mode != "local":
         return None
     acting = [c for c in choices if c.patch.acts_at(cfg, layer, c.options)]
-    return tuple(tuple((id(c.patch), repr(sorted(c.options.items()))) for c in acting
-                       if phase in c.patch.active_phases(c.options)) for phase in ("prefill", "decode"))
+    return _active_in(acting, "prefill"), _active_in(acting, "decode")
 
 
 @dataclass
