@@ -180,10 +180,12 @@ class Shadowing:
     hidden: str
     by: str
     phases: tuple[str, ...]
+    by_some_layers: bool = False  # `by` declares the layers it acts at (Patch.layers_for): hidden at those only
 
     def message(self) -> str:
+        where = f" at the layers where '{self.by}' acts" if self.by_some_layers else ""
         return (f"patch '{self.by}' replaces op '{self.op}' without calling ctx.base, so '{self.hidden}' (listed "
-                f"before it) never runs on that op in {' and '.join(self.phases)}; later patches wrap earlier "
+                f"before it) never runs on that op in {' and '.join(self.phases)}{where}; later patches wrap earlier "
                 f"ones: list '{self.hidden}' after '{self.by}' to wrap it")
 
 
@@ -221,6 +223,7 @@ def shadowed_patches(choices: list[PatchChoice]) -> list[Shadowing]:
     """Every patch of a variant that never runs on some op because a later one replaces that op without calling
     `ctx.base` (the order rule: each patch wraps the ones listed before it), per op, in the phases both are on."""
     found: dict[tuple[str, str, str], list[str]] = {}
+    some_layers = {c.id for c in choices if c.patch.layers_for is not None}
     for phase in PHASES:
         active = [c for c in choices if phase in c.patch.active_phases(c.options)]
         for op in OP_SPECS:
@@ -229,7 +232,7 @@ def shadowed_patches(choices: list[PatchChoice]) -> list[Shadowing]:
                 replacer = next((c for c in chain[i + 1:] if not may_call_base(c.patch.ops[op])), None)
                 if replacer is not None:
                     found.setdefault((op, lower.id, replacer.id), []).append(phase)
-    return [Shadowing(op, hidden, by, tuple(phases)) for (op, hidden, by), phases in found.items()]
+    return [Shadowing(op, hidden, by, tuple(phases), by in some_layers) for (op, hidden, by), phases in found.items()]
 
 
 class PatchRegistry:

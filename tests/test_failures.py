@@ -485,6 +485,23 @@ def test_a_later_patch_that_replaces_an_op_hides_an_earlier_one_and_the_run_says
             "without calling ctx.base, so 'my-fault' (listed before it) never runs on that op in decode") in err
 
 
+def test_a_replacing_patch_that_acts_at_some_layers_hides_an_earlier_one_there_only():
+    """Patch.layers_for: at the other layers the replacer is not in the op chain, so the earlier patch runs there;
+    the warning says where it is hidden."""
+    from optimized.patching import PatchChoice
+
+    def replacing(pid, layers_for=None):
+        patch = Patch(pid, ("decode",), "replaces the top-k", source="test", layers_for=layers_for)
+        patch.op("indexer_topk")(lambda ctx, logits, positions, k: (logits.topk(k).indices, logits.topk(k).values > 0))
+        return PatchChoice(patch, {})
+
+    lower = replacing("lower")
+    for layers_for, where in ((None, ""), (lambda cfg, layer, options: layer > 0, " at the layers where 'upper' acts")):
+        (shadowing,) = shadowed_patches([lower, replacing("upper", layers_for)])
+        assert (f"so 'lower' (listed before it) never runs on that op in decode{where}; later patches"
+                in shadowing.message())
+
+
 def test_may_call_base_reads_nested_functions_and_same_module_helpers():
     from optimized.patching import may_call_base
 
