@@ -108,7 +108,10 @@ def test_the_memory_estimate_counts_the_prefills_a_process_keeps():
     kept = [kept_prefill_keys(spec, spec.stacks_of_rank(rank, 2)) for rank in range(2)]
     assert sorted(k for keys in kept for k in keys) == sorted(kept_prefill_keys(spec, spec.stacks()))  # none split
     busiest = max(sum(rows * (mode == "local") + state for mode, _ in keys) for keys in kept)
-    assert predict_memory(spec, world=2).host_terms["shared prefills"] == busiest == 2 * rows + 3 * state < term
+    # the deal puts base's local group (with the pairs that share its layers) on one rank and all's on the other,
+    # each beside one global group: one local and one global share per rank
+    assert [sorted(mode for mode, _ in keys) for keys in kept] == [["global", "local"]] * 2
+    assert predict_memory(spec, world=2).host_terms["shared prefills"] == busiest == rows + 2 * state < term
     spec.decode_ids, spec.turn_of_position = [], spec.turn_of_position[: spec.n_prompt]
     assert "shared prefills" not in predict_memory(spec).host_terms  # nothing is shared without decode steps
 
