@@ -116,8 +116,15 @@ class Patch:
         return self.phases_for(options) if self.phases_for else self.phases
 
     def acts_at(self, cfg: Any, layer: int, options: dict[str, Any]) -> bool:
-        """Whether the patch is in layer `layer`'s op chains (layers_for; every layer without it)."""
-        return self.layers_for is None or bool(self.layers_for(cfg, layer, options))
+        """Whether the patch is in layer `layer`'s op chains (layers_for; every layer without it). A layers_for that
+        raises fails as a patch's op does: naming the patch (PluginOpError)."""
+        if self.layers_for is None:
+            return True
+        try:
+            return bool(self.layers_for(cfg, layer, options))
+        except Exception as e:  # noqa: BLE001 - a plugin's failure must name the plugin
+            raise PluginOpError(f"patch '{self.id}' ({self.source}) failed in layers_for at layer {layer}: "
+                                f"{type(e).__name__}: {e}") from e
 
 
 def _type_of(default: Any) -> tuple[type, ...]:

@@ -245,3 +245,32 @@ def test_a_shared_layer_keeps_each_pairs_own_nan_history(tmp_path, monkeypatch):
     assert {(f["variant"], f["layer"]) for f in findings if f["mode"] == "local"} == {("early+late", 0), ("late", 2)}
     pd.testing.assert_frame_equal(shared.read_metrics().to_pandas(), full.read_metrics().to_pandas())
     assert [computed_full.count(layer) - computed.count(layer) for layer in range(LAYERS)] == [0, 0, 0, 1]
+
+
+def test_a_nan_first_found_in_a_shared_layer_is_each_takers_own_finding(tmp_path, monkeypatch):
+    """`late` puts NaN into the experts' output from layer 2 on; `late+swa` adds a benign patch acting on SWA layers
+    only. At layer 2 both have only `late` acting and neither has a finding yet: `late+swa` takes `late`'s local layer
+    and its first non-finite value as its own, as its own run finds it. A layers_for that raises names its patch."""
+    from harness.run.runner import VariantSpec
+    from optimized.patching import Patch, PatchChoice, PluginOpError
+
+    late = Patch("late", ("prefill", "decode"), "NaN in the experts' output", source="test",
+                 layers_for=lambda cfg, layer, options: layer >= 2)
+    late.op("experts")(lambda ctx, **inputs: ctx.base(**inputs) * float("nan"))
+    swa = Patch("swa", ("prefill", "decode"), "passes the router through", source="test",
+                layers_for=lambda cfg, layer, options: cfg.layer_kind(layer) == "swa")
+    swa.op("router")(lambda ctx, **inputs: ctx.base(**inputs))
+    variants = [VariantSpec("late", [PatchChoice(late, {})]),
+                VariantSpec("late+swa", [PatchChoice(late, {}), PatchChoice(swa, {})])]
+    shared, computed = _layers_run(tmp_path, "shared", True, monkeypatch, variants)
+    full, computed_full = _layers_run(tmp_path, "full", False, monkeypatch, variants)
+    findings = full.read_findings()
+    assert shared.read_findings() == findings
+    assert {(f["variant"], f["layer"]) for f in findings if f["mode"] == "local"} == {("late", 2), ("late+swa", 2)}
+    pd.testing.assert_frame_equal(shared.read_metrics().to_pandas(), full.read_metrics().to_pandas())
+    assert [computed_full.count(layer) - computed.count(layer) for layer in range(LAYERS)] == [0, 0, 1, 1]
+
+    broken = Patch("broken", ("decode",), "its layers_for raises", source="test",
+                   layers_for=lambda cfg, layer, options: 1 / 0)
+    with pytest.raises(PluginOpError, match="patch 'broken' .* layers_for at layer 0: ZeroDivisionError"):
+        broken.acts_at(None, 0, {})
