@@ -274,3 +274,28 @@ def test_a_nan_first_found_in_a_shared_layer_is_each_takers_own_finding(tmp_path
                    layers_for=lambda cfg, layer, options: 1 / 0)
     with pytest.raises(PluginOpError, match="patch 'broken' .* layers_for at layer 0: ZeroDivisionError"):
         broken.acts_at(None, 0, {})
+
+
+def test_a_pair_that_takes_a_layer_keeps_no_prefill_for_it(tmp_path, monkeypatch):
+    """Attribution over triton-indexer (decode only, CSA layers) and hash-topk (hash layers): at tiny's HCA layer 3
+    every local variant computes base's layer, so base keeps no local prefill share there for only:triton-indexer,
+    which takes the whole layer instead (before, base copied its state for it all the same). The rows are those of
+    every pair run."""
+    from harness.run import prefill_sharing
+
+    registry = default_registry()
+    variants = attribution_variants(registry.choose("triton-indexer,hash-topk"))
+    kept: list[tuple[str, str, int]] = []
+    at_decode = prefill_sharing.PrefillShare.at_decode.__func__
+
+    def noting(cls, state, sink):
+        kept.append((sink.variant, sink.mode, sink.layer))
+        return at_decode(cls, state, sink)
+
+    monkeypatch.setattr(prefill_sharing.PrefillShare, "at_decode", classmethod(noting))
+    shared, _ = _layers_run(tmp_path, "shared", True, monkeypatch, variants)
+    assert ("base", "local", 3) not in kept and ("base", "global", 3) in kept
+    assert ("base", "local", 2) in kept  # the CSA layer: only:triton-indexer continues base's prefill there
+    full, _ = _layers_run(tmp_path, "full", False, monkeypatch, variants)
+    pd.testing.assert_frame_equal(shared.read_metrics().to_pandas(), full.read_metrics().to_pandas())
+    assert shared.read_findings() == full.read_findings()

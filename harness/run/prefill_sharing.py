@@ -156,9 +156,13 @@ class SharedLayers:
     """The local pairs of one layer, by layer key: the first of a key runs, the later ones take its rows."""
 
     def __init__(self, keys: dict[tuple[str, str], LayerKey]) -> None:
+        """`keys`: the layer key of each pair that may share, in the order the pairs run."""
         self._keys = keys
         self._waiting = Counter(keys.values())
         self._shares: dict[LayerKey, LayerShare] = {}
+        firsts: set[LayerKey] = set()
+        self.takers = {pair for pair, key in keys.items() if key in firsts or firsts.add(key)}
+        """The pairs an earlier pair's layer serves (they take it unless their NaN/Inf history differs)."""
 
     def take(self, pair: tuple[str, str], findings: list[Finding]) -> list[dict] | None:
         """The rows of `pair` from an earlier pair with its key whose NaN/Inf history matches, its finding (if any)

@@ -456,9 +456,11 @@ class LockstepRunner:
         yard_layer = ReferenceLayer(cfg, layer, weights, torch.bfloat16, ParityOptions(), self.device, dense) \
             if any(name == YARDSTICK for name, _ in own) else None  # built (weights dequantized) where it runs
         engine_layers: dict[str, OptimizedLayer] = {}
-        keys = self._prefill_keys(own)
-        shares = SharedPrefills(keys)
         layers = SharedLayers(layer_keys(spec, own, layer) if self.SHARE_LAYERS else {})
+        # a pair that will take an earlier pair's layer keeps and continues no prefill (if it has to run after all,
+        # a different NaN/Inf history, it runs in full)
+        keys = {pair: key for pair, key in self._prefill_keys(own).items() if pair not in layers.takers}
+        shares = SharedPrefills(keys)
         for name, mode in own:
             if stop is not None and stop.is_set():
                 raise LaneStopped
