@@ -179,6 +179,26 @@ def _layers_run(tmp_path, name: str, share_layers: bool, monkeypatch, variants=N
     return store, layers
 
 
+def _shared_against_full(tmp_path, monkeypatch, variants) -> tuple[list[dict], list[int]]:
+    """Runs `variants` with layers shared and with every pair run; asserts the same metrics (NaN = NaN) and
+    findings; returns the findings and, per layer, how many pairs the sharing did not compute."""
+    shared, computed = _layers_run(tmp_path, "shared", True, monkeypatch, variants)
+    full, computed_full = _layers_run(tmp_path, "full", False, monkeypatch, variants)
+    findings = full.read_findings()
+    assert shared.read_findings() == findings
+    pd.testing.assert_frame_equal(shared.read_metrics().to_pandas(), full.read_metrics().to_pandas())
+    return findings, [computed_full.count(layer) - computed.count(layer) for layer in range(LAYERS)]
+
+
+def _nan_experts(pid: str, layers_for):
+    """A patch choice putting NaN into the experts' output at the layers `layers_for` names."""
+    from optimized.patching import Patch, PatchChoice
+
+    patch = Patch(pid, ("prefill", "decode"), "NaN in the experts' output", source="test", layers_for=layers_for)
+    patch.op("experts")(lambda ctx, **inputs: ctx.base(**inputs) * float("nan"))
+    return PatchChoice(patch, {})
+
+
 def test_local_pairs_with_the_same_patches_acting_at_a_layer_share_it_bit_for_bit(tmp_path, monkeypatch):
     """Attribution over the built-in patches on tiny's SWA, SWA, CSA, HCA layers (hash-routed: 0-2): triton-indexer
     and bf16-indexer-gemm act only on CSA layers, hash-topk only on hash layers (Patch.layers_for), so in local mode
@@ -225,26 +245,13 @@ def test_a_shared_layer_keeps_each_pairs_own_nan_history(tmp_path, monkeypatch):
     finding and notes no more, so `late` runs its own layer 2 and finds it; at layer 3 both have their findings and
     `late` takes `early+late`'s layer. The findings and metrics are those of every pair run."""
     from harness.run.runner import VariantSpec
-    from optimized.patching import Patch, PatchChoice
 
-    def poison(pid, layers_for):
-        patch = Patch(pid, ("prefill", "decode"), "NaN in the experts' output", source="test", layers_for=layers_for)
-
-        @patch.op("experts")
-        def experts(ctx, **inputs):
-            return ctx.base(**inputs) * float("nan")
-        return PatchChoice(patch, {})
-
-    early = poison("early", lambda cfg, layer, options: cfg.layer_kind(layer) == "swa")
-    late = poison("late", lambda cfg, layer, options: layer >= 2)
+    early = _nan_experts("early", lambda cfg, layer, options: cfg.layer_kind(layer) == "swa")
+    late = _nan_experts("late", lambda cfg, layer, options: layer >= 2)
     variants = [VariantSpec("early+late", [early, late]), VariantSpec("late", [late])]
-    shared, computed = _layers_run(tmp_path, "shared", True, monkeypatch, variants)
-    full, computed_full = _layers_run(tmp_path, "full", False, monkeypatch, variants)
-    findings = full.read_findings()
-    assert shared.read_findings() == findings
+    findings, saved = _shared_against_full(tmp_path, monkeypatch, variants)
     assert {(f["variant"], f["layer"]) for f in findings if f["mode"] == "local"} == {("early+late", 0), ("late", 2)}
-    pd.testing.assert_frame_equal(shared.read_metrics().to_pandas(), full.read_metrics().to_pandas())
-    assert [computed_full.count(layer) - computed.count(layer) for layer in range(LAYERS)] == [0, 0, 0, 1]
+    assert saved == [0, 0, 0, 1]
 
 
 def test_a_nan_first_found_in_a_shared_layer_is_each_takers_own_finding(tmp_path, monkeypatch):
@@ -254,21 +261,14 @@ def test_a_nan_first_found_in_a_shared_layer_is_each_takers_own_finding(tmp_path
     from harness.run.runner import VariantSpec
     from optimized.patching import Patch, PatchChoice, PluginOpError
 
-    late = Patch("late", ("prefill", "decode"), "NaN in the experts' output", source="test",
-                 layers_for=lambda cfg, layer, options: layer >= 2)
-    late.op("experts")(lambda ctx, **inputs: ctx.base(**inputs) * float("nan"))
+    late = _nan_experts("late", lambda cfg, layer, options: layer >= 2)
     swa = Patch("swa", ("prefill", "decode"), "passes the router through", source="test",
                 layers_for=lambda cfg, layer, options: cfg.layer_kind(layer) == "swa")
     swa.op("router")(lambda ctx, **inputs: ctx.base(**inputs))
-    variants = [VariantSpec("late", [PatchChoice(late, {})]),
-                VariantSpec("late+swa", [PatchChoice(late, {}), PatchChoice(swa, {})])]
-    shared, computed = _layers_run(tmp_path, "shared", True, monkeypatch, variants)
-    full, computed_full = _layers_run(tmp_path, "full", False, monkeypatch, variants)
-    findings = full.read_findings()
-    assert shared.read_findings() == findings
+    variants = [VariantSpec("late", [late]), VariantSpec("late+swa", [late, PatchChoice(swa, {})])]
+    findings, saved = _shared_against_full(tmp_path, monkeypatch, variants)
     assert {(f["variant"], f["layer"]) for f in findings if f["mode"] == "local"} == {("late", 2), ("late+swa", 2)}
-    pd.testing.assert_frame_equal(shared.read_metrics().to_pandas(), full.read_metrics().to_pandas())
-    assert [computed_full.count(layer) - computed.count(layer) for layer in range(LAYERS)] == [0, 0, 1, 1]
+    assert saved == [0, 0, 1, 1]
 
     broken = Patch("broken", ("decode",), "its layers_for raises", source="test",
                    layers_for=lambda cfg, layer, options: 1 / 0)

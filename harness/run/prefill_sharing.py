@@ -160,9 +160,13 @@ class SharedLayers:
         self._keys = keys
         self._waiting = Counter(keys.values())
         self._shares: dict[LayerKey, LayerShare] = {}
-        firsts: set[LayerKey] = set()
-        self.takers = {pair for pair, key in keys.items() if key in firsts or firsts.add(key)}
+        self.takers: set[tuple[str, str]] = set()
         """The pairs an earlier pair's layer serves (they take it unless their NaN/Inf history differs)."""
+        firsts: set[LayerKey] = set()
+        for pair, key in keys.items():
+            if key in firsts:
+                self.takers.add(pair)
+            firsts.add(key)
 
     def take(self, pair: tuple[str, str], findings: list[Finding]) -> list[dict] | None:
         """The rows of `pair` from an earlier pair with its key whose NaN/Inf history matches, its finding (if any)
