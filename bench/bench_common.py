@@ -9,6 +9,7 @@ import argparse
 
 import torch
 
+from harness.attribution.plan import attribution_variants
 from harness.run.runner import RunSpec, VariantSpec
 from optimized.registry import default_registry
 from reference.config import ModelConfig, get_preset
@@ -40,10 +41,12 @@ def bench_run_spec(args: argparse.Namespace, cfg: ModelConfig, ids: torch.Tensor
                    ) -> RunSpec:
     """The lockstep spec the layer benches time: synthetic weights (seed 0), the first --tokens ids as the prompt
     in two turns, the rest decoded, one 16-token needle an eighth of the way in, the comma-separated patch sets
-    `variants` ('base' or 'none': no patches; else a registry choice such as 'all'), local mode on."""
+    `variants` ('base' or 'none': no patches; else a registry choice such as 'all'; 'attribution' alone: the 14
+    variants `attribute` runs over the six built-in patches), local mode on."""
     ids_list = ids.tolist()
     turns = [0] * (len(ids_list) // 2) + [1] * (len(ids_list) - len(ids_list) // 2)
-    chosen = [VariantSpec(v, [] if v in ("base", "none") else default_registry().choose(v)) for v in variants.split(",")]
+    chosen = attribution_variants(default_registry().choose("all")) if variants == "attribution" else \
+        [VariantSpec(v, [] if v in ("base", "none") else default_registry().choose(v)) for v in variants.split(",")]
     return RunSpec(SyntheticWeights(cfg, 0), ids_list[: args.tokens], ids_list[args.tokens:], turns,
                    [(args.tokens // 8, args.tokens // 8 + 16)], chosen, local=True, device=args.device,
                    reference_decode_together=reference_decode_together, decode_sites_together=decode_sites_together)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device machine: python3 with torch/triton preinstalled, no package registry).
 # Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, compare, samebits, profile, flash27k,
-# flash30k, mps
+# flash30k, attr30k, mps
 # pydantic (scenario and policy files) is not preinstalled: run bench/wheels.sh here first and carry .whl/ along.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -129,6 +129,17 @@ PY
         args=("${fresh[@]}" --device cuda --patches "$P" --out $D); fi
       timeout "${RUN_LIMIT:-540}" python3 -m harness.cli "${args[@]}" --no-report 2>&1 | grep -v "^\s*$" | tail -70
       mkdir -p "$OUT/$stage-$P" && cp $D/manifest.json $D/findings.json $D/metrics.parquet "$OUT/$stage-$P/" 2>/dev/null
+      python3 -c 'import json, sys; m=json.load(open(sys.argv[1])); print("status", m.get("status"), "wall", m.get("wall_seconds"), "peaks", m.get("peak_device_gib"), m.get("peak_host_rss_gib"), "segments", m.get("segments"))' $D/manifest.json ;;
+    attr30k)
+      # `attribute flash-30k` (the six built-ins, --interactions never), resumable across calls while the machine stays
+      # warm like flash30k: each call runs at most RUN_LIMIT seconds; the manifest, findings and per-layer log come
+      # back under $OUT/attr30k.
+      D=/tmp/attr30k
+      if [ -f $D/manifest.json ]; then args=(attribute --resume $D); else
+        args=(attribute flash-30k --device cuda --interactions never --out $D); fi
+      timeout "${RUN_LIMIT:-540}" python3 -m harness.cli "${args[@]}" --no-report 2>&1 | grep -v "^\s*$" \
+        | tee -a "$OUT/attr30k.log" | grep -E "^layer|rror|note|verdict" | tail -60
+      mkdir -p "$OUT/attr30k" && cp $D/manifest.json $D/findings.json $D/attribution.json "$OUT/attr30k/" 2>/dev/null
       python3 -c 'import json, sys; m=json.load(open(sys.argv[1])); print("status", m.get("status"), "wall", m.get("wall_seconds"), "peaks", m.get("peak_device_gib"), m.get("peak_host_rss_gib"), "segments", m.get("segments"))' $D/manifest.json ;;
     mps)
       # Two ranks sharing the one GPU under NVIDIA MPS against one process, on the first layers of flash-30k (the same

@@ -42,15 +42,18 @@ class _KeepingRunner(LockstepRunner):
 def main() -> None:
     ap = bench_parser(__doc__, tokens=8192)
     ap.add_argument("--layer", type=int, default=2, help="the layer timed (default 2: CSA in every preset)")
-    ap.add_argument("--variants", default="base,all", help="comma-separated patch sets (default base,all)")
+    ap.add_argument("--variants", default="base,all",
+                    help="comma-separated patch sets, or attribution (default base,all)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each way, alternating (default 3)")
     args = ap.parse_args()
     cfg, ids = bench_setup(args)
     spec = bench_run_spec(args, cfg, ids, args.variants)
     device = torch.device(args.device)
-    if len(lanes_of(spec, spec.stacks())) < 2:
+    lanes = lanes_of(spec, spec.stacks())
+    if len(lanes) < 2:
         sys.exit(f"lanes_ab: variants {args.variants} give one lane (stock stacks only, or patched only): nothing to "
                  "compare")
+    print("lanes:", " | ".join(", ".join(f"{name}/{mode}" for name, mode in lane) for lane in lanes))
     if not cache_holds_every_copy(spec, args.layer, DenseCache.for_device(device).budget_bytes):
         sys.exit(f"lanes_ab: layer {args.layer}'s dense cache cannot hold every weight's fp32 copy on {device}, so "
                  "the runner keeps one lane (harness.run.host_lanes.cache_holds_every_copy): nothing to compare")

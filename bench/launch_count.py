@@ -246,7 +246,8 @@ def instrument(counter: LaunchCounter | RegionTimer, where: dict[str, str], n_pr
 def main() -> None:
     ap = bench_parser(__doc__, tokens=8192)
     ap.add_argument("--layer", type=int, default=2, help="the layer counted (default 2: CSA in every preset)")
-    ap.add_argument("--variants", default="base,all", help="comma-separated patch sets (default base,all)")
+    ap.add_argument("--variants", default="base,all",
+                    help="comma-separated patch sets, or attribution (default base,all)")
     ap.add_argument("--top", type=int, default=30, help="regions listed (default 30)")
     ap.add_argument("--defer-blocks", action="store_true", help="batch prefill blocks' comparisons, as on a GPU")
     ap.add_argument("--ops", type=int, default=0, help="also list each region's N most frequent operations")
