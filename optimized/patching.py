@@ -188,12 +188,28 @@ class Shadowing:
     by: str
     phases: tuple[str, ...]
     by_some_layers: bool = False  # `by` declares the layers it acts at (Patch.layers_for): hidden at those only
+    layers: tuple[int, ...] | None = None
+    """The layers where it is hidden, when the model config was given and they are not all of them."""
 
     def message(self) -> str:
-        where = f" at the layers where '{self.by}' acts" if self.by_some_layers else ""
+        if self.layers is not None:
+            where = f" at layer{'s' if len(self.layers) > 1 else ''} {format_layers(self.layers)}"
+        else:
+            where = f" at the layers where '{self.by}' acts" if self.by_some_layers else ""
         return (f"patch '{self.by}' replaces op '{self.op}' without calling ctx.base, so '{self.hidden}' (listed "
                 f"before it) never runs on that op in {' and '.join(self.phases)}{where}; later patches wrap earlier "
                 f"ones: list '{self.hidden}' after '{self.by}' to wrap it")
+
+
+def format_layers(layers: tuple[int, ...]) -> str:
+    """(2, 3, 4, 7) -> "2-4, 7"."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def may_call_base(fn: Callable[..., Any]) -> bool:
@@ -226,20 +242,42 @@ def may_call_base(fn: Callable[..., Any]) -> bool:
     return False
 
 
-def shadowed_patches(choices: list[PatchChoice]) -> list[Shadowing]:
+def shadowed_patches(choices: list[PatchChoice], cfg: Any = None) -> list[Shadowing]:
     """Every patch of a variant that never runs on some op because a later one replaces that op without calling
-    `ctx.base` (the order rule: each patch wraps the ones listed before it), per op, in the phases both are on."""
+    `ctx.base` (the order rule: each patch wraps the ones listed before it), per op, in the phases both are on. With
+    the model config `cfg`, per layer as the engine builds the layers' op chains (only the patches acting at a layer:
+    Patch.layers_for), naming the layers where it is hidden unless that is every layer; without it, the patches'
+    declared layers are not known, and a replacer that declares some says so."""
+    if cfg is None:
+        found = _shadowed_in(choices)
+        some_layers = {c.id for c in choices if c.patch.layers_for is not None}
+        return [Shadowing(op, hidden, by, phases, by in some_layers) for (op, hidden, by), phases in found.items()]
+    at: dict[tuple[str, str, str], dict[int, tuple[str, ...]]] = {}
+    n_layers = cfg.num_hidden_layers
+    for layer in range(n_layers):
+        acting = [c for c in choices if c.patch.acts_at(cfg, layer, c.options)]
+        for key, phases in _shadowed_in(acting).items():
+            at.setdefault(key, {})[layer] = phases
+    shadowings = []
+    for (op, hidden, by), by_layer in at.items():
+        phases = tuple(p for p in PHASES if any(p in ph for ph in by_layer.values()))
+        layers = tuple(sorted(by_layer))
+        shadowings.append(Shadowing(op, hidden, by, phases, layers=None if len(layers) == n_layers else layers))
+    return shadowings
+
+
+def _shadowed_in(chain_of: list[PatchChoice]) -> dict[tuple[str, str, str], tuple[str, ...]]:
+    """(op, hidden, replacer) -> phases, over the op chains these choices make (each op's patches in order)."""
     found: dict[tuple[str, str, str], list[str]] = {}
-    some_layers = {c.id for c in choices if c.patch.layers_for is not None}
     for phase in PHASES:
-        active = [c for c in choices if phase in c.patch.active_phases(c.options)]
+        active = [c for c in chain_of if phase in c.patch.active_phases(c.options)]
         for op in OP_SPECS:
             chain = [c for c in active if op in c.patch.ops]
             for i, lower in enumerate(chain):
                 replacer = next((c for c in chain[i + 1:] if not may_call_base(c.patch.ops[op])), None)
                 if replacer is not None:
                     found.setdefault((op, lower.id, replacer.id), []).append(phase)
-    return [Shadowing(op, hidden, by, tuple(phases), by in some_layers) for (op, hidden, by), phases in found.items()]
+    return {key: tuple(phases) for key, phases in found.items()}
 
 
 class PatchRegistry:

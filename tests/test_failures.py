@@ -495,11 +495,23 @@ def test_a_replacing_patch_that_acts_at_some_layers_hides_an_earlier_one_there_o
         patch.op("indexer_topk")(lambda ctx, logits, positions, k: (logits.topk(k).indices, logits.topk(k).values > 0))
         return PatchChoice(patch, {})
 
+    from reference.config import get_preset
+
+    cfg = get_preset("tiny")  # 5 layers: SWA, SWA, CSA, HCA, CSA
+    csa = lambda cfg, layer, options: cfg.layer_kind(layer) == "csa"  # noqa: E731
     lower = replacing("lower")
-    for layers_for, where in ((None, ""), (lambda cfg, layer, options: layer > 0, " at the layers where 'upper' acts")):
-        (shadowing,) = shadowed_patches([lower, replacing("upper", layers_for)])
+    for layers_for, cfg_given, where in (
+            (None, None, ""), (None, cfg, ""),  # every layer: nothing to name
+            (lambda cfg, layer, options: layer > 0, None, " at the layers where 'upper' acts"),  # no config
+            (lambda cfg, layer, options: layer > 0, cfg, " at layers 1-4"),
+            (csa, cfg, " at layers 2, 4")):
+        (shadowing,) = shadowed_patches([lower, replacing("upper", layers_for)], cfg_given)
         assert (f"so 'lower' (listed before it) never runs on that op in decode{where}; later patches"
                 in shadowing.message())
+    # hidden only where both act: a lower patch on CSA layers under a replacer on layers 3-4 is hidden at layer 4
+    (shadowing,) = shadowed_patches([replacing("lower", csa), replacing("upper", lambda c, layer, o: layer >= 3)], cfg)
+    assert shadowing.layers == (4,) and " at layer 4;" in shadowing.message()
+    assert shadowed_patches([replacing("lower", csa), replacing("upper", lambda c, layer, o: layer == 3)], cfg) == []
 
 
 def test_may_call_base_reads_nested_functions_and_same_module_helpers():

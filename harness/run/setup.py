@@ -70,12 +70,13 @@ def load_registry(modules: list[str]) -> PatchRegistry:
         raise UsageError(f"--patch-module: {e}") from None
 
 
-def shadowing_warnings(variants: list[VariantSpec]) -> list[str]:
+def shadowing_warnings(variants: list[VariantSpec], cfg: Any) -> list[str]:
     """One line per patch that never runs on an op because a later patch of the same variant replaces that op
-    without calling ctx.base (optimized.patching.shadowed_patches), naming the variants, both patches and the op."""
+    without calling ctx.base (optimized.patching.shadowed_patches, at the layers of model config `cfg`), naming the
+    variants, both patches, the op and the layers."""
     variants_of: dict[str, list[str]] = {}
     for v in variants:
-        for shadowing in shadowed_patches(v.choices):
+        for shadowing in shadowed_patches(v.choices, cfg):
             variants_of.setdefault(shadowing.message(), []).append(v.name)
     return [f"variant{'s' if len(names) > 1 else ''} {', '.join(repr(n) for n in names)}: {message}"
             for message, names in variants_of.items()]

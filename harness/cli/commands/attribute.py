@@ -92,7 +92,7 @@ def attribute(scenario_ref: str, patches: str | None, patch_modules: tuple[str, 
         for line in (narrow, sharded, note):
             if line:
                 console(stderr=True).print(f"[yellow]note[/]: {line}", soft_wrap=True)
-        for warning in shadowing_warnings(first_pass.variants):
+        for warning in shadowing_warnings(first_pass.variants, first_pass.source.config):
             console(stderr=True).print(f"[yellow]warning[/]: {warning}", soft_wrap=True)
         spec.variants = [VariantSpec("patches", choices)]
         manifest = manifest_for(scenario, path.read_text(), overrides, spec, plan)

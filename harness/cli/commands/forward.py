@@ -87,7 +87,7 @@ def build_stack(args: argparse.Namespace, source) -> tuple[object, int | None, s
     from optimized.patching import shadowed_patches
 
     choices = choose_patches(load_registry(args.patch_module), args.patches)
-    for shadowing in shadowed_patches(choices):
+    for shadowing in shadowed_patches(choices, source.config):
         print(f"warning: {shadowing.message()}", file=sys.stderr)
     label = "optimized " + ("+".join(c.id for c in choices) or "base")
     return OptimizedModel(source, choices, args.device), args.chunk_size or DEFAULT_CHUNK_SIZE, label

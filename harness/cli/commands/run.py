@@ -197,7 +197,7 @@ def _start(args: argparse.Namespace, group_world: int | None) -> tuple[RunSpec, 
         for note in (narrow, sharded):
             if note:
                 out.print(f"[yellow]note[/]: {note}", soft_wrap=True)
-        for warning in shadowing_warnings(spec.variants):
+        for warning in shadowing_warnings(spec.variants, spec.source.config):
             out.print(f"[yellow]warning[/]: {warning}", soft_wrap=True)
         estimate = check_fits(spec, world)  # refused here, with the numbers, if it would not fit
         note = placement_note(spec, estimate)
