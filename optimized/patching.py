@@ -33,6 +33,7 @@ from types import CodeType, FunctionType
 from typing import Any, Callable
 
 from optimized.op_specs import OP_SPECS
+from reference.weights.layouts import format_ranges
 
 PHASES = ("prefill", "decode")
 
@@ -193,23 +194,12 @@ class Shadowing:
 
     def message(self) -> str:
         if self.layers is not None:
-            where = f" at layer{'s' if len(self.layers) > 1 else ''} {format_layers(self.layers)}"
+            where = f" at layer{'s' if len(self.layers) > 1 else ''} {format_ranges(list(self.layers))}"
         else:
             where = f" at the layers where '{self.by}' acts" if self.by_some_layers else ""
         return (f"patch '{self.by}' replaces op '{self.op}' without calling ctx.base, so '{self.hidden}' (listed "
                 f"before it) never runs on that op in {' and '.join(self.phases)}{where}; later patches wrap earlier "
                 f"ones: list '{self.hidden}' after '{self.by}' to wrap it")
-
-
-def format_layers(layers: tuple[int, ...]) -> str:
-    """(2, 3, 4, 7) -> "2-4, 7"."""
-    runs: list[list[int]] = []
-    for layer in layers:
-        if runs and layer == runs[-1][-1] + 1:
-            runs[-1].append(layer)
-        else:
-            runs.append([layer])
-    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def may_call_base(fn: Callable[..., Any]) -> bool:
