@@ -296,6 +296,15 @@ def test_a_pair_that_takes_a_layer_keeps_no_prefill_for_it(tmp_path, monkeypatch
     shared, _ = _layers_run(tmp_path, "shared", True, monkeypatch, variants)
     assert ("base", "local", 3) not in kept and ("base", "global", 3) in kept
     assert ("base", "local", 2) in kept  # the CSA layer: only:triton-indexer continues base's prefill there
+    # the memory estimate's count (kept_prefill_keys at each layer) is what the runner kept, layer by layer
+    spec = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))[0]
+    spec.variants = variants
+    keys = prefill_sharing.pair_keys(spec, spec.stacks())
+    leader = {key: next(p for p, k in keys.items() if k == key) for key in keys.values()}
+    for layer in range(LAYERS):
+        predicted = sorted(leader[key] for key in kept_prefill_keys(spec, spec.stacks(), layer))
+        assert predicted == sorted((v, m) for v, m, at in kept if at == layer), layer
+    assert len(kept_prefill_keys(spec, spec.stacks(), 3)) < len(kept_prefill_keys(spec, spec.stacks()))
     full, _ = _layers_run(tmp_path, "full", False, monkeypatch, variants)
     pd.testing.assert_frame_equal(shared.read_metrics().to_pandas(), full.read_metrics().to_pandas())
     assert shared.read_findings() == full.read_findings()

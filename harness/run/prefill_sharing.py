@@ -226,12 +226,18 @@ def pair_keys(spec: Any, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], 
     return {pair: key for pair, key in keys.items() if key is not None}
 
 
-def kept_prefill_keys(spec: Any, pairs: list[tuple[str, str]]) -> list[PrefillKey]:
-    """The keys whose prefill a process running `pairs` keeps during a layer: those two or more of them share (none
-    without decode tokens: a share is kept at the first decode step)."""
+def kept_prefill_keys(spec: Any, pairs: list[tuple[str, str]], layer: int | None = None) -> list[PrefillKey]:
+    """The keys whose prefill a process running `pairs` keeps during layer `layer`: those two or more of them share,
+    leaving out the local pairs that take an earlier pair's layer there (SharedLayers.takers: the runner keeps no
+    share for them); none without decode tokens (a share is kept at the first decode step). `layer` None: every
+    pair counted, the most any layer can keep."""
     if not spec.decode_ids:
         return []
-    return [key for key, n in Counter(pair_keys(spec, pairs).values()).items() if n >= 2]
+    keys = pair_keys(spec, pairs)
+    if layer is not None:
+        takers = SharedLayers(layer_keys(spec, pairs, layer)).takers
+        keys = {pair: key for pair, key in keys.items() if pair not in takers}
+    return [key for key, n in Counter(keys.values()).items() if n >= 2]
 
 
 def kept_global_prefills(spec: Any, pairs: list[tuple[str, str]]) -> int:
