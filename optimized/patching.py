@@ -256,11 +256,11 @@ def shadowed_patches(choices: list[PatchChoice], cfg: Any = None) -> list[Shadow
     return shadowings
 
 
-def _shadowed_in(chain_of: list[PatchChoice]) -> dict[tuple[str, str, str], tuple[str, ...]]:
+def _shadowed_in(choices: list[PatchChoice]) -> dict[tuple[str, str, str], tuple[str, ...]]:
     """(op, hidden, replacer) -> phases, over the op chains these choices make (each op's patches in order)."""
     found: dict[tuple[str, str, str], list[str]] = {}
     for phase in PHASES:
-        active = [c for c in chain_of if phase in c.patch.active_phases(c.options)]
+        active = [c for c in choices if phase in c.patch.active_phases(c.options)]
         for op in OP_SPECS:
             chain = [c for c in active if op in c.patch.ops]
             for i, lower in enumerate(chain):

@@ -155,9 +155,10 @@ def predict_memory(spec: RunSpec, world: int = 1) -> MemoryEstimate:
     # copies of them: below); both: a copy of the state's caches (~3 bytes per latent dimension and token); at the
     # layer that keeps the most, on the busiest rank, as stacks_of_rank deals the pairs (a local pair taking an
     # earlier one's whole layer keeps no share there: prefill_sharing.SharedLayers)
+    ranks = [spec.stacks_of_rank(rank, world) for rank in range(world)]
     shared = max(sum(T * n * D * 2 * (mode == "local") + T * 3 * (hd + cfg.index_head_dim)
-                     for mode, _ in kept_prefill_keys(spec, spec.stacks_of_rank(rank, world), layer))
-                 for rank in range(world) for layer in range(cfg.num_hidden_layers))
+                     for mode, _ in kept_prefill_keys(spec, pairs, layer))
+                 for pairs in ranks for layer in range(cfg.num_hidden_layers))
     if shared:
         terms["shared prefills"] = shared
     # two host lanes (one process on a GPU, stock and patched stacks, a layer's dense cache holding every fp32 copy):
