@@ -105,16 +105,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = tuple(os.path.join(REPO, p) + os.sep for p in ("reference", "optimized", "harness"))
 
 
+CALLER_DEPTH = 1
+"""Lines of this repository's packages named per operation (--caller-depth): 1, the innermost; 2 adds the line
+that called it (a helper such as numerics.bf16 is called from dozens of places), and so on."""
+
+
 def caller() -> str:
-    """The innermost line of this repository's packages on the stack ('path:line function'): where an operation was
-    asked for, below torch's own frames and this counter's."""
-    frame = sys._getframe(2)
-    while frame is not None:
+    """The innermost CALLER_DEPTH lines of this repository's packages on the stack ('path:line function', joined by
+    ' <- '): where an operation was asked for, below torch's own frames and this counter's."""
+    frame, lines = sys._getframe(2), []
+    while frame is not None and len(lines) < CALLER_DEPTH:
         path = frame.f_code.co_filename
         if path.startswith(PACKAGES):
-            return f"{os.path.relpath(path, REPO)}:{frame.f_lineno} {frame.f_code.co_name}"
+            lines.append(f"{os.path.relpath(path, REPO)}:{frame.f_lineno} {frame.f_code.co_name}")
         frame = frame.f_back
-    return "(elsewhere)"
+    return " <- ".join(lines) or "(elsewhere)"
 
 
 def count_replays_as_graphs(counter: LaunchCounter) -> None:
@@ -253,6 +258,8 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=0, help="also list each region's N most frequent operations")
     ap.add_argument("--callers", type=int, default=0,
                     help="also list each region's N busiest lines of code, for its launches and its host reads")
+    ap.add_argument("--caller-depth", type=int, default=1,
+                    help="with --callers, name each line's callers too, up to N lines of this repository (default 1)")
     ap.add_argument("--eager", action="store_true", help="count what a GPU replays from CUDA graphs op by op")
     ap.add_argument("--time", action="store_true",
                     help="time each region (host wall seconds, exclusive) instead of counting its operations")
@@ -293,6 +300,8 @@ def main() -> None:
         return time_regions(spec, args, where)
     counter = LaunchCounter()
     if args.callers:
+        global CALLER_DEPTH
+        CALLER_DEPTH = max(1, args.caller_depth)
         counter.callers = {}
     instrument(counter, where, args.tokens, args.by_tap, args.by_op)
     if not args.eager:
