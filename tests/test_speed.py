@@ -881,6 +881,24 @@ def test_cached_constants_keep_the_sign_of_zero_and_refuse_nan():
         constant(float("nan"), torch.float32, "cpu")
 
 
+def test_launch_count_names_callers_to_the_depth_asked():
+    """--callers N --caller-depth 2: each busiest line comes with the line that called it (numerics.bf16 is called
+    from dozens of places, so its own line says little); --variants attribution counts attribute's 14 variants."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "launch_count.py"), "--model", "tiny", "--tokens", "300",
+                          "--decode", "2", "--variants", "attribution", "--top", "400", "--callers", "3",
+                          "--caller-depth", "2"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root)}, check=True).stdout
+    assert "only:nvfp4-experts/local decode stack" in out and "all-but:hash-topk/global prefill stack" in out
+    listed = [line for line in out.splitlines() if line.startswith(" " * 18)]
+    assert listed and any(" <- " in line for line in listed), out[:2000]
+
+
 def test_lanes_ab_alternates_one_and_two_host_threads_and_checks_the_rows():
     """bench/lanes_ab.py times one layer with its stacks in one host thread and in two (harness.run.host_lanes),
     alternating in one process after a warm-up, and fails if any metric row differs between the runs."""
