@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
+from harness.attribution.plan import attribution_variants
 from harness.run.host_lanes import blamed_lane, cache_holds_every_copy, deal_lanes
 from harness.run.runner import LockstepRunner, VariantSpec
 from harness.run.setup import Overrides, build_run_spec
@@ -35,6 +36,43 @@ def test_a_stock_prefill_that_a_patched_pair_continues_from_stays_in_the_patched
     lanes = deal_lanes(PAIRS, {"base": False, "all": True}, keys)
     assert lanes == [[("base", "global"), ("all", "global"), ("all", "local")],
                      [("yardstick", "global"), ("yardstick", "local"), ("base", "local")]]
+
+
+def test_a_stock_layer_that_a_patched_pair_takes_stays_in_the_patched_lane():
+    """At a layer where only:X's patch does not act, only:X/local computes base/local's layer and takes it
+    (harness.run.prefill_sharing), so base/local runs in the patched lane there; elsewhere it keeps the stock lane."""
+    lanes = deal_lanes(PAIRS, {"base": False, "all": True}, {}, {("base", "local"): "k", ("all", "local"): "k"})
+    assert lanes == [[("base", "local"), ("all", "global"), ("all", "local")],
+                     [("yardstick", "global"), ("yardstick", "local"), ("base", "global")]]
+    assert deal_lanes(PAIRS, {"base": False, "all": True}, {}, {("base", "local"): "k", ("all", "local"): "j"}) == \
+        [PAIRS[4:], PAIRS[:4]]
+
+
+def test_lanes_share_the_layers_one_thread_shares(tmp_path, monkeypatch):
+    """Attribution over hash-topk and nvfp4-experts: nothing continues base's prefill (both patches act in prefill),
+    so base ran in the stock lane, and at tiny's non-hash layers 3 and 4 only:hash-topk/local, in the patched lane,
+    computed base's layer again instead of taking it. Now two lanes compute the pair-layers one does, with its
+    metrics and findings."""
+    from optimized import engine
+
+    computed: list[int] = []
+    run_layer = engine.OptimizedModel.run_layer
+
+    def counting(self, block, *args, **kwargs):
+        computed.append(block.layer)
+        return run_layer(self, block, *args, **kwargs)
+
+    monkeypatch.setattr(engine.OptimizedModel, "run_layer", counting)
+    variants = attribution_variants(default_registry().choose("hash-topk,nvfp4-experts"))
+    threads = _noting_threads(monkeypatch)
+    lanes = _run(tmp_path, "lanes", True, monkeypatch, variants)
+    assert len(set(threads.values())) == 2
+    in_lanes = [computed.count(layer) for layer in range(LAYERS)]
+    computed.clear()
+    sequential = _run(tmp_path, "sequential", False, monkeypatch, variants)
+    assert in_lanes == [computed.count(layer) for layer in range(LAYERS)] == [8, 8, 8, 6]
+    pd.testing.assert_frame_equal(lanes.read_metrics().to_pandas(), sequential.read_metrics().to_pandas())
+    assert lanes.read_findings() == sequential.read_findings()
 
 
 def test_one_lane_when_either_would_be_empty():

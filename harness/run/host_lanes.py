@@ -9,8 +9,9 @@ one thread would; only the interleaving of the two threads' kernels changes.
 What must not change is what a patch sees. Patches are Python (plugins among them) and may keep state between
 calls, so every pair that runs patch code stays in one thread — the caller's — in the order of a sequential run:
 the *patched lane*. The other lane holds only the pairs that run no patch code: the yardstick and the variants
-without patches (the stock engine). A stock pair whose prefill a patched pair continues from
-(harness.run.prefill_sharing) joins the patched lane, ahead of it as before, so no share crosses threads.
+without patches (the stock engine). A stock pair whose prefill a patched pair continues from, or whose local layer a
+patched pair takes (harness.run.prefill_sharing: `only:hash-topk` computes `base`'s layer where hash-topk does not
+act), joins the patched lane, ahead of it as before, so no share crosses threads.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from harness.run.prefill_sharing import pair_keys
+from harness.run.prefill_sharing import layer_keys, pair_keys
 from optimized.patching import PluginOpError
 from reference.weights.dense_cache import layer_dense_bytes
 
@@ -45,25 +46,40 @@ def cache_holds_every_copy(spec: Any, layer: int, budget_bytes: float) -> bool:
     return fp32 <= budget_bytes
 
 
-def lanes_of(spec: Any, pairs: Sequence[Pair], share_prefill: bool = True) -> list[list[Pair]]:
-    """deal_lanes for run spec `spec`'s pairs `pairs` (share_prefill: whether its variants share prefills). One lane
-    when the run dumps tensors: its dump sink names the stack running by a field that both threads would set."""
+_NONE = object()
+"""A key no pair has: a pair without a key shares with none."""
+
+
+def lanes_of(spec: Any, pairs: Sequence[Pair], share_prefill: bool = True, layer: int | None = None,
+             share_layers: bool = True) -> list[list[Pair]]:
+    """deal_lanes for run spec `spec`'s pairs `pairs` (share_prefill / share_layers: whether its variants share
+    prefills and, at layer `layer`, local layers; None: no layer's). One lane when the run dumps tensors: its dump
+    sink names the stack running by a field that both threads would set."""
     if spec.dump_taps:
         return [list(pairs)]
     patched = {v.name: bool(v.choices) for v in spec.variants}
-    return deal_lanes(pairs, patched, pair_keys(spec, list(pairs)) if share_prefill else {})
+    prefill = pair_keys(spec, list(pairs)) if share_prefill else {}
+    shared_layers = layer_keys(spec, list(pairs), layer) if share_layers and layer is not None else {}
+    return deal_lanes(pairs, patched, prefill, shared_layers)
 
 
-def deal_lanes(pairs: Sequence[Pair], patched: dict[str, bool], prefill_keys: dict[Pair, Any]) -> list[list[Pair]]:
+def deal_lanes(pairs: Sequence[Pair], patched: dict[str, bool], prefill: dict[Pair, Any],
+               layers: dict[Pair, Any] | None = None) -> list[list[Pair]]:
     """[patched lane, stock lane], each in the order of `pairs`; one lane (all of `pairs`) when either would be
     empty. `patched[name]`: whether stack `name` runs any patch (the yardstick and a variant without patches do not;
-    forced mode adds the forcing patch, so a pair in mode 'forced' is patched); `prefill_keys`: the prefill key of
-    each pair that may share its prefill."""
+    forced mode adds the forcing patch, so a pair in mode 'forced' is patched); `prefill` / `layers`: the prefill key
+    and the layer's local layer key of each pair that may share one — a stock pair with the key of a
+    patched pair stays in the patched lane, so that the patched pair can continue from its prefill or take its layer
+    (harness.run.prefill_sharing: no share crosses threads)."""
+    layers = layers or {}
+
     def runs_patches(pair: Pair) -> bool:
         return pair[1] == "forced" or patched.get(pair[0], False)
 
-    patched_keys = {prefill_keys[p] for p in pairs if runs_patches(p) and p in prefill_keys}
-    stock = [p for p in pairs if not runs_patches(p) and prefill_keys.get(p) not in patched_keys]
+    patched_prefills = {prefill[p] for p in pairs if runs_patches(p) and p in prefill}
+    patched_layers = {layers[p] for p in pairs if runs_patches(p) and p in layers}
+    stock = [p for p in pairs if not runs_patches(p) and prefill.get(p, _NONE) not in patched_prefills
+             and layers.get(p, _NONE) not in patched_layers]
     rest = [p for p in pairs if p not in stock]
     return [list(pairs)] if not stock or not rest else [rest, stock]
 

@@ -369,7 +369,7 @@ class LockstepRunner:
         in a second host thread beside the others (harness.run.host_lanes)."""
         own = self.own_stacks()
         on = self.device.type == "cuda" if self.HOST_LANES is None else self.HOST_LANES
-        lanes = lanes_of(self.spec, own, self.SHARE_PREFILL) if on and ref.filled else [own]
+        lanes = lanes_of(self.spec, own, self.SHARE_PREFILL, layer, self.SHARE_LAYERS) if on and ref.filled else [own]
         ref_answers = self.lens.read(self.reference.logits, ref.out) if self.lens else None
         if len(lanes) == 1:
             return self._run_pairs(layer, own, streams, ref, ref_answers, self.findings)
