@@ -49,7 +49,7 @@ def main() -> None:
     cfg, ids = bench_setup(args)
     spec = bench_run_spec(args, cfg, ids, args.variants)
     device = torch.device(args.device)
-    lanes = lanes_of(spec, spec.stacks())
+    lanes = lanes_of(spec, spec.stacks(), layer=args.layer)
     if len(lanes) < 2:
         sys.exit(f"lanes_ab: variants {args.variants} give one lane (stock stacks only, or patched only): nothing to "
                  "compare")
