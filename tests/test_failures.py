@@ -789,8 +789,32 @@ def test_attribute_says_oversubscription_for_the_threads_it_runs_with(tmp_path, 
     err = capsys.readouterr().err
     assert "this run adds 1 thread(s)" in err and err.count("oversubscribed") == 1, err
     # not a terminal: a line per layer instead of the live bar (tiny has 5 layers)
-    assert [line.split(" done in")[0] for line in err.splitlines() if " done in " in line] == [
-        f"layer {k}/5" for k in range(1, 6)], err
+    lines = [line for line in err.splitlines() if " done in " in line]
+    assert [line.split(" done in")[0] for line in lines] == [f"layer {k}/5" for k in range(1, 6)], err
+    assert all(" left)" in line for line in lines[:-1]) and lines[-1].endswith("elapsed)"), lines  # the time left
+
+
+def test_the_layer_log_estimates_the_time_left_by_layer_kind(monkeypatch):
+    """At Flash width a CSA layer of an attribution took 38–42 s on an H100 and an HCA layer 28–32 s, the first CSA
+    layer 62 s with the Triton compiles (README, Benchmarks): the time left is the median of each remaining layer's
+    kind (all finished layers' for a kind not seen yet), so the compile does not weigh on every CSA layer."""
+    from harness.run.layer_log import LayerLog, format_duration
+
+    clock = iter(range(0, 10_000, 10))
+    monkeypatch.setattr("harness.run.layer_log.time.perf_counter", lambda: float(next(clock)))
+    kinds = ("swa", "swa", "csa", "hca", "csa", "hca", "csa", "hca")
+    log = LayerLog(", 2 ranks")
+    times = [45.0, 36.0, 62.0, 40.0, 41.0, 31.0]
+    lines = [log.line({"layer": i, "layers": len(kinds), "seconds": s, "kinds": kinds}) for i, s in enumerate(times)]
+    # after layer 0: every later layer costs the one finished layer's 45 s (no CSA or HCA layer seen yet)
+    assert lines[0] == "layer 1/8 done in 45.0 s (10 s elapsed, 2 ranks; ≈ 5.2 min left)"
+    assert log.seconds_left(kinds[6:]) == 51.5 + 35.5  # CSA: median of 62 and 41; HCA: of 40 and 31
+    assert lines[-1].endswith("; ≈ 87 s left)")
+    assert log.line({"layer": 7, "layers": 8, "seconds": 30.0, "kinds": kinds}).endswith("2 ranks)")  # the last
+    log.new_pass()
+    assert log.seconds_left(kinds) == 0.0  # a new pass: nothing measured yet
+    assert LayerLog().line({"layer": 0, "layers": 3, "seconds": 1.0}).endswith("elapsed)")  # no kinds: no estimate
+    assert [format_duration(s) for s in (75, 754, 5400)] == ["75 s", "12.6 min", "1.5 h"]
 
 
 # --------------------------------------------------------------------------- housekeeping

@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.reductions import reduce_tensor
 
 from harness.run.host_allocator import keep_freed_host_memory
+from harness.run.layer_log import LayerLog
 from harness.run.probes import Finding
 from harness.run.runner import LockstepRunner, ReferencePass, RunSpec, VariantSpec
 from harness.run.setup import load_registry, scenario_from_manifest, spec_from_manifest
@@ -541,14 +542,12 @@ def run_share(group: Group, recipe: RunRecipe) -> None:
     store = RunStore(recipe.run_dir) if rank == 0 else ReadOnlyStore(recipe.run_dir, rank)
     spec = recipe.spec(store.read_manifest(), group.device)
     streams = store.load_streams()[1] if recipe.start_layer > 0 else None
-    t0 = time.perf_counter()
-
+    log = LayerLog(f", {world} ranks")
     done: list[int] = []
 
     def progress(event: dict[str, Any]) -> None:
         if event["event"] == "layer_done":
-            print(f"layer {event['layer'] + 1}/{event['layers']} done in {event['seconds']:.1f} s "
-                  f"({time.perf_counter() - t0:.0f} s elapsed, {world} ranks)", flush=True)
+            print(log.line(event), flush=True)
             done.append(event["layer"])
             if rank == 0 and recipe.segment_started is not None:
                 record_layer_in_segment(store, recipe.segment_started, event["layer"], runner.rank_waits)

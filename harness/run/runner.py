@@ -275,7 +275,7 @@ class LockstepRunner:
                 self.store.write_findings([f.to_dict() for f in self.findings])
                 last_save = self._save_state(layer, streams, last_save)
                 self.progress({"event": "layer_done", "layer": layer, "layers": n_layers,
-                               "seconds": time.perf_counter() - t0})
+                               "seconds": time.perf_counter() - t0, "kinds": self.cfg.layer_kinds})
             if end_layer is None:
                 self.where = {"layer": n_layers, "stack": "logits", "mode": "global"}
                 self.compare_logits(streams)

@@ -18,6 +18,7 @@ from harness.cli.threads import (add_threads_argument, host_processes, narrow_mo
                                  oversubscription_note, torch_threads)
 from harness.errors import UsageError
 from harness.run.distributed import run_sharded, shared_gpu_note
+from harness.run.layer_log import LayerLog
 from harness.run.memory import check_fits, placement_note
 from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
                                resume_problem, shadowing_warnings, spec_from_manifest)
@@ -224,16 +225,18 @@ def run(args: argparse.Namespace) -> int:
     with torch_threads(threads), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=out, transient=True) as bar:
         task = bar.add_task("attribution", total=None)
-        t0 = time.perf_counter()
+        log = LayerLog()
 
         def progress(event: dict) -> None:
             if event["event"] == "stack":
                 bar.update(task, description=f"layer {event['layer'] + 1} · {event['stack']} · {event['mode']}")
                 bar.advance(task)
             elif event["event"] == "layer_done" and not out.is_terminal:
-                # logs (CI, remote jobs) get one line per layer: at Flash width a pass takes an hour, its bar is lost
-                out.print(f"layer {event['layer'] + 1}/{event['layers']} done in {event['seconds']:.1f} s "
-                          f"({time.perf_counter() - t0:.0f} s elapsed)")
+                # logs (CI, remote jobs) get one line per layer: at Flash width a pass takes tens of minutes, its bar
+                # is lost; a pass's first layer starts a new log (the time left is the pass's)
+                if event["layer"] == 0:
+                    log.new_pass()
+                out.print(log.line(event))
 
         if args.devices is not None and args.devices < 1:
             raise UsageError(f"--devices {args.devices}: give at least 1")

@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from harness.errors import UsageError
 from harness.run.distributed import (Group, RankFailed, RunRecipe, first_reported_failure, from_environment,
                                      record_rank_failure, run_share, run_sharded, shared_gpu_note)
+from harness.run.layer_log import LayerLog
 from harness.run.memory import check_fits, placement_note
 from harness.run.setup import (Overrides, build_run_spec, default_out_dir, load_registry, manifest_for,
                                resume_problem, shadowing_warnings, spec_from_manifest)
@@ -291,6 +292,7 @@ def _run_with_bar(spec: RunSpec, store: RunStore, start: int, streams: dict[str,
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TimeRemainingColumn(), console=out, transient=True) as bar:
         task = bar.add_task("starting", total=(n_layers - start) * stacks)
+        log = LayerLog(t0=t0)
 
         def progress(event: dict) -> None:
             if event["event"] == "stack":
@@ -304,8 +306,7 @@ def _run_with_bar(spec: RunSpec, store: RunStore, start: int, streams: dict[str,
                 segments[-1].update(seconds=round(time.perf_counter() - t0, 2), last_layer=event["layer"])
                 store.update_manifest(segments=segments)
                 if not out.is_terminal:  # logs (CI, remote jobs) get one line per layer instead of a live bar
-                    out.print(f"layer {event['layer'] + 1}/{n_layers} done in {event['seconds']:.1f} s "
-                              f"({time.perf_counter() - t0:.0f} s elapsed)")
+                    out.print(log.line(event))
 
         LockstepRunner(spec, store, progress).run(start, streams)
 
