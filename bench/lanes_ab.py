@@ -51,8 +51,8 @@ def main() -> None:
     device = torch.device(args.device)
     lanes = lanes_of(spec, spec.stacks(), layer=args.layer)
     if len(lanes) < 2:
-        sys.exit(f"lanes_ab: variants {args.variants} give one lane (stock stacks only, or patched only): nothing to "
-                 "compare")
+        sys.exit(f"lanes_ab: variants {args.variants} give one lane at layer {args.layer} (stock stacks only, or "
+                 "patched only): nothing to compare")
     print("lanes:", " | ".join(", ".join(f"{name}/{mode}" for name, mode in lane) for lane in lanes))
     if not cache_holds_every_copy(spec, args.layer, DenseCache.for_device(device).budget_bytes):
         sys.exit(f"lanes_ab: layer {args.layer}'s dense cache cannot hold every weight's fp32 copy on {device}, so "

@@ -24,15 +24,19 @@ class LayerLog:
         self.t0 = time.perf_counter() if t0 is None else t0
         self.suffix = suffix
         self._seconds: dict[str, list[float]] = {}
+        self._last_layer = -1
 
     def new_pass(self) -> None:
-        """A new pass over the layers (an attribution's second): its layers' times are its own; the elapsed time
-        goes on."""
+        """A new pass over the layers (an attribution's second, seen as a layer that does not follow the last one):
+        its layers' times are its own; the elapsed time goes on."""
         self._seconds.clear()
 
     def line(self, event: dict[str, Any]) -> str:
         """The line for a runner's `layer_done` event (its `kinds`: each layer's kind, when the runner gives them)."""
         layer, n_layers, seconds = event["layer"], event["layers"], event["seconds"]
+        if layer <= self._last_layer:
+            self.new_pass()
+        self._last_layer = layer
         kinds = event.get("kinds")
         text = (f"layer {layer + 1}/{n_layers} done in {seconds:.1f} s "
                 f"({time.perf_counter() - self.t0:.0f} s elapsed{self.suffix}")

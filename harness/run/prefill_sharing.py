@@ -235,9 +235,16 @@ def kept_prefill_keys(spec: Any, pairs: list[tuple[str, str]], layer: int | None
         return []
     keys = pair_keys(spec, pairs)
     if layer is not None:
-        takers = SharedLayers(layer_keys(spec, pairs, layer)).takers
-        keys = {pair: key for pair, key in keys.items() if pair not in takers}
+        keys = without_takers(keys, SharedLayers(layer_keys(spec, pairs, layer)))
     return [key for key, n in Counter(keys.values()).items() if n >= 2]
+
+
+def without_takers(keys: dict[tuple[str, str], PrefillKey], layers: SharedLayers
+                   ) -> dict[tuple[str, str], PrefillKey]:
+    """The prefill keys of the pairs that take no earlier pair's layer: a pair that will take one keeps and continues
+    no prefill share (if it has to run after all, a different NaN/Inf history, it runs in full). The runner and the
+    memory estimate both count shares by this."""
+    return {pair: key for pair, key in keys.items() if pair not in layers.takers}
 
 
 def kept_global_prefills(spec: Any, pairs: list[tuple[str, str]]) -> int:

@@ -26,7 +26,8 @@ from harness.run.deal import deal
 from harness.run.host_lanes import LaneStopped, blamed_lane, lanes_of
 from harness.run.metrics import CompareContext, compare_logits
 from harness.run.needles import AnswerLens, needle_queries
-from harness.run.prefill_sharing import PrefillKey, SharedLayers, SharedPrefills, layer_keys, pair_keys
+from harness.run.prefill_sharing import (PrefillKey, SharedLayers, SharedPrefills, layer_keys, pair_keys,
+                                         without_takers)
 from harness.run.probes import ComparingSink, DumpSink, Finding, RecordingSink
 from harness.run.store import RunStore
 from harness.run.stream_placement import to_device, to_host
@@ -457,9 +458,7 @@ class LockstepRunner:
             if any(name == YARDSTICK for name, _ in own) else None  # built (weights dequantized) where it runs
         engine_layers: dict[str, OptimizedLayer] = {}
         layers = SharedLayers(layer_keys(spec, own, layer) if self.SHARE_LAYERS else {})
-        # a pair that will take an earlier pair's layer keeps and continues no prefill (if it has to run after all,
-        # a different NaN/Inf history, it runs in full)
-        keys = {pair: key for pair, key in self._prefill_keys(own).items() if pair not in layers.takers}
+        keys = without_takers(self._prefill_keys(own), layers)
         shares = SharedPrefills(keys)
         for name, mode in own:
             if stop is not None and stop.is_set():

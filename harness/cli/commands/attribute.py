@@ -233,9 +233,7 @@ def run(args: argparse.Namespace) -> int:
                 bar.advance(task)
             elif event["event"] == "layer_done" and not out.is_terminal:
                 # logs (CI, remote jobs) get one line per layer: at Flash width a pass takes tens of minutes, its bar
-                # is lost; a pass's first layer starts a new log (the time left is the pass's)
-                if event["layer"] == 0:
-                    log.new_pass()
+                # is lost (the time left is the pass's: LayerLog sees a second pass start over)
                 out.print(log.line(event))
 
         if args.devices is not None and args.devices < 1:
