@@ -37,8 +37,8 @@ def bench_setup(args: argparse.Namespace) -> tuple[ModelConfig, torch.Tensor]:
 
 
 def bench_run_spec(args: argparse.Namespace, cfg: ModelConfig, ids: torch.Tensor, variants: str = "base,all",
-                   reference_decode_together: bool | None = None, decode_sites_together: bool | None = None
-                   ) -> RunSpec:
+                   reference_decode_together: bool | None = None, decode_sites_together: bool | None = None,
+                   engine_decode_together: bool | None = None) -> RunSpec:
     """The lockstep spec the layer benches time: synthetic weights (seed 0), the first --tokens ids as the prompt
     in two turns, the rest decoded, one 16-token needle an eighth of the way in, the comma-separated patch sets
     `variants` ('base' or 'none': no patches; else a registry choice such as 'all'; 'attribution' alone: the 14
@@ -49,4 +49,5 @@ def bench_run_spec(args: argparse.Namespace, cfg: ModelConfig, ids: torch.Tensor
         [VariantSpec(v, [] if v in ("base", "none") else default_registry().choose(v)) for v in variants.split(",")]
     return RunSpec(SyntheticWeights(cfg, 0), ids_list[: args.tokens], ids_list[args.tokens:], turns,
                    [(args.tokens // 8, args.tokens // 8 + 16)], chosen, local=True, device=args.device,
-                   reference_decode_together=reference_decode_together, decode_sites_together=decode_sites_together)
+                   reference_decode_together=reference_decode_together, decode_sites_together=decode_sites_together,
+                   engine_decode_together=engine_decode_together)

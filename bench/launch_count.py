@@ -283,8 +283,8 @@ def main() -> None:
                          "(reference.weights.dense_cache.DEVICE_BUDGET_FRACTION): an H100 given an H200's room, "
                          "to measure there what that room changes")
     ap.add_argument("--decode-steps", action="store_true",
-                    help="the reference and yardstick decode one pass per step, and the engines compute their "
-                         "decode sites once per step, as on the CPU (default: as on a GPU)")
+                    help="the reference, the yardstick and the engines decode one pass per step, and the engines "
+                         "compute their decode sites once per step, as on the CPU (default: as on a GPU)")
     args = ap.parse_args()
     if args.kernels and not args.time:
         ap.error("--kernels traces the timed run: give --time too")
@@ -294,7 +294,7 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg, ids = bench_setup(args)
     spec = bench_run_spec(args, cfg, ids, args.variants, reference_decode_together=not args.decode_steps,
-                          decode_sites_together=not args.decode_steps)
+                          decode_sites_together=not args.decode_steps, engine_decode_together=not args.decode_steps)
     where = {"stack": "reference", "phase": "prefill"}
     if args.time:
         return time_regions(spec, args, where)

@@ -67,9 +67,19 @@ class Patch:
     the other layers the engine leaves the patch out of the layer's op chains, so it cannot act there: what a
     patch declares here is enforced, not trusted. Variants that then differ only by patches left out compute the
     same layer on the same input, which a local-mode run computes once (harness.run.prefill_sharing)."""
+    decode_together: bool = False
+    """Whether the patch's decode ops may be given a layer's teacher-forced decode steps in one call: each query
+    computed from its own inputs and the caches' rows up to its position, as in a step of its own, whatever the
+    number of queries a call holds (no state kept between calls, no behaviour keyed on the call's size or on
+    ctx.segment). On a GPU the engine then runs the decode steps of a variant whose every decode patch at a layer
+    says so as one segment (harness.run.runner.LockstepRunner.engines_decode_together): ~64× fewer launches for
+    the decode. Off by default: a plugin's decode ops are called once per step, one query each, as a serving
+    stack's decode kernels are. The built-in patches declare it."""
 
     def __post_init__(self) -> None:
         self.phases = tuple(self.phases)
+        if not isinstance(self.decode_together, bool):
+            raise PatchError(f"patch '{self.id}': decode_together must be True or False, got {self.decode_together!r}")
         bad = [p for p in self.phases if p not in PHASES]
         if not self.id or not isinstance(self.id, str):
             raise PatchError(f"patch id must be a non-empty string, got {self.id!r}")

@@ -505,16 +505,18 @@ def test_run_refuses_before_any_compute_when_the_host_would_not_hold_it(tmp_path
 
 
 def _tiny_metrics(tmp_path, name: str, decode_together: bool | None = None, sites_together: bool | None = None,
-                  variants=None):
+                  variants=None, engine_together: bool | None = None, device: str = "cpu"):
     """Every metric row of tiny-smoke (4 decode steps, all patches, local on) through the lockstep, sorted.
-    `decode_together`: RunSpec.reference_decode_together, `sites_together`: RunSpec.decode_sites_together (None: as
-    the device decides); `variants`: the run's variants instead of base and all."""
+    `decode_together`: RunSpec.reference_decode_together, `sites_together`: RunSpec.decode_sites_together,
+    `engine_together`: RunSpec.engine_decode_together (None: as the device decides); `variants`: the run's variants
+    instead of base and all; `device`: where it runs."""
     from harness.run.runner import LockstepRunner
     from harness.run.store import RunStore
 
-    spec, _ = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))
+    spec, _ = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all", device=device))
     spec.reference_decode_together = decode_together
     spec.decode_sites_together = sites_together
+    spec.engine_decode_together = engine_together
     if variants is not None:
         spec.variants = variants
     store = RunStore(tmp_path / name)
@@ -664,6 +666,119 @@ def test_decode_sites_held_for_later_keep_copies_of_what_a_patch_writes_again_at
     # the weights' error moves by fp32 rounding only (≤ 4.8e-8 measured in the test above; 1e-6 as there)
     assert ((both.value_steps - both.value_together).abs() <= 1e-6).all(), both[["metric", "value_steps",
                                                                                  "value_together"]].to_string()
+
+
+def _decode_calls(monkeypatch) -> list[tuple[str, int]]:
+    """Every engine forward in the decode phase from now on, as (its variant's patch ids, its token count)."""
+    from optimized.engine import OptimizedLayer
+
+    calls: list[tuple[str, int]] = []
+    forward = OptimizedLayer.forward
+
+    def noting(self, streams, token_ids, state, phase, *args, **kwargs):
+        if phase == "decode":
+            calls.append((",".join(c.id for c in self.tables["decode"].choices), int(streams.shape[0])))
+        return forward(self, streams, token_ids, state, phase, *args, **kwargs)
+
+    monkeypatch.setattr(OptimizedLayer, "forward", noting)
+    return calls
+
+
+def test_engines_decoding_together_move_decode_metrics_by_their_rounding_only(tmp_path, monkeypatch):
+    """On a GPU a variant whose decode patches all declare Patch.decode_together (the built-ins; the stock engine has
+    none) runs a layer's decode steps as one segment (LockstepRunner.engines_decode_together); on the CPU one step at
+    a time. Each query reads its own inputs and the caches up to its position either way, so: every prefill metric
+    is the same bits; the decode metrics move by the rounding of differently shaped products only, and no discrete
+    one (a pick, a flip, a recall) moves on tiny-smoke's margins."""
+    calls = _decode_calls(monkeypatch)
+    both = _one_step_at_a_time_and_together(tmp_path, "engine_together")
+    # the runs did what they say: one query per call one step at a time (twice: the default is that run too), all
+    # four decode steps in one call together — base, and all with its decode patches, in both modes
+    one, four = [v for v, n in calls if n == 1], [v for v, n in calls if n == 4]
+    assert len(one) + len(four) == len(calls) and len(one) == 2 * 4 * len(four)
+    assert set(one) == set(four) and len(set(four)) > 1
+    prefill, decode = both[both.phase == "prefill"], both[both.phase == "decode"]
+    same = lambda a, b: (a == b) | (a.isna() & b.isna())  # noqa: E731
+    assert len(prefill) > 1000 and same(prefill.value_steps, prefill.value_together).all()
+    moved = ~same(decode.value_steps, decode.value_together)
+    assert moved.any()  # the shapes did round differently (else this test would prove nothing)
+    # Discrete metrics count picks and flips: none moves.
+    discrete = decode.metric.str.contains("flip|recall|agree|overlap|miss|loss|bias|excess|mismatch")
+    assert discrete.sum() > 100 and not moved[discrete].any(), decode[discrete & moved][METRIC_KEYS].head().to_string()
+    # The rest are relative errors, residuals and log-sum-exp differences of fp32 values of order 1 (attention LSEs
+    # up to ~16): a product shaped differently rounds each of its outputs within a few fp32 ulps, and the metric moves
+    # by that. Measured on this run: ≤ 8.6e-7 (mhc.pre_rel_err of the ffn mix, its pre weights' rounding; ~14 ulps of
+    # 2^-24 at order 1), ≤ 2.4e-7 for the LSEs (two ulps at 1–2); the streams, attention and MoE outputs, logits and
+    # indexer picks did not move (their bf16 rounding absorbs it). Bounds: 2e-6 (~2× the measured), and for the
+    # attention's LSE metrics 4 ulps at 16 (7.6e-6) as for the sites (test above).
+    bound = decode.metric.str.startswith("attn.").map({True: 4 * 16 * 2.0**-23, False: 2e-6})
+    off = (decode.value_steps - decode.value_together).abs() > bound
+    assert not off.any(), decode[off][METRIC_KEYS + ["value_steps", "value_together"]].head(10).to_string()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_engines_decoding_together_move_decode_metrics_by_their_rounding_only(tmp_path):
+    """The GPU's default (LockstepRunner.engines_decode_together): against one step at a time on the same GPU,
+    prefill bits unchanged, no discrete decode metric moved on tiny-smoke's margins, the others by the rounding of
+    differently shaped products — on a GPU also the GEMMs' (cuBLAS picks its kernel by shape), so the bound is the
+    reference's one-pass test's: 1e-5 of the value's magnitude (at least of 1), ~10× what the reference's own decode
+    pass moved a variant's metrics on an H200 (≤ 5e-6)."""
+    with torch.inference_mode():  # as the CLI runs
+        steps = _tiny_metrics(tmp_path, "steps", engine_together=False, device="cuda")
+        together = _tiny_metrics(tmp_path, "together", device="cuda")
+    both = steps.merge(together, on=METRIC_KEYS, suffixes=("_steps", "_together"), validate="one_to_one")
+    assert len(both) == len(steps) == len(together)
+    prefill, decode = both[both.phase == "prefill"], both[both.phase == "decode"]
+    same = lambda a, b: (a == b) | (a.isna() & b.isna())  # noqa: E731
+    assert same(prefill.value_steps, prefill.value_together).all()
+    discrete = decode.metric.str.contains("flip|recall|agree|overlap|miss|loss|bias|excess|mismatch")
+    assert same(decode[discrete].value_steps, decode[discrete].value_together).all()
+    scale = decode[["value_steps", "value_together"]].abs().max(axis=1).clip(lower=1.0)
+    off = (decode.value_steps - decode.value_together).abs() > 1e-5 * scale
+    assert not off.any(), decode[off][METRIC_KEYS + ["value_steps", "value_together"]].head(10).to_string()
+
+
+def test_a_plugin_that_does_not_declare_decode_together_decodes_one_query_per_call(tmp_path, monkeypatch):
+    """A plugin's decode ops may keep state between steps or depend on how many queries a call holds, as serving
+    kernels do: unless its patch declares Patch.decode_together, its variant decodes one step per call even where
+    the others run their decode steps together, and its metrics are then the one-step-at-a-time run's bits."""
+    from harness.run.runner import VariantSpec
+    from optimized.patching import Patch, PatchChoice
+
+    def counting(name: str, together: bool) -> tuple[Patch, list[int]]:
+        patch = Patch(name, ("decode",), "passes sparse_attention through, noting its queries", source="test",
+                      decode_together=together)
+        seen: list[int] = []
+
+        @patch.op("sparse_attention")
+        def attend(ctx, **inputs):
+            seen.append(int(inputs["q"].shape[0]))
+            return ctx.base(**inputs)
+        return patch, seen
+
+    def metrics(name: str, together: bool):
+        (declared, seen_declared), (plain, seen_plain) = counting("declared", True), counting("plain", False)
+        rows = _tiny_metrics(tmp_path, name, engine_together=together,
+                             variants=[VariantSpec("declared", [PatchChoice(declared, {})]),
+                                       VariantSpec("plain", [PatchChoice(plain, {})])])
+        return rows[rows.variant == "plain"].reset_index(drop=True), seen_declared, seen_plain
+
+    torch.set_num_threads(1)
+    calls = _decode_calls(monkeypatch)
+    together, seen_declared, seen_plain = metrics("together", True)
+    assert set(seen_plain) == {1} and 4 in seen_declared  # one query per call unless declared
+    assert {n for v, n in calls if v == "plain"} == {1}
+    steps, _, seen_plain_steps = metrics("steps", False)
+    assert len(seen_plain_steps) == len(seen_plain)
+    assert len(together) > 1000 and together.equals(steps)
+
+
+def test_decode_together_must_be_a_bool():
+    from optimized.patching import Patch, PatchError
+
+    with pytest.raises(PatchError, match="patch 'p': decode_together must be True or False, got 'yes'"):
+        Patch("p", ("decode",), "a patch", decode_together="yes")
 
 
 def test_the_reference_and_yardstick_decoding_together_move_decode_metrics_by_their_rounding_only(tmp_path):

@@ -279,7 +279,8 @@ def run_bench(cfg: ModelConfig, tokens: int, decode: int, layers: list[int], dev
     engines = {"base": OptimizedModel(source, [], dev), "all": OptimizedModel(source, all_patches, dev)}
     together = LockstepRunner.decodes_together(spec)  # the reference and yardstick as the lockstep runs them
     ref_segments = yard_segments = segment_lengths(tokens, decode, chunk, together)
-    segments = segment_lengths(tokens, decode, chunk)
+    # base and all as the lockstep runs them too: the built-ins declare Patch.decode_together
+    segments = segment_lengths(tokens, decode, chunk, LockstepRunner.engines_decode_together(spec))
     # compile the patches' kernels (Triton) before anything is timed: a short prefill and up to 2 decode steps (no
     # more than the run has: a step past the ids would be empty)
     warm, warm_steps = min(tokens, 256), min(decode, 2)

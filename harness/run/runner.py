@@ -86,6 +86,9 @@ class RunSpec:
     """The engines compute their decode steps' sites (the stock op and its twin on each step's inputs) once over all
     the steps, and a prefill chunk's attention sites once over its blocks (None: on a GPU only); see
     LockstepRunner.sites_together."""
+    engine_decode_together: bool | None = None
+    """A variant whose every decode patch at a layer declares Patch.decode_together runs that layer's decode steps
+    as one segment (None: on a GPU only); see LockstepRunner.engines_decode_together."""
     reference_dtype: torch.dtype = torch.float32
     parity: ParityOptions = ParityOptions()
     yardstick: bool = True
@@ -158,7 +161,8 @@ def forcing_patch(record: RecordingSink) -> Patch:
     """Decision forcing (DESIGN §3): the variant computes everything itself but uses the reference's indexer
     picks and expert ids, so its remaining drift is arithmetic, not selection."""
     patch = Patch("force-reference-decisions", ("prefill", "decode"),
-                  "use the reference's indexer top-k rows and expert ids", source="harness")
+                  "use the reference's indexer top-k rows and expert ids", source="harness",
+                  decode_together=True)  # the reference's picks at each query's own position
 
     @patch.op("indexer_topk")
     def topk(ctx: OpContext, logits: torch.Tensor, positions: torch.Tensor, k: int):
@@ -199,6 +203,8 @@ class LockstepRunner:
         self.ids = torch.tensor(spec.prompt_ids + spec.decode_ids, dtype=torch.int64, device=self.device)
         together = self.decodes_together(spec)
         self.variant_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size)
+        self.variant_segments_together = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size,
+                                                         self.engines_decode_together(spec))
         self.reference_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.reference_chunk_size,
                                                   together)
         self.yardstick_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size, together)
@@ -230,6 +236,26 @@ class LockstepRunner:
         pass per step so that its metrics stay bit-identical to the pinned ones (tests/test_metrics_pin.py); there a
         step costs its arithmetic."""
         return _on_a_gpu_unless_set(spec.reference_decode_together, spec.device)
+
+    @staticmethod
+    def engines_decode_together(spec: RunSpec) -> bool:
+        """Whether a variant whose every decode patch at a layer declares Patch.decode_together (the built-ins do, and
+        so does the stock engine, which has none) runs the layer's teacher-forced decode steps as one segment, its
+        queries computed together as a prefill chunk's are (spec.engine_decode_together; None: on a GPU only). Each
+        query reads its own inputs and the caches up to its position either way — the window rows of the later
+        steps are stored before it runs, but a query's window and the indexer's causal mask stop at its position —
+        so the metrics move by the rounding of differently shaped products only (tests/test_speed.py). On a GPU a
+        layer is host-bound and the engines' decode steps were ≈ 83% of an attribution layer's operations (~7,400
+        launches per step over its 28 pairs, README Benchmarks); one segment costs about one prefill block's. A
+        plugin that does not declare it keeps one call per step, one query each: its ops may keep state between
+        steps or depend on the call's size, as serving kernels do. The CPU keeps one step at a time: its metrics are
+        the pinned bits (tests/test_metrics_pin.py)."""
+        return _on_a_gpu_unless_set(spec.engine_decode_together, spec.device)
+
+    def _engine_segments(self, block: OptimizedLayer) -> list[int]:
+        """The segments variant `block` runs the layer in: its decode steps as one segment when it may
+        (engines_decode_together and OptimizedLayer.decodes_together), else one per step."""
+        return self.variant_segments_together if block.decodes_together else self.variant_segments
 
     @staticmethod
     def sites_together(spec: RunSpec) -> bool:
@@ -521,12 +547,12 @@ class LockstepRunner:
         share = shares.get(key)
         if share is not None and share.fits(x_in, sink, spec.n_prompt):
             state, sink = share.continue_as(name)
-            decode = engine.run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink, state=state,
-                                      hold_sites=self.hold_sites)
+            decode = engine.run_layer(block, x_in, self.ids, self._engine_segments(block), spec.n_prompt, sink,
+                                      state=state, hold_sites=self.hold_sites)
             return torch.cat([to_device(share.prefill_out, self.device), decode]), sink
         keep = shares.keeper(key, sink)
-        out = engine.run_layer(block, x_in, self.ids, self.variant_segments, spec.n_prompt, sink, at_decode=keep,
-                               hold_sites=self.hold_sites)
+        out = engine.run_layer(block, x_in, self.ids, self._engine_segments(block), spec.n_prompt, sink,
+                               at_decode=keep, hold_sites=self.hold_sites)
         rows_out, rows_in = out[: spec.n_prompt], (x_in[: spec.n_prompt] if mode == "global" else None)
         if mode == "global" and spec.streams_on_host and keep is not None and shares.get(key) is not None:
             # a global share's rows would hold this pair's device input and output (views) until its last continuer

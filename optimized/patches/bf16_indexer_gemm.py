@@ -35,6 +35,7 @@ PATCH = Patch(
     choices={"sites": ("indexer", "indexer+compressor", "indexer+router", "indexer+compressor+router"),
              "output": ("bf16", "fp32")},
     spec="optimized-stack §4.2 (O3)",
+    decode_together=True,  # its decode ops compute each query alone (Patch.decode_together)
     layers_for=lambda cfg, layer, options: _acts_at(cfg.layer_kind(layer), options["sites"]),
 )
 

@@ -26,6 +26,7 @@ PATCH = Patch(
     defaults={"precision": "bf16", "split_k": 1},
     choices={"precision": ("bf16", "tf32"), "split_k": (range(1, 4097),)},
     spec="optimized-stack §4.1 (O3)",
+    decode_together=True,  # its decode ops compute each query alone (Patch.decode_together)
 )
 
 

@@ -28,6 +28,7 @@ PATCH = Patch(
     defaults={"scale_on": "output", "floor": 1e-20, "weights_dtype": "fp32"},
     choices={"scale_on": ("output", "weights", "none"), "weights_dtype": ("fp32", "bf16")},
     spec="optimized-stack §5 (O4)",
+    decode_together=True,  # its decode ops compute each query alone (Patch.decode_together)
     layers_for=lambda cfg, layer, options: cfg.is_hash_layer(layer),  # learned-routing layers: the stock router
 )
 

@@ -29,6 +29,7 @@ PATCH = Patch(
     defaults={"split": 64, "impl": "auto"},
     choices={"split": SPLIT_SIZES, "impl": IMPLS},
     spec="optimized-stack §2 (O1)",
+    decode_together=True,  # its decode ops compute each query alone (Patch.decode_together)
 )
 
 

@@ -40,6 +40,7 @@ PATCH = Patch(
     choices={"activations": ("w4a4", "w4a16"), "input_scale": ("checkpoint", float),
              "global_scale": ("modelopt", "pow2")},
     spec="optimized-stack §6 (O5)",
+    decode_together=True,  # its decode ops compute each query alone (Patch.decode_together)
 )
 
 

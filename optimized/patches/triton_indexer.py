@@ -38,6 +38,7 @@ PATCH = Patch(
     defaults={"dot_precision": "bf16", "masked_value": "-inf", "prefill_rows": False, "impl": "auto"},
     choices={"dot_precision": DOT_PRECISIONS, "masked_value": ("-inf", float), "impl": IMPLS},
     spec="optimized-stack §3 (O2)",
+    decode_together=True,  # its decode ops compute each query alone (Patch.decode_together)
     phases_for=_phases,
     layers_for=lambda cfg, layer, options: cfg.layer_kind(layer) == "csa",  # the only layers with an indexer
 )
