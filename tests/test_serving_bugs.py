@@ -17,13 +17,25 @@ pytestmark = pytest.mark.slow
 PLUGIN = Path(__file__).resolve().parent / "data" / "serving_bugs.py"
 
 
-@pytest.mark.parametrize("patch, phase", [("window-short", "decode"), ("no-renorm", "prefill"),
-                                          ("kv-rope-dropped", "decode"), ("kv-overwrite", "decode"),
-                                          ("capacity-drop", "prefill"), ("expert-scale", "prefill")])
-def test_a_serving_bug_fails_the_gate_and_is_triaged_to_its_patch_and_phase(tmp_path, patch, phase):
+@pytest.mark.parametrize("patch, phase, layer", [
+    ("window-short", "decode", 0), ("no-renorm", "prefill", 0), ("kv-rope-dropped", "decode", 0),
+    ("kv-overwrite", "decode", 0), ("capacity-drop", "prefill", 0), ("expert-scale", "prefill", 0),
+    ("decode-sm-scale", "decode", 0),
+    ("router-bias-dropped", "prefill", 3),  # tiny's first learned-routing layer (0-2 are hash-routed)
+    ("indexer-chunk-positions", "prefill", 2),  # tiny's first CSA layer, the first with an indexer
+    ("topk-short", "decode", 2)])
+def test_a_serving_bug_fails_the_gate_and_is_triaged_to_its_patch_and_phase(tmp_path, patch, phase, layer):
     out = tmp_path / "run"
     code = main(["run", "tiny-smoke", "--patches", patch, "--patch-module", str(PLUGIN), "--threads", "1",
                  "--no-report", "--out", str(out)])
     assert code == 1, f"{patch}: the gate passed"
     verdict = json.loads((out / "attribution.json").read_text())["verdict"]
-    assert (verdict["patch"], verdict["phase"], verdict["first_layer"]) == (patch, phase, 0), verdict
+    assert (verdict["patch"], verdict["phase"], verdict["first_layer"]) == (patch, phase, layer), verdict
+
+
+def test_a_change_that_moves_no_decision_passes(tmp_path):
+    """The indexer's head weights doubled: every score doubles exactly, so every pick, attention row and output is
+    the stock engine's — a tool that failed it would be measuring the scores' scale, not what the scores decide."""
+    code = main(["run", "tiny-smoke", "--patches", "uniform-index-weights", "--patch-module", str(PLUGIN),
+                 "--threads", "1", "--no-report", "--out", str(tmp_path / "run")])
+    assert code == 0

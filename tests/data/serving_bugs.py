@@ -1,7 +1,10 @@
 """Serving-stack bugs of classes the selftest does not inject, written with the public plugin API as a user would
 (tests/test_serving_bugs.py runs each through `dsv4-drift run tiny-smoke`). Each is a real kind of mistake: a
 window one row short, router weights not renormalised, a cache write that drops part of a row, a cache write one
-slot off, an expert-parallel MoE that drops the pairs past its capacity, a loader that scales one expert wrongly."""
+slot off, an expert-parallel MoE that drops the pairs past its capacity, a loader that scales one expert wrongly,
+a decode kernel given the wrong softmax scale, a router that ignores its selection bias, a chunked prefill whose
+indexer masks by chunk-local positions, a decode top-k length two short — and one change that moves no decision
+(the indexer's head weights scaled uniformly), which must pass."""
 
 import dataclasses
 import math
@@ -85,3 +88,61 @@ expert_scale = Patch("expert-scale", phases=("prefill", "decode"),
 def load_with_one_scale_wrong(ctx, name, fmt):
     weight = ctx.base(name=name, fmt=fmt)
     return weight * 0.5 if name == "ffn.experts.0.w2.weight" else weight
+
+
+decode_sm_scale = Patch("decode-sm-scale", phases=("decode",),
+                        description="decode attention with its softmax scale 0.9× (a kernel given the wrong sm_scale)")
+
+
+@decode_sm_scale.op("sparse_attention")
+def _scaled_queries(ctx, q, window_slots, comp_slots, sink):
+    return ctx.base(q=q * 0.9, window_slots=window_slots, comp_slots=comp_slots, sink=sink)
+
+
+router_bias_dropped = Patch("router-bias-dropped", phases=("prefill", "decode"),
+                            description="learned routing picks the top-k of the unbiased scores (a fused top-k kernel "
+                                        "that ignores noaux_tc's selection bias)")
+
+
+@router_bias_dropped.op("router")
+def _unbiased_picks(ctx, y, token_ids):
+    routing = ctx.base(y=y, token_ids=token_ids)
+    if ctx.cfg.is_hash_layer(ctx.layer):
+        return routing
+    ids = torch.topk(routing.scores, routing.expert_ids.shape[-1], dim=-1).indices
+    picked = routing.scores.gather(-1, ids)
+    return dataclasses.replace(routing, expert_ids=ids,
+                               weights=picked / picked.sum(-1, keepdim=True) * ctx.cfg.routed_scaling_factor)
+
+
+indexer_chunk_positions = Patch("indexer-chunk-positions", phases=("prefill",),
+                                description="in prefill chunks after the first, the indexer's causal mask uses "
+                                            "chunk-local positions (each query sees the rows of as many tokens as "
+                                            "lie before it in its chunk)")
+
+
+@indexer_chunk_positions.op("indexer_logits")
+def _chunk_local(ctx, q, weights, positions):
+    start = int(ctx.positions[0]) if ctx.segment else 0
+    return ctx.base(q=q, weights=weights, positions=positions - start)
+
+
+topk_short = Patch("topk-short", phases=("decode",),
+                   description="decode attends two fewer indexer picks than the top-k made (topk_length off by two)")
+
+
+@topk_short.op("indexer_topk")
+def _two_short(ctx, logits, positions, k):
+    row_ids, valid = ctx.base(logits=logits, positions=positions, k=k)
+    lane = torch.arange(valid.shape[-1], device=valid.device)
+    return row_ids, valid & (lane < valid.sum(-1, keepdim=True) - 2)
+
+
+uniform_index_weights = Patch("uniform-index-weights", phases=("prefill", "decode"),
+                              description="the indexer's per-head weights doubled: every score doubles (exactly), "
+                                          "no ranking changes")
+
+
+@uniform_index_weights.op("indexer_logits")
+def _doubled(ctx, q, weights, positions):
+    return ctx.base(q=q, weights=weights * 2, positions=positions)
