@@ -557,6 +557,10 @@ def test_comparisons_deferred_in_batches_give_the_same_bits_as_one_by_one(tmp_pa
 
 METRIC_KEYS = ["variant", "mode", "layer", "phase", "chunk", "step", "turn", "pos_bin", "pos_end", "tap", "metric"]
 """The columns that name a metric row."""
+DISCRETE = r"flip|(?<!mass_)recall|agree|mismatch|site_future|margin_loss|pick_share|window_share|clamp_site_miss" \
+    r"|expert_site_bias|pair_site_loss|post_site_excess"
+"""The metrics that count discrete outcomes — picks, flips, recalls, site misses — rather than measure a size (a
+pattern for pandas' str.contains: indexer.mass_recall is attention mass, streams.bias a mean)."""
 
 
 def _one_step_at_a_time_and_together(tmp_path, switch: str):
@@ -703,7 +707,7 @@ def test_engines_decoding_together_move_decode_metrics_by_their_rounding_only(tm
     moved = ~same(decode.value_steps, decode.value_together)
     assert moved.any()  # the shapes did round differently (else this test would prove nothing)
     # Discrete metrics count picks and flips: none moves.
-    discrete = decode.metric.str.contains("flip|recall|agree|overlap|miss|loss|bias|excess|mismatch")
+    discrete = decode.metric.str.contains(DISCRETE)
     assert discrete.sum() > 100 and not moved[discrete].any(), decode[discrete & moved][METRIC_KEYS].head().to_string()
     # The rest are relative errors, residuals and log-sum-exp differences of fp32 values of order 1 (attention LSEs
     # up to ~16): a product shaped differently rounds each of its outputs within a few fp32 ulps, and the metric moves
@@ -716,14 +720,67 @@ def test_engines_decoding_together_move_decode_metrics_by_their_rounding_only(tm
     assert not off.any(), decode[off][METRIC_KEYS + ["value_steps", "value_together"]].head(10).to_string()
 
 
+def test_engines_decoding_together_on_the_gpus_tensor_core_paths_keep_the_decode_errors(
+        tmp_path, monkeypatch, tensor_cores_on_cpu):
+    """On a GPU a decode segment of 16 or more tokens takes the paths a prefill chunk takes — GEMMs on bf16 tensor
+    cores (numerics.TENSOR_CORE_MIN_ROWS), the NVFP4 experts' tensor-core path past FEW_PAIRS pairs — where a step
+    of one token never did. Run here with those paths on (the tensor_cores_on_cpu fixture: exact products summed in
+    fp64, rounded once) and tiny-smoke's last 16 prompt tokens decoded too (20 steps): against one step at a time,
+    prefill bits unchanged, the decode's output errors as large on average (a bf16 output rounded to its neighbour
+    now and then, as the prefill's tensor-core GEMMs do)."""
+    from harness.run.runner import LockstepRunner
+    from harness.run.store import RunStore
+    from optimized import numerics
+
+    tensor_cores_on_cpu()
+    torch.set_num_threads(1)
+    calls = _decode_calls(monkeypatch)
+    rows_on_cores: list[int] = []
+    mm = numerics.bf16_mm
+    monkeypatch.setattr(numerics, "bf16_mm", lambda x, w: rows_on_cores.append(x.shape[0]) or mm(x, w))
+
+    def metrics(name: str, together: bool):
+        spec, _ = build_run_spec(load_scenario(find_scenario("tiny-smoke")), Overrides(patches="all"))
+        spec.prompt_ids, spec.decode_ids = spec.prompt_ids[:-16], spec.prompt_ids[-16:] + spec.decode_ids
+        spec.engine_decode_together = together
+        store = RunStore(tmp_path / name)
+        store.create({})
+        LockstepRunner(spec, store).run()
+        return store.read_metrics().to_pandas().sort_values(METRIC_KEYS).reset_index(drop=True)
+
+    steps = metrics("steps", False)
+    rows_on_cores.clear()
+    together = metrics("together", True)
+    assert {n for _, n in calls} == {1, 20}  # one step at a time, then the 20 decode tokens in one call
+    assert 20 in rows_on_cores  # a decode segment's products went to the (emulated) tensor cores
+    both = steps.merge(together, on=METRIC_KEYS, suffixes=("_steps", "_together"), validate="one_to_one")
+    assert len(both) == len(steps) == len(together)
+    prefill, decode = both[both.phase == "prefill"], both[both.phase == "decode"]
+    same = lambda a, b: (a == b) | (a.isna() & b.isna())  # noqa: E731
+    assert same(prefill.value_steps, prefill.value_together).all()
+    assert not same(decode.value_steps, decode.value_together).all()
+    # Here a decode GEMM of 20 rows is another rounding of the same exact sum (fp64 then fp32, against the fp32 GEMM's
+    # running sum). Where that rounds a bf16 output to its neighbour, what reads it moves, and in global mode the
+    # change is carried and amplified through the layers (a near-tie of the router or the indexer flips: one expert
+    # pick of 300 steps and modes measured, 8 indexer recalls) — as with the prefill's tensor-core GEMMs
+    # (tests/test_gpu_engine.py). So the outputs' errors are compared as the decode's means: measured apart by ≤ 0.1%
+    # (local) and ≤ 1.0% (global: moe.out_rel_l2 0.1075 against 0.1085); 5% is ~5× that, where a segment's query
+    # seeing a later step's window row would move attention and streams by the size of an error itself.
+    for mode in ("local", "global"):
+        rows = decode[decode["mode"] == mode]
+        for metric in ("streams.rel_l2", "attn.out_rel_l2", "moe.out_rel_l2"):
+            a, b = rows[rows.metric == metric][["value_steps", "value_together"]].mean()
+            assert a > 0 and abs(a - b) <= 0.05 * a, (mode, metric, a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_a_gpu_engines_decoding_together_move_decode_metrics_by_their_rounding_only(tmp_path):
-    """The GPU's default (LockstepRunner.engines_decode_together): against one step at a time on the same GPU,
-    prefill bits unchanged, no discrete decode metric moved on tiny-smoke's margins, the others by the rounding of
-    differently shaped products — on a GPU also the GEMMs' (cuBLAS picks its kernel by shape), so the bound is the
-    reference's one-pass test's: 1e-5 of the value's magnitude (at least of 1), ~10× what the reference's own decode
-    pass moved a variant's metrics on an H200 (≤ 5e-6)."""
+def test_on_a_gpu_engines_decoding_together_keep_the_decode_errors(tmp_path):
+    """The GPU's default (LockstepRunner.engines_decode_together) against one step at a time on the same GPU:
+    prefill bits unchanged; the decode's GEMMs have 4 rows instead of one (cuBLAS picks its kernel by shape), so a
+    bf16 output may round to its neighbour now and then and be carried in global mode — the output errors are
+    compared as the decode's means, within 5% as in the CPU's test of the tensor-core paths above (measured there
+    ≤ 1.0%)."""
     with torch.inference_mode():  # as the CLI runs
         steps = _tiny_metrics(tmp_path, "steps", engine_together=False, device="cuda")
         together = _tiny_metrics(tmp_path, "together", device="cuda")
@@ -732,11 +789,11 @@ def test_on_a_gpu_engines_decoding_together_move_decode_metrics_by_their_roundin
     prefill, decode = both[both.phase == "prefill"], both[both.phase == "decode"]
     same = lambda a, b: (a == b) | (a.isna() & b.isna())  # noqa: E731
     assert same(prefill.value_steps, prefill.value_together).all()
-    discrete = decode.metric.str.contains("flip|recall|agree|overlap|miss|loss|bias|excess|mismatch")
-    assert same(decode[discrete].value_steps, decode[discrete].value_together).all()
-    scale = decode[["value_steps", "value_together"]].abs().max(axis=1).clip(lower=1.0)
-    off = (decode.value_steps - decode.value_together).abs() > 1e-5 * scale
-    assert not off.any(), decode[off][METRIC_KEYS + ["value_steps", "value_together"]].head(10).to_string()
+    for mode in ("local", "global"):
+        rows = decode[decode["mode"] == mode]
+        for metric in ("streams.rel_l2", "attn.out_rel_l2", "moe.out_rel_l2"):
+            a, b = rows[rows.metric == metric][["value_steps", "value_together"]].mean()
+            assert a > 0 and abs(a - b) <= 0.05 * a, (mode, metric, a, b)
 
 
 def test_a_plugin_that_does_not_declare_decode_together_decodes_one_query_per_call(tmp_path, monkeypatch):
