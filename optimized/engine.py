@@ -414,10 +414,6 @@ class OptimizedLayer:
         self.hadamard = hadamard_matrix(cfg.index_head_dim, device=self.device) if self.kind == "csa" else None
         self._held_sampled = _HeldSampled()
         self._held_experts: list[_HeldExperts] = []
-        self.decodes_together = all(c.patch.decode_together for c in self.tables["decode"].choices)
-        """Whether every patch acting in this layer's decode says its ops may take the decode steps in one call
-        (Patch.decode_together): the stock engine's ops compute each query from its own inputs and the caches up to
-        its position, so a layer without decode patches may too."""
         self.holds_decode_samples = not any(self.tables["decode"].patched(op) for op in CACHE_OPS)
         """Whether run_layer may recompute the decode steps' sampled rows once after the last step: only when the
         stock ops write and read the caches in decode. They append and never rewrite a row, so the caches at the end

@@ -144,9 +144,9 @@ class OpTable:
         stock implementations only, so its result is the stock op's (the engine's site taps reuse it)."""
         self.chains: dict[str, list[tuple[Callable[..., Any], PatchChoice | None]]] = {
             name: [(fn, None)] for name, fn in base_impls.items()}
-        self.choices = [c for c in choices if phase in c.patch.active_phases(c.options)]
-        """The patches acting in this phase, in their stacking order."""
-        for choice in self.choices:
+        for choice in choices:
+            if phase not in choice.patch.active_phases(choice.options):
+                continue
             for name, fn in choice.patch.ops.items():
                 self.chains[name].append((fn, choice))
 

@@ -138,6 +138,13 @@ class Patch:
                                 f"{type(e).__name__}: {e}") from e
 
 
+def decodes_together(choices: list["PatchChoice"], cfg: Any, layer: int) -> bool:
+    """Whether every patch of `choices` that acts in decode at layer `layer` declares Patch.decode_together (true
+    when none does: the stock engine's ops compute each query from its own inputs)."""
+    return all(c.patch.decode_together for c in choices
+               if "decode" in c.patch.active_phases(c.options) and c.patch.acts_at(cfg, layer, c.options))
+
+
 def _type_of(default: Any) -> tuple[type, ...]:
     """The values an option accepts when it declares no choices: its default's type (none for a None default)."""
     for kind in (bool, int, float, str):

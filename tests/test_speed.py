@@ -681,7 +681,8 @@ def _decode_calls(monkeypatch) -> list[tuple[str, int]]:
 
     def noting(self, streams, token_ids, state, phase, *args, **kwargs):
         if phase == "decode":
-            calls.append((",".join(c.id for c in self.tables["decode"].choices), int(streams.shape[0])))
+            ids = sorted({c.id for chain in self.tables["decode"].chains.values() for _, c in chain if c is not None})
+            calls.append((",".join(ids), int(streams.shape[0])))
         return forward(self, streams, token_ids, state, phase, *args, **kwargs)
 
     monkeypatch.setattr(OptimizedLayer, "forward", noting)
@@ -796,16 +797,19 @@ def test_on_a_gpu_engines_decoding_together_keep_the_decode_errors(tmp_path):
             assert a > 0 and abs(a - b) <= 0.05 * a, (mode, metric, a, b)
 
 
-def test_a_plugin_that_does_not_declare_decode_together_decodes_one_query_per_call(tmp_path, monkeypatch):
+def test_where_a_plugin_does_not_declare_decode_together_every_variant_decodes_one_query_per_call(
+        tmp_path, monkeypatch):
     """A plugin's decode ops may keep state between steps or depend on how many queries a call holds, as serving
-    kernels do: unless its patch declares Patch.decode_together, its variant decodes one step per call even where
-    the others run their decode steps together, and its metrics are then the one-step-at-a-time run's bits."""
+    kernels do: unless its patch declares Patch.decode_together, it is called once per decode step with one query —
+    and so is every other variant at the layers where it acts, so that the variants a gate compares decode the same
+    way: the run's metrics are the one-step-at-a-time run's bits. A run of declared patches only decodes together."""
     from harness.run.runner import VariantSpec
     from optimized.patching import Patch, PatchChoice
 
-    def counting(name: str, together: bool) -> tuple[Patch, list[int]]:
+    def counting(name: str, together: bool, hash_layers_only: bool = False) -> tuple[Patch, list[int]]:
         patch = Patch(name, ("decode",), "passes sparse_attention through, noting its queries", source="test",
-                      decode_together=together)
+                      decode_together=together,
+                      layers_for=(lambda cfg, layer, options: cfg.is_hash_layer(layer)) if hash_layers_only else None)
         seen: list[int] = []
 
         @patch.op("sparse_attention")
@@ -814,21 +818,26 @@ def test_a_plugin_that_does_not_declare_decode_together_decodes_one_query_per_ca
             return ctx.base(**inputs)
         return patch, seen
 
-    def metrics(name: str, together: bool):
-        (declared, seen_declared), (plain, seen_plain) = counting("declared", True), counting("plain", False)
+    def metrics(name: str, together: bool, plain_hash_layers_only: bool = False):
+        (declared, seen_declared), (plain, seen_plain) = counting("declared", True), \
+            counting("plain", False, plain_hash_layers_only)
         rows = _tiny_metrics(tmp_path, name, engine_together=together,
                              variants=[VariantSpec("declared", [PatchChoice(declared, {})]),
                                        VariantSpec("plain", [PatchChoice(plain, {})])])
-        return rows[rows.variant == "plain"].reset_index(drop=True), seen_declared, seen_plain
+        return rows, seen_declared, seen_plain
 
     torch.set_num_threads(1)
     calls = _decode_calls(monkeypatch)
     together, seen_declared, seen_plain = metrics("together", True)
-    assert set(seen_plain) == {1} and 4 in seen_declared  # one query per call unless declared
-    assert {n for v, n in calls if v == "plain"} == {1}
-    steps, _, seen_plain_steps = metrics("steps", False)
-    assert len(seen_plain_steps) == len(seen_plain)
+    assert set(seen_plain) == {1} and set(seen_declared) == {1} and {n for _, n in calls} == {1}
+    steps, _, _ = metrics("steps", False)
     assert len(together) > 1000 and together.equals(steps)
+    # where the undeclared patch acts at the hash layers only (tiny's 0-2), the other layers decode together
+    calls.clear()
+    _, _, seen_plain = metrics("hash", True, plain_hash_layers_only=True)
+    assert set(seen_plain) == {1}
+    # the declared variant: one step at a time at layers 0-2, together at 3-4 (as the plain one, patch-free there)
+    assert {n for v, n in calls if v == "declared"} == {1, 4} and {n for v, n in calls if v == ""} == {4}
 
 
 def test_decode_together_must_be_a_bool():

@@ -33,7 +33,7 @@ from harness.run.store import RunStore
 from harness.run.stream_placement import to_device, to_host
 from optimized.engine import EngineOptions, OptimizedLayer, OptimizedModel
 from optimized.ops import OpContext, Routing
-from optimized.patching import Patch, PatchChoice
+from optimized.patching import Patch, PatchChoice, decodes_together
 from reference.layer import ParityOptions, ReferenceLayer
 from reference.model import ReferenceModel, ensure_no_tf32, segment_lengths
 from reference.weights.dense_cache import DenseCache, dense_specs
@@ -205,6 +205,7 @@ class LockstepRunner:
         self.variant_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size)
         self.variant_segments_together = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size,
                                                          self.engines_decode_together(spec))
+        self._decode_together_at: dict[int, bool] = {}  # per layer, _engine_segments' choice
         self.reference_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.reference_chunk_size,
                                                   together)
         self.yardstick_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size, together)
@@ -239,23 +240,29 @@ class LockstepRunner:
 
     @staticmethod
     def engines_decode_together(spec: RunSpec) -> bool:
-        """Whether a variant whose every decode patch at a layer declares Patch.decode_together (the built-ins do, and
-        so does the stock engine, which has none) runs the layer's teacher-forced decode steps as one segment, its
-        queries computed together as a prefill chunk's are (spec.engine_decode_together; None: on a GPU only). Each
+        """Whether the engines run a layer's teacher-forced decode steps as one segment, their queries computed
+        together as a prefill chunk's are, where every variant's decode patches at the layer declare
+        Patch.decode_together (the built-ins do; the stock engine has none) (spec.engine_decode_together; None: on a
+        GPU only; _engine_segments). Each
         query reads its own inputs and the caches up to its position either way — the window rows of the later
         steps are stored before it runs, but a query's window and the indexer's causal mask stop at its position —
         so the metrics move by the rounding of differently shaped products only (tests/test_speed.py). On a GPU a
         layer is host-bound and the engines' decode steps were ≈ 83% of an attribution layer's operations (~7,400
-        launches per step over its 28 pairs, README Benchmarks); one segment costs about one prefill block's. A
-        plugin that does not declare it keeps one call per step, one query each: its ops may keep state between
-        steps or depend on the call's size, as serving kernels do. The CPU keeps one step at a time: its metrics are
-        the pinned bits (tests/test_metrics_pin.py)."""
+        launches per step over its 28 pairs, README Benchmarks); one segment costs about one prefill block's. Where a
+        plugin does not declare it, every variant keeps one call per step, one query each: the plugin's ops may keep
+        state between steps or depend on the call's size, as serving kernels do. The CPU keeps one step at a time:
+        its metrics are the pinned bits (tests/test_metrics_pin.py)."""
         return _on_a_gpu_unless_set(spec.engine_decode_together, spec.device)
 
-    def _engine_segments(self, block: OptimizedLayer) -> list[int]:
-        """The segments variant `block` runs the layer in: its decode steps as one segment when it may
-        (engines_decode_together and OptimizedLayer.decodes_together), else one per step."""
-        return self.variant_segments_together if block.decodes_together else self.variant_segments
+    def _engine_segments(self, layer: int) -> list[int]:
+        """The segments every variant runs layer `layer` in: the decode steps as one segment when
+        engines_decode_together and every variant's decode patches at the layer declare Patch.decode_together, else
+        one per step — for all of them, so that the variants a gate compares with one another (a plugin's with
+        base's) decode the same way: a plugin that only passes an op through gives base's bits, as before."""
+        if layer not in self._decode_together_at:
+            self._decode_together_at[layer] = self.variant_segments_together != self.variant_segments and all(
+                decodes_together(v.choices, self.cfg, layer) for v in self.spec.variants)
+        return self.variant_segments_together if self._decode_together_at[layer] else self.variant_segments
 
     @staticmethod
     def sites_together(spec: RunSpec) -> bool:
@@ -547,11 +554,11 @@ class LockstepRunner:
         share = shares.get(key)
         if share is not None and share.fits(x_in, sink, spec.n_prompt):
             state, sink = share.continue_as(name)
-            decode = engine.run_layer(block, x_in, self.ids, self._engine_segments(block), spec.n_prompt, sink,
+            decode = engine.run_layer(block, x_in, self.ids, self._engine_segments(block.layer), spec.n_prompt, sink,
                                       state=state, hold_sites=self.hold_sites)
             return torch.cat([to_device(share.prefill_out, self.device), decode]), sink
         keep = shares.keeper(key, sink)
-        out = engine.run_layer(block, x_in, self.ids, self._engine_segments(block), spec.n_prompt, sink,
+        out = engine.run_layer(block, x_in, self.ids, self._engine_segments(block.layer), spec.n_prompt, sink,
                                at_decode=keep, hold_sites=self.hold_sites)
         rows_out, rows_in = out[: spec.n_prompt], (x_in[: spec.n_prompt] if mode == "global" else None)
         if mode == "global" and spec.streams_on_host and keep is not None and shares.get(key) is not None:
