@@ -71,10 +71,10 @@ class Patch:
     """Whether the patch's decode ops may be given a layer's teacher-forced decode steps in one call: each query
     computed from its own inputs and the caches' rows up to its position, as in a step of its own, whatever the
     number of queries a call holds (no state kept between calls, no behaviour keyed on the call's size or on
-    ctx.segment). On a GPU the engine then runs the decode steps of a variant whose every decode patch at a layer
-    says so as one segment (harness.run.runner.LockstepRunner.engines_decode_together): ~64× fewer launches for
-    the decode. Off by default: a plugin's decode ops are called once per step, one query each, as a serving
-    stack's decode kernels are. The built-in patches declare it."""
+    ctx.segment). On a GPU a run then decodes each layer where every patch acting in its variants' decode says so
+    as one segment (harness.run.runner.LockstepRunner.engines_decode_together): ~64× fewer launches for the decode.
+    Off by default: a plugin's decode ops are called once per step, one query each, as a serving stack's decode
+    kernels are — and every variant decodes step by step at the layers where it acts. The built-ins declare it."""
 
     def __post_init__(self) -> None:
         self.phases = tuple(self.phases)

@@ -87,8 +87,8 @@ class RunSpec:
     the steps, and a prefill chunk's attention sites once over its blocks (None: on a GPU only); see
     LockstepRunner.sites_together."""
     engine_decode_together: bool | None = None
-    """A variant whose every decode patch at a layer declares Patch.decode_together runs that layer's decode steps
-    as one segment (None: on a GPU only); see LockstepRunner.engines_decode_together."""
+    """The engines run a layer's decode steps as one segment where every variant's decode patches there declare
+    Patch.decode_together (None: on a GPU only); see LockstepRunner.engines_decode_together."""
     reference_dtype: torch.dtype = torch.float32
     parity: ParityOptions = ParityOptions()
     yardstick: bool = True
@@ -243,10 +243,10 @@ class LockstepRunner:
         """Whether the engines run a layer's teacher-forced decode steps as one segment, their queries computed
         together as a prefill chunk's are, where every variant's decode patches at the layer declare
         Patch.decode_together (the built-ins do; the stock engine has none) (spec.engine_decode_together; None: on a
-        GPU only; _engine_segments). Each
-        query reads its own inputs and the caches up to its position either way — the window rows of the later
-        steps are stored before it runs, but a query's window and the indexer's causal mask stop at its position —
-        so the metrics move by the rounding of differently shaped products only (tests/test_speed.py). On a GPU a
+        GPU only; _engine_segments). Each query reads its own inputs and the caches up to its position either way —
+        the window rows of the later steps are stored before it runs, but a query's window and the indexer's causal
+        mask stop at its position — so the metrics move by the rounding of differently shaped products only
+        (tests/test_speed.py). On a GPU a
         layer is host-bound and the engines' decode steps were ≈ 83% of an attribution layer's operations (~7,400
         launches per step over its 28 pairs, README Benchmarks); one segment costs about one prefill block's. Where a
         plugin does not declare it, every variant keeps one call per step, one query each: the plugin's ops may keep
