@@ -203,9 +203,8 @@ class LockstepRunner:
         self.ids = torch.tensor(spec.prompt_ids + spec.decode_ids, dtype=torch.int64, device=self.device)
         together = self.decodes_together(spec)
         self.variant_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size)
-        self.variant_segments_together = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size,
-                                                         self.engines_decode_together(spec))
-        self._decode_together_at: dict[int, bool] = {}  # per layer, _engine_segments' choice
+        self.engines_together = self.engines_decode_together(spec)
+        self.variant_segments_together = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size, True)
         self.reference_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.reference_chunk_size,
                                                   together)
         self.yardstick_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size, together)
@@ -259,10 +258,9 @@ class LockstepRunner:
         engines_decode_together and every variant's decode patches at the layer declare Patch.decode_together, else
         one per step — for all of them, so that the variants a gate compares with one another (a plugin's with
         base's) decode the same way: a plugin that only passes an op through gives base's bits, as before."""
-        if layer not in self._decode_together_at:
-            self._decode_together_at[layer] = self.variant_segments_together != self.variant_segments and all(
-                decodes_together(v.choices, self.cfg, layer) for v in self.spec.variants)
-        return self.variant_segments_together if self._decode_together_at[layer] else self.variant_segments
+        together = self.engines_together and all(decodes_together(v.choices, self.cfg, layer)
+                                                 for v in self.spec.variants)
+        return self.variant_segments_together if together else self.variant_segments
 
     @staticmethod
     def sites_together(spec: RunSpec) -> bool:
