@@ -507,6 +507,28 @@ class OptimizedLayer:
             mismatch = (back.to(expected.dtype).view(bits) != expected.view(bits)).any(-1).float()
         sink.emit("attn.kv.site", row_positions, mismatch=mismatch)
 
+    def _emit_rows_missing(self, ctx: OpContext, sink: ProbeSink, end: int) -> None:
+        """The cache site's count (`attn.kv.site`): once a segment's rows are stored, before any of its queries
+        attends, the caches must hold exactly the rows its positions make — the window every token's row up to
+        `end`, the compressed and indexer-key caches one row per window of `compress_ratio` tokens completed by then
+        (spec §10.3: a row is visible to the query at the position that completes it). Each row lacking (stored a
+        step late, never stored) or extra (stored twice) counts as a mismatched row at the segment's last position,
+        as a wrong write does; such a row is absent from the variant's own caches, where the attention and indexer
+        sites run the stock ops too, so they cannot see it. Python integers only: nothing is emitted, or read from
+        the device, when the counts are right."""
+        if not sink.wants("attn.kv.site"):
+            return
+        state = ctx.state
+        expected = {"window": end}
+        if self.kind != "swa":
+            expected["compressed"] = end // state.ratio
+        if self.kind == "csa":
+            expected["index"] = end // state.ratio
+        wrong = sum(abs(state.cache(name).length - n) for name, n in expected.items())
+        if wrong:
+            sink.emit("attn.kv.site", torch.full((wrong,), end - 1, device=self.device),
+                      mismatch=torch.ones(wrong, device=self.device))
+
     # ------------------------------------------------------------------------------------------
     def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, state: EngineState, phase: str,
                 segment: int = 0, sink: ProbeSink = NULL_SINK, hold_sampled: bool = False,
@@ -592,6 +614,7 @@ class OptimizedLayer:
             q_idx = replay(_rotated_index_queries, q_idx, cos, sin, self.hadamard)
             idx_weights = ctx.call("linear", x=x, site="attn.indexer.weights_proj").float() * (
                 cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5)
+        self._emit_rows_missing(ctx, sink, state.position + x.shape[0])
 
         out = torch.empty_like(q)
         sink_logit = ctx.weight("attn.attn_sink")

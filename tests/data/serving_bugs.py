@@ -3,7 +3,8 @@
 window one row short, router weights not renormalised, a cache write that drops part of a row, a cache write one
 slot off, an expert-parallel MoE that drops the pairs past its capacity, a loader that scales one expert wrongly,
 a decode kernel given the wrong softmax scale, a router that ignores its selection bias, a chunked prefill whose
-indexer masks by chunk-local positions, a decode top-k length two short — and one change that moves no decision
+indexer masks by chunk-local positions, a decode top-k length two short, a chunk boundary that drops the CSA
+compressor's overlap half, a compressed row stored a decode step late — and one change that moves no decision
 (the indexer's head weights scaled uniformly), which must pass."""
 
 import dataclasses
@@ -146,3 +147,31 @@ uniform_index_weights = Patch("uniform-index-weights", phases=("prefill", "decod
 @uniform_index_weights.op("indexer_logits")
 def _doubled(ctx, q, weights, positions):
     return ctx.base(q=q, weights=weights * 2, positions=positions)
+
+
+overlap_lost = Patch("overlap-lost", phases=("prefill",),
+                     description="each prefill chunk boundary resets the CSA compressors' previous-window half (the "
+                                 "overlap state not carried), so the first row after it pools its own window only")
+
+
+@overlap_lost.op("chunk_state_carry")
+def _reset_overlap(ctx, state):
+    state = ctx.base(state=state)
+    for compressor in (state.compressor, state.indexer_compressor):
+        if compressor is not None and compressor.overlap:
+            compressor.prev_kv = compressor.prev_gate = None
+    return state
+
+
+row_late = Patch("comp-row-late", phases=("decode",),
+                 description="decode stores each completed compressed row one step late (the compressor's output "
+                             "queued behind the step's attention), so the query that completes a window misses its "
+                             "row, and the last one is never stored")
+
+
+@row_late.op("compressor")
+def _one_step_late(ctx, which, x, positions):
+    rows = ctx.base(which=which, x=x, positions=positions)
+    held = ctx.state.extras.pop(f"row-late-{which}", None)
+    ctx.state.extras[f"row-late-{which}"] = rows
+    return rows[:0] if held is None else held
