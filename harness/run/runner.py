@@ -134,12 +134,19 @@ class RunSpec:
 ProgressFn = Callable[[dict[str, Any]], None]
 
 
-def sampled_positions(spec: RunSpec, every: int) -> torch.Tensor:
+def sampled_positions(spec: RunSpec, every: int, chunk_edges: bool = False) -> torch.Tensor:
     """Positions whose expensive taps are compared: every `every`-th prompt position, the prompt's last
-    position, every decode position and every dump position."""
+    position, every decode position and every dump position; with `chunk_edges`, also the first and last query
+    of every prefill chunk — where chunked prefill and tiled kernels go wrong (a mask or window computed from the
+    chunk's start, a boundary tile), and where the attention site, which runs the stock op on the variant's own
+    inputs at these queries only, must look: a chunk's first query is on the stride only when `every` is 1."""
     mask = torch.zeros(spec.n_total, dtype=torch.bool)
     if every > 0:
         mask[every - 1 : spec.n_prompt : every] = True
+    if chunk_edges:
+        starts = torch.arange(0, spec.n_prompt, spec.chunk_size)
+        mask[starts] = True
+        mask[(starts + spec.chunk_size).clamp(max=spec.n_prompt) - 1] = True
     mask[spec.n_prompt - 1] = True
     mask[spec.n_prompt :] = True
     for p in spec.dump_positions:
@@ -210,7 +217,7 @@ class LockstepRunner:
         self.yardstick_segments = segment_lengths(spec.n_prompt, len(spec.decode_ids), spec.chunk_size, together)
         self.hold_sites = self.sites_together(spec)
         self.plan = BinPlan(spec.n_prompt, len(spec.decode_ids), spec.chunk_size, spec.turn_of_position, spec.bin_size)
-        self.sampled = sampled_positions(spec, spec.attn_sample_every)
+        self.sampled = sampled_positions(spec, spec.attn_sample_every, chunk_edges=True)
         self.phase_of = torch.zeros(spec.n_total, dtype=torch.bool)
         self.phase_of[spec.n_prompt :] = True
         self.turn_start = turn_starts(spec.turn_of_position)

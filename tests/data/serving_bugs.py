@@ -4,7 +4,8 @@ window one row short, router weights not renormalised, a cache write that drops 
 slot off, an expert-parallel MoE that drops the pairs past its capacity, a loader that scales one expert wrongly,
 a decode kernel given the wrong softmax scale, a router that ignores its selection bias, a chunked prefill whose
 indexer masks by chunk-local positions, a decode top-k length two short, a chunk boundary that drops the CSA
-compressor's overlap half, a compressed row stored a decode step late — and one change that moves no decision
+compressor's overlap half, a compressed row stored a decode step late, a boundary tile whose first query misses
+the token before it — and one change that moves no decision
 (the indexer's head weights scaled uniformly), which must pass."""
 
 import dataclasses
@@ -175,3 +176,18 @@ def _one_step_late(ctx, which, x, positions):
     held = ctx.state.extras.pop(f"row-late-{which}", None)
     ctx.state.extras[f"row-late-{which}"] = rows
     return rows[:0] if held is None else held
+
+
+first_query_edge = Patch("first-query-edge", phases=("prefill",),
+                         description="in prefill chunks after the first, the chunk's first query does not attend the "
+                                     "token before it (a boundary tile's window mask starting one row late)")
+
+
+@first_query_edge.op("sparse_attention")
+def _first_query_misses_previous_token(ctx, q, window_slots, comp_slots, sink):
+    if ctx.segment:
+        start = int(ctx.positions[0])
+        first = window_slots.max(-1, keepdim=True).values == start  # the query whose newest row is the chunk's first
+        window_slots = torch.where(first & (window_slots == start - 1), torch.full_like(window_slots, -1),
+                                   window_slots)
+    return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_slots, sink=sink)
