@@ -771,7 +771,7 @@ def test_twin_bounds_pass_a_reassociation_and_fail_a_precision_loss(tmp_path, me
 def test_a_lost_needle_answer_fails_at_the_first_layer_that_lost_it(tmp_path):
     """ctx.needle_lost is 1 at a needle query where the reference answers beyond FP8 noise and the variant does not
     (harness.run.needles). The patch stops answering the first query from layer 2 on: it fails there (absolute 0,
-    max). Base does not answer the second query, which the reference does not answer either: nothing is lost."""
+    max), at that query. Base does not answer the second query, which the reference does not answer either: nothing is lost."""
     rows = []
     for variant in ("yardstick", "base", "patched"):
         for layer, tap in [(layer, "needle.lens") for layer in range(4)] + [(4, "logits")]:
@@ -789,7 +789,8 @@ def test_a_lost_needle_answer_fails_at_the_first_layer_that_lost_it(tmp_path):
     by_variant = {v.variant: v for v in check.variants}
     assert by_variant["base"].status == "pass"
     patched = by_variant["patched"]
-    assert patched.first_failure().where() == "layer 2 decode (global, needle.lens)"
+    # aggregate max: the failure names the query that lost it (step 0, position 600), not only the layer
+    assert patched.first_failure().where() == "layer 2 decode, worst at position 600 (global, needle.lens)"
     assert sorted((u.layer, u.tap) for u in patched.failing()) == [(2, "needle.lens"), (3, "needle.lens"),
                                                                    (4, "logits")]
 

@@ -168,6 +168,7 @@ class Unit:
     scope: str = "layer"
     group: int | None = None  # chunk, turn, step, or the bin's first position; None: the whole layer and phase
     span: tuple[int, int] = (0, 0)  # [first position, one past the last) of the unit's rows
+    worst: tuple[int, int] | None = None  # aggregate max or min over several bins: the bin holding the unit's loss
     positions: int = 0  # Σ count of the unit's rows
     yardstick: float | None = None
     base: float | None = None
@@ -217,9 +218,14 @@ class Unit:
         return f"{self.scope} {self.group}"
 
     def where(self) -> str:
-        """`layer 4 prefill chunk 1 (global, attn.out)`."""
+        """`layer 4 prefill chunk 1 (global, attn.out)`; a unit aggregated by its worst bin says which:
+        `layer 2 prefill, worst at positions 320-383 (local, compressor.rows)`."""
         group = f" {self.group_text}" if self.group_text else ""
-        return f"layer {self.layer} {self.phase}{group} ({self.mode}, {self.tap})"
+        worst = ""
+        if self.worst is not None and self.worst != self.span:
+            first, end = self.worst
+            worst = f", worst at position {first}" if end - first == 1 else f", worst at positions {first}-{end - 1}"
+        return f"layer {self.layer} {self.phase}{group}{worst} ({self.mode}, {self.tap})"
 
     @property
     def key(self) -> tuple:
@@ -229,6 +235,7 @@ class Unit:
     def to_dict(self) -> dict[str, Any]:
         return {"variant": self.variant, "mode": self.mode, "tap": self.tap, "layer": self.layer, "phase": self.phase,
                 "scope": self.scope, "group": self.group, "span": list(self.span), "positions": self.positions,
+                "worst": None if self.worst is None else list(self.worst),
                 "value": _num(self.value), "limit": _num(self.limit), "status": "pass" if self.passed else "fail",
                 "yardstick": _num(self.yardstick), "base": _num(self.base), "twin": _num(self.twin),
                 "floor": _num(self.floor), "decisions": _num(self.decisions), "allowance": _num(self.allowance),
@@ -496,8 +503,13 @@ def aggregate_units(frame: pd.DataFrame, how: str, direction: str) -> pd.DataFra
         raise ValueError(how)
     loss = loss.astype(float)
     loss[g["_nan"].any()] = math.nan
-    return pd.DataFrame({"loss": loss, "positions": g["count"].sum(), "start": g["pos_bin"].min(),
-                         "end": g["pos_end"].max()})
+    out = pd.DataFrame({"loss": loss, "positions": g["count"].sum(), "start": g["pos_bin"].min(),
+                        "end": g["pos_end"].max()})
+    if how in ("max", "min"):  # the bin that holds the unit's loss: where to look (a row, a query) in a large unit
+        worst = frame.sort_values(col, ascending=how == "min", na_position="first", kind="stable") \
+            .drop_duplicates(UNIT_KEYS).set_index(UNIT_KEYS)
+        out["worst_start"], out["worst_end"] = worst["pos_bin"].reindex(out.index), worst["pos_end"].reindex(out.index)
+    return out
 
 
 @dataclass(frozen=True)
@@ -706,9 +718,11 @@ def _unit(scope: str, key: tuple, row: Any) -> Unit:
     and the decode rows of chunk scope)."""
     unit = dict(zip(UNIT_KEYS, key))
     whole = scope == "layer" or (scope == "chunk" and unit["phase"] == "decode")
+    worst = getattr(row, "worst_start", None)
     return Unit(unit["variant"], unit["mode"], unit["tap"], int(unit["layer"]), unit["phase"], float(row.loss),
                 None, True, scope=scope, group=None if whole else int(unit["group"]),
-                span=(int(row.start), int(row.end)), positions=int(row.positions))
+                span=(int(row.start), int(row.end)), positions=int(row.positions),
+                worst=None if worst is None or pd.isna(worst) else (int(worst), int(row.worst_end)))
 
 
 def _evaluate_unit(check: Check, unit: Unit, bound: _Bound, at: Mapping[str, float],
