@@ -771,7 +771,8 @@ def test_twin_bounds_pass_a_reassociation_and_fail_a_precision_loss(tmp_path, me
 def test_a_lost_needle_answer_fails_at_the_first_layer_that_lost_it(tmp_path):
     """ctx.needle_lost is 1 at a needle query where the reference answers beyond FP8 noise and the variant does not
     (harness.run.needles). The patch stops answering the first query from layer 2 on: it fails there (absolute 0,
-    max), at that query. Base does not answer the second query, which the reference does not answer either: nothing is lost."""
+    max), at that query. Base does not answer the second query, which the reference does not answer either:
+    nothing is lost."""
     rows = []
     for variant in ("yardstick", "base", "patched"):
         for layer, tap in [(layer, "needle.lens") for layer in range(4)] + [(4, "logits")]:

@@ -24,9 +24,9 @@ PLUGIN = Path(__file__).resolve().parent / "data" / "serving_bugs.py"
     ("router-bias-dropped", "prefill", 3),  # tiny's first learned-routing layer (0-2 are hash-routed)
     ("indexer-chunk-positions", "prefill", 2),  # tiny's first CSA layer, the first with an indexer
     ("topk-short", "decode", 2),
-    ("overlap-lost", "prefill", 2),
+    ("overlap-lost", "prefill", 2),  # one compressed row per boundary: the rows' worst-row checks
     ("comp-row-late", "decode", 2),  # the caches' row count (kv-cache-site)
-    ("first-query-edge", "prefill", 0)])  # one query per chunk: the attention site samples the chunks' edges  # one compressed row per boundary: the rows' worst-row checks
+    ("first-query-edge", "prefill", 0)])  # one query per chunk: the attention site samples the chunks' edges
 def test_a_serving_bug_fails_the_gate_and_is_triaged_to_its_patch_and_phase(tmp_path, patch, phase, layer):
     out = tmp_path / "run"
     code = main(["run", "tiny-smoke", "--patches", patch, "--patch-module", str(PLUGIN), "--threads", "1",

@@ -168,7 +168,7 @@ class Unit:
     scope: str = "layer"
     group: int | None = None  # chunk, turn, step, or the bin's first position; None: the whole layer and phase
     span: tuple[int, int] = (0, 0)  # [first position, one past the last) of the unit's rows
-    worst: tuple[int, int] | None = None  # aggregate max or min over several bins: the bin holding the unit's loss
+    worst: tuple[int, int] | None = None  # aggregate max over several bins: the bin holding the unit's loss
     positions: int = 0  # Σ count of the unit's rows
     yardstick: float | None = None
     base: float | None = None
@@ -505,8 +505,8 @@ def aggregate_units(frame: pd.DataFrame, how: str, direction: str) -> pd.DataFra
     loss[g["_nan"].any()] = math.nan
     out = pd.DataFrame({"loss": loss, "positions": g["count"].sum(), "start": g["pos_bin"].min(),
                         "end": g["pos_end"].max()})
-    if how in ("max", "min"):  # the bin that holds the unit's loss: where to look (a row, a query) in a large unit
-        worst = frame.sort_values(col, ascending=how == "min", na_position="first", kind="stable") \
+    if how == "max":  # the bin that holds the unit's loss: where to look (a row, a query) in a large unit
+        worst = frame.sort_values(col, ascending=False, na_position="first", kind="stable") \
             .drop_duplicates(UNIT_KEYS).set_index(UNIT_KEYS)
         out["worst_start"], out["worst_end"] = worst["pos_bin"].reindex(out.index), worst["pos_end"].reindex(out.index)
     return out
