@@ -116,8 +116,9 @@ PY
       L=(--model flash --tokens 30720 --layer "${LAYER:-2}" --device cuda --time)
       python3 bench/launch_count.py "${L[@]}" --decode 64 --sync --by-tap --top 120 > "$OUT/profile-sync.txt" 2>&1
       python3 bench/launch_count.py "${L[@]}" --decode "${DECODE_TRACED:-8}" --kernels --top 45 \
-        > "$OUT/profile-kernels.txt" 2>&1
-      head -25 "$OUT/profile-sync.txt"; sed -n '/device-busy/,+24p' "$OUT/profile-kernels.txt" ;;
+        --kernel-lines 60 --caller-depth 2 > "$OUT/profile-kernels.txt" 2>&1
+      head -25 "$OUT/profile-sync.txt"; sed -n '/device-busy seconds per region/,+24p' "$OUT/profile-kernels.txt"
+      sed -n '/device-busy seconds per line of/,+30p' "$OUT/profile-kernels.txt" ;;
     flash27k|flash30k)
       # Resumable across calls while the machine stays warm: the run lives in /tmp/<stage>-<patches>, each call runs at
       # most RUN_LIMIT seconds, and the measured files come back under $OUT/<stage>-<patches> (report and gate run

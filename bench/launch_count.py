@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import sys
 import tempfile
 import time
 from typing import Any, Callable
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench_common import bench_parser, bench_run_spec, bench_setup
@@ -66,6 +68,7 @@ class LaunchCounter(TorchDispatchMode):
         self.paused = False  # inside a function counted as a graph replay
         self.callers: dict[str, collections.Counter[str]] | None = None  # per region, when asked (--callers)
         self.read_callers: dict[str, collections.Counter[str]] = {}  # per region, the host reads' lines (--callers)
+        self.bytes_by_line: dict[str, collections.Counter[str]] | None = None  # per line per op, when asked (--bytes)
 
     def __enter__(self) -> "LaunchCounter":
         for method in ("tolist", "cpu"):
@@ -86,19 +89,32 @@ class LaunchCounter(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         if self.paused:
             return func(*args, **(kwargs or {}))
+        if name in HOST_READS:
+            self._read()
+        out = func(*args, **(kwargs or {}))
         if name not in NO_LAUNCH:
             self.launches[self.labels[-1]] += 1
             self.ops[self.labels[-1]][name] += 1
             if self.callers is not None:
                 self.callers.setdefault(self.labels[-1], collections.Counter())[caller()] += 1
-        if name in HOST_READS:
-            self._read()
-        return func(*args, **(kwargs or {}))
+            if self.bytes_by_line is not None:
+                self.bytes_by_line[caller()][name] += bytes_moved(name, args, kwargs, out)
+        return out
 
     def _read(self) -> None:
         self.reads[self.labels[-1]] += 1
         if self.callers is not None:
             self.read_callers.setdefault(self.labels[-1], collections.Counter())[caller()] += 1
+
+
+def bytes_moved(name: str, args: Any, kwargs: Any, out: Any) -> int:
+    """Bytes an operation reads and writes, from its tensor arguments and results: each counted whole, but for an
+    indexed write (`index_put_`: `x[idx] = v`), which reads and writes the rows of v, not the whole of x (the
+    result is x itself)."""
+    if name == "index_put_":
+        args, out = args[1:], args[2]
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves((args, kwargs, out))
+               if isinstance(t, torch.Tensor))
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,22 +200,46 @@ REGION_MARK = "region|"
 """Prefix of the profiler ranges RegionTimer opens per region (`--kernels`)."""
 
 
-def kernels_by_region(events: list[Any]) -> tuple[collections.Counter[str], dict[str, collections.Counter[str]]]:
-    """Device seconds of the kernels each region launched, and per region per kernel name, from a profile's events
-    (torch.profiler's FunctionEvent trees: a kernel belongs to the CPU event that launched it): each kernel is charged
-    to the innermost REGION_MARK range around its launch, "(outside)" when none."""
+def kernels_by_region(events: list[Any]) -> tuple[collections.Counter[str], dict[str, collections.Counter[str]],
+                                                   dict[str, collections.Counter[str]]]:
+    """Device seconds of the kernels each region launched, per region per kernel name, and per line of this
+    repository's code per kernel name, from a profile's events (torch.profiler's FunctionEvent trees: a kernel
+    belongs to the CPU event that launched it): each kernel is charged to the innermost REGION_MARK range around its
+    launch, "(outside)" when none, and to the innermost CALLER_DEPTH lines of this repository's packages on the
+    launching event's Python stack (a profile made with_stack; an event without a stack takes its parent's)."""
     busy: collections.Counter[str] = collections.Counter()
     by_name: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    todo = [(e, "(outside)") for e in events if e.cpu_parent is None]
+    by_line: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    todo = [(e, "(outside)", "(no stack)") for e in events if e.cpu_parent is None]
     while todo:
-        event, region = todo.pop()
+        event, region, line = todo.pop()
         if event.name.startswith(REGION_MARK):
             region = event.name[len(REGION_MARK):]
+        line = stack_lines(getattr(event, "stack", None) or []) or line
         for kernel in event.kernels:
             busy[region] += kernel.duration / 1e6
             by_name[region][kernel.name] += kernel.duration / 1e6
-        todo += [(child, region) for child in event.cpu_children]
-    return busy, by_name
+            by_line[line][kernel.name] += kernel.duration / 1e6
+        todo += [(child, region, line) for child in event.cpu_children]
+    return busy, by_name, by_line
+
+
+PROFILER_FRAME = re.compile(r"^(?P<path>.+)\((?P<line>\d+)\): (?P<function>.+)$")
+"""A frame of a torch.profiler event's stack: 'path(line): function', innermost first."""
+
+
+def stack_lines(stack: list[str]) -> str:
+    """The innermost CALLER_DEPTH frames of this repository's packages on a profiler event's stack, as caller()
+    names them ('path:line function' joined by ' <- '); '' when none is."""
+    lines = []
+    for frame in stack:
+        match = PROFILER_FRAME.match(frame)
+        if match and os.path.abspath(match["path"]).startswith(PACKAGES):
+            lines.append(f"{os.path.relpath(os.path.abspath(match['path']), REPO)}:{match['line']} "
+                         f"{match['function']}")
+            if len(lines) == CALLER_DEPTH:
+                break
+    return " <- ".join(lines)
 
 
 def labelled(counter: LaunchCounter | RegionTimer, fn: Callable[..., Any], label: Callable[..., str]
@@ -260,6 +300,11 @@ def main() -> None:
                     help="also list each region's N busiest lines of code, for its launches and its host reads")
     ap.add_argument("--caller-depth", type=int, default=1,
                     help="with --callers, name each line's callers too, up to N lines of this repository (default 1)")
+    ap.add_argument("--bytes", type=int, default=0,
+                    help="also list the N lines of this repository's code whose operations move the most bytes (each "
+                         "launching operation's tensor arguments and results, read and written, summed over the "
+                         "layer): a GPU's element-wise and copy kernels are bound by them, so this ranks lines by "
+                         "their memory traffic on any machine (GEMMs' traffic is counted too, not their FLOPs)")
     ap.add_argument("--eager", action="store_true", help="count what a GPU replays from CUDA graphs op by op")
     ap.add_argument("--time", action="store_true",
                     help="time each region (host wall seconds, exclusive) instead of counting its operations")
@@ -278,6 +323,10 @@ def main() -> None:
                          "(STACK PHASE op NAME), the innermost when ops nest")
     ap.add_argument("--kernels-listed", type=int, default=3,
                     help="with --kernels, the busiest kernels listed per region (default 3)")
+    ap.add_argument("--kernel-lines", type=int, default=0,
+                    help="with --kernels, also list the N lines of this repository's code whose kernels kept the "
+                         "device busiest, over all regions (the trace records Python stacks: slower still; "
+                         "--caller-depth names their callers too)")
     ap.add_argument("--cache-fraction", type=float,
                     help="the layer's dense cache takes this share of the GPU's memory instead of the runner's "
                          "(reference.weights.dense_cache.DEVICE_BUDGET_FRACTION): an H100 given an H200's room, "
@@ -288,6 +337,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.kernels and not args.time:
         ap.error("--kernels traces the timed run: give --time too")
+    if args.kernel_lines and not args.kernels:
+        ap.error("--kernel-lines charges the traced run's kernels: give --kernels too")
+    global CALLER_DEPTH
+    CALLER_DEPTH = max(1, args.caller_depth)
     probes.ComparingSink.DEFER_BLOCKS_ON_CPU = args.defer_blocks
     if args.cache_fraction is not None:
         dense_cache.DEVICE_BUDGET_FRACTION = args.cache_fraction
@@ -300,9 +353,9 @@ def main() -> None:
         return time_regions(spec, args, where)
     counter = LaunchCounter()
     if args.callers:
-        global CALLER_DEPTH
-        CALLER_DEPTH = max(1, args.caller_depth)
         counter.callers = {}
+    if args.bytes:
+        counter.bytes_by_line = collections.defaultdict(collections.Counter)
     instrument(counter, where, args.tokens, args.by_tap, args.by_op)
     if not args.eager:
         count_replays_as_graphs(counter)
@@ -334,6 +387,13 @@ def main() -> None:
             print(f"             {k:8,d}  {line}")
         for line, k in counter.read_callers.get(region, collections.Counter()).most_common(args.callers):
             print(f"             {k:8,d}  read: {line}")
+    if args.bytes:
+        moved = collections.Counter({line: sum(ops.values()) for line, ops in counter.bytes_by_line.items()})
+        print(f"bytes moved per line of this repository's code ({sum(moved.values()) / 2**30:,.1f} GiB in all; the "
+              f"{args.bytes} most):")
+        for line, n in moved.most_common(args.bytes):
+            ops_here = ", ".join(f"{op} {k / 2**30:.2f}" for op, k in counter.bytes_by_line[line].most_common(3))
+            print(f"  {n / 2**30:9.2f} GiB  {line}  [{ops_here}]")
 
 
 def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
@@ -364,7 +424,8 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
             timer.seconds.clear()
             traced = args.kernels and run == "timed"
             profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                         torch.profiler.ProfilerActivity.CUDA]) if traced else None
+                                                         torch.profiler.ProfilerActivity.CUDA],
+                                             with_stack=args.kernel_lines > 0) if traced else None
             if profile is not None:
                 profile.__enter__()
                 timer.marked = True
@@ -389,12 +450,23 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
         per_step = f"  ({1e3 * seconds / args.decode:,.2f} ms per decode step)" if steps else ""
         print(f"  {seconds:8.3f} s  {region}{per_step}")
     if args.kernels:
-        busy, by_name = kernels_by_region(list(profile.events()))
+        busy, by_name, by_line = kernels_by_region(list(profile.events()))
         print(f"device-busy seconds per region (traced run: {sum(busy.values()):.3f} s of kernels), busiest kernels:")
         for region, seconds in busy.most_common(args.top):
             print(f"  {seconds:8.3f} s  {region}")
             for name, k in by_name[region].most_common(args.kernels_listed):
                 print(f"               {k:7.3f} s  {name[:100]}")
+        if args.kernel_lines:
+            innermost: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+            for line, kernels in by_line.items():
+                innermost[line.split(" <- ")[0]].update(kernels)
+            listings = [("line", innermost)] + ([("line and its callers", by_line)] if CALLER_DEPTH > 1 else [])
+            for what, table in listings:
+                seconds_of = collections.Counter({line: sum(k.values()) for line, k in table.items()})
+                print(f"device-busy seconds per {what} of this repository's code (the {args.kernel_lines} busiest):")
+                for line, seconds in seconds_of.most_common(args.kernel_lines):
+                    kernels = ", ".join(f"{name[:50]} {k:.3f}" for name, k in table[line].most_common(2))
+                    print(f"  {seconds:8.3f} s  {line}  [{kernels}]")
 
 
 if __name__ == "__main__":

@@ -926,24 +926,61 @@ def test_launch_count_charges_each_kernel_to_the_innermost_region_around_its_lau
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     import launch_count
 
-    def event(name, kernels=(), children=()):
+    def event(name, kernels=(), children=(), stack=()):
         e = SimpleNamespace(name=name, kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels],
-                            cpu_children=list(children), cpu_parent=None)
+                            cpu_children=list(children), cpu_parent=None, stack=list(stack))
         for child in e.cpu_children:
             child.cpu_parent = e
         return e
 
     mark = launch_count.REGION_MARK
-    inner = event(mark + "base/global prefill sites", children=[event("aten::mm", [("gemm", 1000)])])
+    repo = launch_count.REPO
+    # --kernel-lines: a profile made with_stack names the Python frames of each event, innermost first; the kernel is
+    # charged to the innermost frame of this repository's packages, an event without a stack taking its parent's
+    bf16_line = [f"{repo}/optimized/numerics.py(42): bf16", "/usr/lib/python3/torch/x.py(7): to",
+                 f"{repo}/optimized/base_ops.py(48): linear"]
+    to_copy = event("aten::_to_copy", children=[event("aten::copy_", [("cast", 400)])], stack=bf16_line)
+    inner = event(mark + "base/global prefill sites", children=[event("aten::mm", [("gemm", 1000)]), to_copy])
     outer = event(mark + "base/global prefill stack", children=[event("aten::add", [("add", 2000), ("add", 500)]),
                                                                   inner])
     stray = event("aten::copy_", [("copy", 250)])
-    events = [outer, *outer.cpu_children, inner, *inner.cpu_children, stray]
-    busy, by_name = launch_count.kernels_by_region(events)
-    assert busy == pytest.approx({"base/global prefill stack": 2.5e-3, "base/global prefill sites": 1e-3,
+    events = [outer, *outer.cpu_children, inner, *inner.cpu_children, *to_copy.cpu_children, stray]
+    busy, by_name, by_line = launch_count.kernels_by_region(events)
+    assert busy == pytest.approx({"base/global prefill stack": 2.5e-3, "base/global prefill sites": 1.4e-3,
                                   "(outside)": 2.5e-4})
     assert by_name["base/global prefill stack"] == pytest.approx({"add": 2.5e-3})
     assert by_name["(outside)"] == pytest.approx({"copy": 2.5e-4})
+    assert by_line["optimized/numerics.py:42 bf16"] == pytest.approx({"cast": 4e-4})
+    assert by_line["(no stack)"] == pytest.approx({"add": 2.5e-3, "gemm": 1e-3, "copy": 2.5e-4})
+    monkeypatch.setattr(launch_count, "CALLER_DEPTH", 2)  # --caller-depth 2: the line that called it too
+    assert launch_count.stack_lines(bf16_line) == "optimized/numerics.py:42 bf16 <- optimized/base_ops.py:48 linear"
+
+
+def test_launch_count_bytes_ranks_lines_by_their_memory_traffic():
+    """bench/launch_count.py --bytes: each launching operation's tensor arguments and results are counted, read and
+    written, per line of this repository's code; an indexed write counts the rows it writes, not its whole target."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        import launch_count
+    finally:
+        sys.path.remove(str(root / "bench"))
+    x, idx, v = torch.zeros(1000, 4), torch.tensor([1, 2]), torch.ones(2, 4)
+    # x[idx] = v: the 2 index values read, the 2 rows of v read and written (8 + 32 + 32 bytes), not x's 16,000
+    assert launch_count.bytes_moved("index_put_", (x, (idx,), v), {}, x) == 8 * 2 + 2 * 32
+    assert launch_count.bytes_moved("add", (v, v), {}, v + v) == 3 * 32
+    out = subprocess.run([sys.executable, str(root / "bench" / "launch_count.py"), "--model", "tiny", "--tokens", "300",
+                          "--decode", "2", "--top", "2", "--bytes", "5"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root)}, check=True).stdout
+    listed = re.findall(r"^\s+([\d.]+) GiB  (\S+):\d+ ", out, re.M)
+    assert len(listed) == 5 and all(path.startswith(("optimized/", "reference/", "harness/")) for _, path in listed), out
+    assert [float(n) for n, _ in listed] == sorted((float(n) for n, _ in listed), reverse=True), out
 
 
 def test_launch_count_names_the_regions_of_a_layer():
