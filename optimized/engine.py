@@ -660,12 +660,18 @@ class OptimizedLayer:
                 comp_lanes=lanes, comp_length=length)
             if sink.wants("attn.lse"):
                 sink.emit("attn.lse", pos, lse=lse)
-            if sink.wants("attn.site") and sampled.numel():
-                self._emit_site(sink, "attn.site", ctx, "sparse_attention", lambda r: {"lse": r[1]}, pick(pos),
-                                (pick(o), pick(lse)), stock_only, attn_sites, q=pick(q[blk]),
-                                window_slots=pick(window_slots),
-                                comp_slots=pick(comp_slots), sink=sink_logit, comp_lanes=pick(lanes),
-                                comp_length=pick(length))
+            # the site at every query of a prefill block whose attention a patch computed, not only the sampled
+            # ones: a tiled kernel wrong in one row of each tile, or at one query, lies off any stride, and its
+            # loss is 1/64 of a layer's queries or less — nothing in a mean (attn-site-worst-query holds the worst
+            # query). A decode step's query is sampled already; the stock op's blocks need no site (own is stock)
+            every = not stock_only and ctx.phase == "prefill"
+            if sink.wants("attn.site") and (every or sampled.numel()):
+                at = (lambda t: t) if every else pick  # noqa: E731
+                self._emit_site(sink, "attn.site", ctx, "sparse_attention", lambda r: {"lse": r[1]}, at(pos),
+                                (at(o), at(lse)), stock_only, attn_sites, q=at(q[blk]),
+                                window_slots=at(window_slots),
+                                comp_slots=at(comp_slots), sink=sink_logit, comp_lanes=at(lanes),
+                                comp_length=at(length))
             if sink.wants("attn.probs") and sampled.numel():
                 probs_rows.append((pick(pos), pick(q[blk]), pick(window_slots), pick(comp_slots)))
             out[blk] = o

@@ -26,7 +26,8 @@ PLUGIN = Path(__file__).resolve().parent / "data" / "serving_bugs.py"
     ("topk-short", "decode", 2),
     ("overlap-lost", "prefill", 2),  # one compressed row per boundary: the rows' worst-row checks
     ("comp-row-late", "decode", 2),  # the caches' row count (kv-cache-site)
-    ("first-query-edge", "prefill", 0)])  # one query per chunk: the attention site samples the chunks' edges
+    ("first-query-edge", "prefill", 0),  # one query per chunk: the attention site samples the chunks' edges
+    ("tile-row-self", "prefill", 0)])  # 1 query in 64, off the stride: the site at every query a patch computed
 def test_a_serving_bug_fails_the_gate_and_is_triaged_to_its_patch_and_phase(tmp_path, patch, phase, layer):
     out = tmp_path / "run"
     code = main(["run", "tiny-smoke", "--patches", patch, "--patch-module", str(PLUGIN), "--threads", "1",
@@ -42,3 +43,18 @@ def test_a_change_that_moves_no_decision_passes(tmp_path):
     code = main(["run", "tiny-smoke", "--patches", "uniform-index-weights", "--patch-module", str(PLUGIN),
                  "--threads", "1", "--no-report", "--out", str(tmp_path / "run")])
     assert code == 0
+
+
+def test_attention_in_another_order_passes_at_every_query(tmp_path):
+    """Attention over its keys in reverse order (prefill and decode): the stock op's sums in another order, so its
+    LSE moves by fp32 rounding only — at every prefill query, where the attention site now runs for a patched
+    attention (attn-site-worst-query holds the worst of them to twice the twin's worst, plus the floor)."""
+    out = tmp_path / "run"
+    code = main(["run", "tiny-smoke", "--patches", "keys-reversed", "--patch-module", str(PLUGIN),
+                 "--threads", "1", "--no-report", "--out", str(out)])
+    assert code == 0
+    check = next(c for c in json.loads((out / "gate.json").read_text())["checks"]
+                 if c["name"] == "attn-site-worst-query")
+    units = [u for v in check["variants"] if v["variant"] == "keys-reversed" for u in v["units"]]
+    # every prefill query of tiny-smoke's 574-token prompt is at the site, in each layer and mode
+    assert units and all(u["positions"] == 574 and u["status"] == "pass" for u in units), units

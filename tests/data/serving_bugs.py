@@ -5,8 +5,9 @@ slot off, an expert-parallel MoE that drops the pairs past its capacity, a loade
 a decode kernel given the wrong softmax scale, a router that ignores its selection bias, a chunked prefill whose
 indexer masks by chunk-local positions, a decode top-k length two short, a chunk boundary that drops the CSA
 compressor's overlap half, a compressed row stored a decode step late, a boundary tile whose first query misses
-the token before it — and one change that moves no decision
-(the indexer's head weights scaled uniformly), which must pass."""
+the token before it, a tiled prefill kernel one row of whose every tile misses its own key — and two changes that must pass: one that
+moves no decision (the indexer's head weights scaled uniformly), and attention visiting its keys in reverse order
+(the same sums in another order, at every query the attention site now checks)."""
 
 import dataclasses
 import math
@@ -191,3 +192,26 @@ def _first_query_misses_previous_token(ctx, q, window_slots, comp_slots, sink):
         window_slots = torch.where(first & (window_slots == start - 1), torch.full_like(window_slots, -1),
                                    window_slots)
     return ctx.base(q=q, window_slots=window_slots, comp_slots=comp_slots, sink=sink)
+
+
+tile_row_self = Patch("tile-row-self", phases=("prefill",),
+                      description="prefill attention in 64-query tiles whose row 37 does not attend its own token (a "
+                                  "diagonal mask off by one in one row of every tile)")
+
+
+@tile_row_self.op("sparse_attention")
+def _tile_row_misses_its_own_token(ctx, q, window_slots, comp_slots, sink):
+    newest = window_slots.max(-1, keepdim=True).values  # a query's own row is its newest window row
+    own = (newest % 64 == 37) & (window_slots == newest)
+    return ctx.base(q=q, window_slots=torch.where(own, torch.full_like(window_slots, -1), window_slots),
+                    comp_slots=comp_slots, sink=sink)
+
+
+keys_reversed = Patch("keys-reversed", phases=("prefill", "decode"),
+                      description="attention visits its keys in reverse order (the window's and the compressed slots "
+                                  "flipped): the same sums in another order")
+
+
+@keys_reversed.op("sparse_attention")
+def _keys_in_reverse(ctx, q, window_slots, comp_slots, sink):
+    return ctx.base(q=q, window_slots=window_slots.flip(-1), comp_slots=comp_slots.flip(-1), sink=sink)
