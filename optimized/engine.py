@@ -644,13 +644,19 @@ class OptimizedLayer:
                 comp_slots = torch.where(ids[None, :] < length[:, None], ids[None, :], -1)
                 lanes = ids[None, :].expand(pos.numel(), -1)  # every block, the visible ones first
             elif self.kind == "csa":
+                patched_before = ctx.table.patched_calls
                 logits = ctx.call("indexer_logits", q=q_idx[blk], weights=idx_weights[blk], positions=pos)
                 row_ids, valid = ctx.call("indexer_topk", logits=logits, positions=pos, k=cfg.index_topk)
                 if sink.wants("indexer.scores"):
                     sink.emit("indexer.scores", pick(pos), scores=pick(logits))
-                if sink.wants("indexer.site") and sampled.numel():
-                    site_rows.append((pick(pos), pick(q_idx[blk]), pick(idx_weights[blk]), pick(row_ids),
-                                      pick(valid)))
+                # the indexer site at every query of a prefill block whose selection a patch computed (as the
+                # attention site below): a tiled kernel wrong in one row of each tile picks wrongly at 1/64 of
+                # the queries, off any stride; indexer-site-margin counts a lost pick at any one of them
+                every = ctx.phase == "prefill" and ctx.table.patched_calls != patched_before \
+                    and ctx.table.patched_beyond_harness("indexer_logits", "indexer_topk")
+                if sink.wants("indexer.site") and (every or sampled.numel()):
+                    at = (lambda t: t) if every else pick  # noqa: E731
+                    site_rows.append((at(pos), at(q_idx[blk]), at(idx_weights[blk]), at(row_ids), at(valid)))
                 if sink.wants("indexer.selected"):
                     sink.emit("indexer.selected", pos, row_ids=row_ids, valid=valid)
                 comp_slots = torch.where(valid, row_ids, constant(-1, row_ids.dtype, row_ids.device))
@@ -664,7 +670,7 @@ class OptimizedLayer:
             # ones: a tiled kernel wrong in one row of each tile, or at one query, lies off any stride, and its
             # loss is 1/64 of a layer's queries or less — nothing in a mean (attn-site-worst-query holds the worst
             # query). A decode step's query is sampled already; the stock op's blocks need no site (own is stock)
-            every = not stock_only and ctx.phase == "prefill"
+            every = ctx.phase == "prefill" and not stock_only
             if sink.wants("attn.site") and (every or sampled.numel()):
                 at = (lambda t: t) if every else pick  # noqa: E731
                 self._emit_site(sink, "attn.site", ctx, "sparse_attention", lambda r: {"lse": r[1]}, at(pos),

@@ -157,6 +157,12 @@ class OpTable:
         """Whether a patch implements op `name` in this phase (the stock implementation may then never run)."""
         return len(self.chains[name]) > 1
 
+    def patched_beyond_harness(self, *names: str) -> bool:
+        """Whether a patch other than the harness's own (decision forcing, which hands down the reference's picks)
+        implements one of ops `names` in this phase: a built-in's or a plugin's, whose kernel a site must judge."""
+        return any(choice is not None and choice.patch.source != "harness"
+                   for name in names for _, choice in self.chains[name])
+
     def _invoke(self, name: str, level: int, ctx: OpContext, inputs: dict[str, Any]) -> Any:
         fn, choice = self.chains[name][level]
         inputs = _declared(fn, name, inputs)

@@ -1075,7 +1075,8 @@ def test_a_prefill_chunks_attention_sites_are_joined_over_its_blocks(monkeypatch
     block, so each query's own fields are the per-block run's bits and its stock and twin values are the same ops on
     the same inputs, up to the rounding of a wider call. Here 8-query blocks (MAX_QUERY_BLOCK patched) over one
     64-token chunk, every fifth position sampled: 8 calls become 2 (13 queries, at most 8 per call). With a prefill
-    attention patch the joined call recomputes the stock op too (without one, the own result is the stock one)."""
+    attention patch the site covers every query (64: 8 joined calls) and the joined call recomputes the stock op too
+    (without one, the own result is the stock one)."""
     from reference import layer as reference_layer
 
     monkeypatch.setattr(reference_layer, "MAX_QUERY_BLOCK", 8)
@@ -1097,17 +1098,21 @@ def test_a_prefill_chunks_attention_sites_are_joined_over_its_blocks(monkeypatch
         block._stock = noting
         model.run_layer(block, x, ids, segment_lengths(n_prompt, n_decode, 64), n_prompt, sink, hold_sites=held)
         runs[held] = sink
-    sampled = [p for p in range(n_prompt) if p % 5 == 0]
-    assert runs[False].calls["attn.site"] == 8 + 1 and runs[True].calls["attn.site"] == 2 + 1  # decode: 65 sampled
+    # the site's prefill queries: the sampled ones (13), or, where a patch computed the attention, every one (64)
+    at_site = list(range(n_prompt)) if patched == "prefill attention" else [p for p in range(n_prompt) if p % 5 == 0]
+    joined_calls = -(-len(at_site) // 8)  # at most 8 queries per joined call: 2 for 13 queries, 8 for 64
+    assert runs[False].calls["attn.site"] == 8 + 1 and runs[True].calls["attn.site"] == joined_calls + 1  # + decode
     assert sorted(runs[True].rows["attn.site"]) == sorted(runs[False].rows["attn.site"])
-    for p in sampled:
+    assert set(at_site) <= set(runs[True].rows["attn.site"])
+    for p in at_site:
         alone, joined = runs[False].rows["attn.site"][p], runs[True].rows["attn.site"][p]
         assert torch.equal(joined["lse"], alone["lse"]), p  # the variant's own: the block's result, copied
         for name in ("stock_lse", "twin_lse"):  # log-sum-exps of order 1–10: ~10 ulps, as the decode test's
             assert torch.allclose(joined[name], alone[name], rtol=1e-5, atol=1e-5), (p, name)
-    # re-associated twins over the joined queries (8 + 5); per block, the twins ran in the chunk's context (64)
-    assert {8, 5} <= {n for held, n in twins if held} and {n for held, n in twins if not held} == {64}, twins
-    joined_stock = {8, 5} <= {n for held, n in stocks if held}
+    # re-associated twins over the joined queries (8 + 5, or 8 × 8); per block, in the chunk's context (64)
+    call_sizes = {8, len(at_site) % 8 or 8}
+    assert call_sizes <= {n for held, n in twins if held} and {n for held, n in twins if not held} == {64}, twins
+    joined_stock = call_sizes <= {n for held, n in stocks if held}
     assert joined_stock == (patched == "prefill attention"), stocks  # the stock op again only beside a patch
 
 
@@ -1146,3 +1151,22 @@ def test_the_shared_expert_is_an_op_a_plugin_can_replace():
     assert len(calls) == cfg.num_hidden_layers * (2 + 4), calls  # two prefill chunks and four decode steps a layer
     moved = float((logits(unclamped) - stock).norm() / stock.norm())
     assert moved > 1e-2, moved
+
+
+def test_a_table_tells_a_patch_of_its_own_from_the_harness_forcing_patch():
+    """OpTable.patched_beyond_harness: the indexer site runs at every prefill query only for a selection a built-in's
+    or a plugin's kernel computed — not for decision forcing (the harness's own patch of indexer_topk, which hands
+    down the reference's picks), whose run would otherwise pay two more indexers per block for nothing."""
+    from optimized.base_ops import BASE_OPS
+    from optimized.ops import OpTable
+    from optimized.patching import Patch, PatchChoice
+
+    forcing = Patch("forcing", ("prefill",), "hands down picks", source="harness")
+    forcing.op("indexer_topk")(lambda ctx, logits, positions, k: None)
+    kernel = Patch("tile-kernel", ("prefill",), "a tiled indexer")
+    kernel.op("indexer_logits")(lambda ctx, q, weights, positions: None)
+    forced = OpTable(BASE_OPS, [PatchChoice(forcing, {})], "prefill")
+    assert forced.patched("indexer_topk") and not forced.patched_beyond_harness("indexer_logits", "indexer_topk")
+    both = OpTable(BASE_OPS, [PatchChoice(forcing, {}), PatchChoice(kernel, {})], "prefill")
+    assert both.patched_beyond_harness("indexer_logits", "indexer_topk")
+    assert not OpTable(BASE_OPS, [PatchChoice(kernel, {})], "decode").patched_beyond_harness("indexer_logits")

@@ -27,7 +27,8 @@ PLUGIN = Path(__file__).resolve().parent / "data" / "serving_bugs.py"
     ("overlap-lost", "prefill", 2),  # one compressed row per boundary: the rows' worst-row checks
     ("comp-row-late", "decode", 2),  # the caches' row count (kv-cache-site)
     ("first-query-edge", "prefill", 0),  # one query per chunk: the attention site samples the chunks' edges
-    ("tile-row-self", "prefill", 0)])  # 1 query in 64, off the stride: the site at every query a patch computed
+    ("tile-row-self", "prefill", 0),  # 1 query in 64, off the stride: the site at every query a patch computed
+    ("index-tile-row", "prefill", 2)])  # likewise for the indexer's site (indexer-site-margin)
 def test_a_serving_bug_fails_the_gate_and_is_triaged_to_its_patch_and_phase(tmp_path, patch, phase, layer):
     out = tmp_path / "run"
     code = main(["run", "tiny-smoke", "--patches", patch, "--patch-module", str(PLUGIN), "--threads", "1",

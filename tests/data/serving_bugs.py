@@ -5,7 +5,8 @@ slot off, an expert-parallel MoE that drops the pairs past its capacity, a loade
 a decode kernel given the wrong softmax scale, a router that ignores its selection bias, a chunked prefill whose
 indexer masks by chunk-local positions, a decode top-k length two short, a chunk boundary that drops the CSA
 compressor's overlap half, a compressed row stored a decode step late, a boundary tile whose first query misses
-the token before it, a tiled prefill kernel one row of whose every tile misses its own key — and two changes that must pass: one that
+the token before it, a tiled prefill kernel one row of whose every tile misses its own key, a tiled prefill indexer one row of whose
+every tile scores the row before's query — and two changes that must pass: one that
 moves no decision (the indexer's head weights scaled uniformly), and attention visiting its keys in reverse order
 (the same sums in another order, at every query the attention site now checks)."""
 
@@ -205,6 +206,18 @@ def _tile_row_misses_its_own_token(ctx, q, window_slots, comp_slots, sink):
     own = (newest % 64 == 37) & (window_slots == newest)
     return ctx.base(q=q, window_slots=torch.where(own, torch.full_like(window_slots, -1), window_slots),
                     comp_slots=comp_slots, sink=sink)
+
+
+index_tile_row = Patch("index-tile-row", phases=("prefill",),
+                       description="prefill indexer logits in 64-query tiles whose row 37 scores the keys with the "
+                                   "previous row's query and head weights (a tile's row offset off by one)")
+
+
+@index_tile_row.op("indexer_logits")
+def _tile_row_scores_the_row_before(ctx, q, weights, positions):
+    rows = torch.arange(q.shape[0], device=q.device)
+    source = torch.where(positions % 64 == 37, (rows - 1).clamp(min=0), rows)
+    return ctx.base(q=q[source], weights=weights[source], positions=positions)
 
 
 keys_reversed = Patch("keys-reversed", phases=("prefill", "decode"),
