@@ -669,12 +669,14 @@ class OptimizedLayer:
             # the site at every query of a prefill block whose attention a patch computed, not only the sampled
             # ones: a tiled kernel wrong in one row of each tile, or at one query, lies off any stride, and its
             # loss is 1/64 of a layer's queries or less — nothing in a mean (attn-site-worst-query holds the worst
-            # query). A decode step's query is sampled already; the stock op's blocks need no site (own is stock)
+            # query). A decode step's query is sampled already; the stock op's blocks need no site (own is stock).
+            # Emitted with its block, not joined over the chunk: a whole block is a full call already, and holding
+            # it would copy every query's q (1 GiB per 8,192-token chunk at Flash width)
             every = ctx.phase == "prefill" and not stock_only
             if sink.wants("attn.site") and (every or sampled.numel()):
                 at = (lambda t: t) if every else pick  # noqa: E731
                 self._emit_site(sink, "attn.site", ctx, "sparse_attention", lambda r: {"lse": r[1]}, at(pos),
-                                (at(o), at(lse)), stock_only, attn_sites, q=at(q[blk]),
+                                (at(o), at(lse)), stock_only, None if every else attn_sites, q=at(q[blk]),
                                 window_slots=at(window_slots),
                                 comp_slots=at(comp_slots), sink=sink_logit, comp_lanes=at(lanes),
                                 comp_length=at(length))

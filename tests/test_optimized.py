@@ -1074,9 +1074,10 @@ def test_a_prefill_chunks_attention_sites_are_joined_over_its_blocks(monkeypatch
     once per block (120 blocks per stack and mode at 30K tokens). The caches hold the whole chunk before its first
     block, so each query's own fields are the per-block run's bits and its stock and twin values are the same ops on
     the same inputs, up to the rounding of a wider call. Here 8-query blocks (MAX_QUERY_BLOCK patched) over one
-    64-token chunk, every fifth position sampled: 8 calls become 2 (13 queries, at most 8 per call). With a prefill
-    attention patch the site covers every query (64: 8 joined calls) and the joined call recomputes the stock op too
-    (without one, the own result is the stock one)."""
+    64-token chunk, every fifth position sampled: 8 calls become 2 (13 queries, at most 8 per call), and the stock op
+    is not called again (no patch ran: the own result is the stock one). With a prefill attention patch the site
+    covers every query of each block, emitted with its block in either case, the stock op computed beside the
+    patch."""
     from reference import layer as reference_layer
 
     monkeypatch.setattr(reference_layer, "MAX_QUERY_BLOCK", 8)
@@ -1098,22 +1099,26 @@ def test_a_prefill_chunks_attention_sites_are_joined_over_its_blocks(monkeypatch
         block._stock = noting
         model.run_layer(block, x, ids, segment_lengths(n_prompt, n_decode, 64), n_prompt, sink, hold_sites=held)
         runs[held] = sink
-    # the site's prefill queries: the sampled ones (13), or, where a patch computed the attention, every one (64)
-    at_site = list(range(n_prompt)) if patched == "prefill attention" else [p for p in range(n_prompt) if p % 5 == 0]
-    joined_calls = -(-len(at_site) // 8)  # at most 8 queries per joined call: 2 for 13 queries, 8 for 64
-    assert runs[False].calls["attn.site"] == 8 + 1 and runs[True].calls["attn.site"] == joined_calls + 1  # + decode
+    if patched == "prefill attention":  # the site at every prefill query, emitted per block in both runs (a
+        # whole block is a full call: nothing joined, so no query's q is copied), its stock op computed again
+        assert runs[False].calls["attn.site"] == runs[True].calls["attn.site"] == 8 + 1  # + decode
+        assert set(range(n_prompt)) <= set(runs[True].rows["attn.site"])
+        for p in range(n_prompt):
+            for name in ("lse", "stock_lse", "twin_lse"):  # the same calls on the same inputs: the same bits
+                assert torch.equal(runs[True].rows["attn.site"][p][name], runs[False].rows["attn.site"][p][name])
+        assert {n for _, n in twins} == {n for _, n in stocks} == {64}, (twins, stocks)  # in the chunk's context
+        return
+    sampled = [p for p in range(n_prompt) if p % 5 == 0]
+    assert runs[False].calls["attn.site"] == 8 + 1 and runs[True].calls["attn.site"] == 2 + 1  # decode: 65 sampled
     assert sorted(runs[True].rows["attn.site"]) == sorted(runs[False].rows["attn.site"])
-    assert set(at_site) <= set(runs[True].rows["attn.site"])
-    for p in at_site:
+    for p in sampled:
         alone, joined = runs[False].rows["attn.site"][p], runs[True].rows["attn.site"][p]
         assert torch.equal(joined["lse"], alone["lse"]), p  # the variant's own: the block's result, copied
         for name in ("stock_lse", "twin_lse"):  # log-sum-exps of order 1–10: ~10 ulps, as the decode test's
             assert torch.allclose(joined[name], alone[name], rtol=1e-5, atol=1e-5), (p, name)
-    # re-associated twins over the joined queries (8 + 5, or 8 × 8); per block, in the chunk's context (64)
-    call_sizes = {8, len(at_site) % 8 or 8}
-    assert call_sizes <= {n for held, n in twins if held} and {n for held, n in twins if not held} == {64}, twins
-    joined_stock = call_sizes <= {n for held, n in stocks if held}
-    assert joined_stock == (patched == "prefill attention"), stocks  # the stock op again only beside a patch
+    # re-associated twins over the joined queries (8 + 5); per block, the twins ran in the chunk's context (64)
+    assert {8, 5} <= {n for held, n in twins if held} and {n for held, n in twins if not held} == {64}, twins
+    assert not {8, 5} <= {n for held, n in stocks if held}, stocks  # no patch: the own result is the stock op's
 
 
 def test_the_shared_expert_is_an_op_a_plugin_can_replace():
