@@ -5,8 +5,8 @@ slot off, an expert-parallel MoE that drops the pairs past its capacity, a loade
 a decode kernel given the wrong softmax scale, a router that ignores its selection bias, a chunked prefill whose
 indexer masks by chunk-local positions, a decode top-k length two short, a chunk boundary that drops the CSA
 compressor's overlap half, a compressed row stored a decode step late, a boundary tile whose first query misses
-the token before it, a tiled prefill kernel one row of whose every tile misses its own key, a tiled prefill indexer one row of whose
-every tile scores the row before's query — and two changes that must pass: one that
+the token before it, a tiled prefill kernel one row of whose every tile misses its own key, a tiled prefill
+indexer one row of whose every tile scores the row before's query — and two changes that must pass: one that
 moves no decision (the indexer's head weights scaled uniformly), and attention visiting its keys in reverse order
 (the same sums in another order, at every query the attention site now checks)."""
 
