@@ -621,7 +621,7 @@ class OptimizedLayer:
         main_rows = state.compressor.n_rows if state.compressor else 0
         index_rows = state.index_keys.length if state.index_keys else 0
         block = query_block_size(cfg, self.kind, main_rows, index_rows, self.device)
-        site_rows, probs_rows = [], []  # per block, the sampled queries' inputs of the chunk's indexer site and probs
+        site_rows, probs_rows = [], []  # per block, the inputs of the chunk's indexer site and probs at its queries
         attn_sites = self._held_sampled.sites if hold_site else [] if join_sites else None
         for start in range(0, positions.numel(), block):
             blk = slice(start, start + block)
@@ -671,7 +671,7 @@ class OptimizedLayer:
             # loss is 1/64 of a layer's queries or less — nothing in a mean (attn-site-worst-query holds the worst
             # query). A decode step's query is sampled already; the stock op's blocks need no site (own is stock).
             # Emitted with its block, not joined over the chunk: a whole block is a full call already, and holding
-            # it would copy every query's q (1 GiB per 8,192-token chunk at Flash width)
+            # it would copy every query's q (8,192 queries × 64 heads × 512 dims × 4 B = 1 GiB per chunk at Flash)
             every = ctx.phase == "prefill" and not stock_only
             if sink.wants("attn.site") and (every or sampled.numel()):
                 at = (lambda t: t) if every else pick  # noqa: E731
@@ -762,7 +762,8 @@ class OptimizedLayer:
     def _emit_indexer_site(self, ctx: OpContext, sink: ProbeSink, pos: torch.Tensor, q: torch.Tensor,
                            weights: torch.Tensor, row_ids: torch.Tensor, valid: torch.Tensor,
                            index_rows: int | None = None) -> None:
-        """The indexer's selection at sampled queries, and the stock logits + top-k's (and its twin's) on the same
+        """The indexer's selection at sampled queries (every query of a prefill block whose selection a patch
+        computed: _attention), and the stock logits + top-k's (and its twin's) on the same
         queries, weights and keys: the fp32 weighted head-sum is a site the official model keeps in fp32. Also,
         per stock pick, its stock score's margin over the k-th pick's, and per query the largest change the twin's
         re-association made to any visible score: a lost pick whose margin is many times that is no tie.

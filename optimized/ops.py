@@ -18,7 +18,7 @@ import torch
 
 from reference.weights.dense_cache import DenseCache
 from optimized.op_specs import OP_SPECS, OpSpec
-from optimized.patching import PatchChoice, PluginOpError
+from optimized.patching import HARNESS_SOURCE, PatchChoice, PluginOpError
 from optimized.state import EngineState
 from reference.config import ModelConfig
 from reference.weights.source import TensorBundle
@@ -160,7 +160,7 @@ class OpTable:
     def patched_beyond_harness(self, *names: str) -> bool:
         """Whether a patch other than the harness's own (decision forcing, which hands down the reference's picks)
         implements one of ops `names` in this phase: a built-in's or a plugin's, whose kernel a site must judge."""
-        return any(choice is not None and choice.patch.source != "harness"
+        return any(choice is not None and choice.patch.source != HARNESS_SOURCE
                    for name in names for _, choice in self.chains[name])
 
     def _invoke(self, name: str, level: int, ctx: OpContext, inputs: dict[str, Any]) -> Any:

@@ -36,6 +36,9 @@ from optimized.op_specs import OP_SPECS
 from reference.weights.layouts import format_ranges
 
 PHASES = ("prefill", "decode")
+HARNESS_SOURCE = "harness"
+"""`Patch.source` of a patch the harness adds to a variant itself (decision forcing hands down the reference's
+picks): no kernel of the variant's, so no site judges it (OpTable.patched_beyond_harness)."""
 
 
 class PatchError(ValueError):

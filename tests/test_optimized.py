@@ -1164,9 +1164,9 @@ def test_a_table_tells_a_patch_of_its_own_from_the_harness_forcing_patch():
     down the reference's picks), whose run would otherwise pay two more indexers per block for nothing."""
     from optimized.base_ops import BASE_OPS
     from optimized.ops import OpTable
-    from optimized.patching import Patch, PatchChoice
+    from optimized.patching import HARNESS_SOURCE, Patch, PatchChoice
 
-    forcing = Patch("forcing", ("prefill",), "hands down picks", source="harness")
+    forcing = Patch("forcing", ("prefill",), "hands down picks", source=HARNESS_SOURCE)
     forcing.op("indexer_topk")(lambda ctx, logits, positions, k: None)
     kernel = Patch("tile-kernel", ("prefill",), "a tiled indexer")
     kernel.op("indexer_logits")(lambda ctx, q, weights, positions: None)

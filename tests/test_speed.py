@@ -956,7 +956,7 @@ def test_launch_count_charges_each_kernel_to_the_innermost_region_around_its_lau
     assert launch_count.stack_lines(bf16_line) == "optimized/numerics.py:42 bf16 <- optimized/base_ops.py:48 linear"
 
 
-def test_launch_count_bytes_ranks_lines_by_their_memory_traffic():
+def test_launch_count_bytes_ranks_lines_by_their_memory_traffic(monkeypatch):
     """bench/launch_count.py --bytes: each launching operation's tensor arguments and results are counted, read and
     written, per line of this repository's code; an indexed write counts the rows it writes, not its whole target."""
     import os
@@ -966,11 +966,8 @@ def test_launch_count_bytes_ranks_lines_by_their_memory_traffic():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "bench"))
-    try:
-        import launch_count
-    finally:
-        sys.path.remove(str(root / "bench"))
+    monkeypatch.syspath_prepend(str(root / "bench"))
+    import launch_count
     x, idx, v = torch.zeros(1000, 4), torch.tensor([1, 2]), torch.ones(2, 4)
     # x[idx] = v: the 2 index values read, the 2 rows of v read and written (8 + 32 + 32 bytes), not x's 16,000
     assert launch_count.bytes_moved("index_put_", (x, (idx,), v), {}, x) == 8 * 2 + 2 * 32

@@ -33,7 +33,7 @@ from harness.run.store import RunStore
 from harness.run.stream_placement import to_device, to_host
 from optimized.engine import EngineOptions, OptimizedLayer, OptimizedModel
 from optimized.ops import OpContext, Routing
-from optimized.patching import Patch, PatchChoice, decodes_together
+from optimized.patching import HARNESS_SOURCE, Patch, PatchChoice, decodes_together
 from reference.layer import ParityOptions, ReferenceLayer
 from reference.model import ReferenceModel, ensure_no_tf32, segment_lengths
 from reference.weights.dense_cache import DenseCache, dense_specs
@@ -139,7 +139,7 @@ def sampled_positions(spec: RunSpec, every: int, chunk_edges: bool = False) -> t
     position, every decode position and every dump position; with `chunk_edges`, also the first and last query
     of every prefill chunk — where chunked prefill and tiled kernels go wrong (a mask or window computed from the
     chunk's start, a boundary tile), and where the attention site, which runs the stock op on the variant's own
-    inputs at these queries only, must look: the stride takes the last query of every group of `every`, so a chunk
+    inputs at these queries (at every prefill query only where a patch computed the attention), must look: the stride takes the last query of every group of `every`, so a chunk
     of a multiple of `every` tokens has its last query on it and never its first."""
     mask = torch.zeros(spec.n_total, dtype=torch.bool)
     if every > 0:
@@ -169,7 +169,7 @@ def forcing_patch(record: RecordingSink) -> Patch:
     """Decision forcing (DESIGN §3): the variant computes everything itself but uses the reference's indexer
     picks and expert ids, so its remaining drift is arithmetic, not selection."""
     patch = Patch("force-reference-decisions", ("prefill", "decode"),
-                  "use the reference's indexer top-k rows and expert ids", source="harness",
+                  "use the reference's indexer top-k rows and expert ids", source=HARNESS_SOURCE,
                   decode_together=True)  # the reference's picks at each query's own position
 
     @patch.op("indexer_topk")
