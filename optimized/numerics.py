@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from optimized.kernels.rounding import bf16_round, fp8_block_quant, fused_rounding_applies
 from reference.graphs import replay
 from reference.quant import fp8_fake_quant
 
@@ -38,13 +39,22 @@ def _constant(value: float | int, negative: bool, dtype: torch.dtype, device: to
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
-    """Round to bf16 (RNE) and keep computing in fp32: the value a bf16 store then load gives."""
+    """Round to bf16 (RNE) and keep computing in fp32: the value a bf16 store then load gives. A prefill-sized fp32
+    tensor on a GPU in one pass (optimized.kernels.rounding: the same bits, a third less memory traffic and one
+    launch instead of two)."""
+    if fused_rounding_applies(x):
+        return bf16_round(x, impl="triton")
     return x.to(torch.bfloat16).float()
 
 
 def fp8_activation(x: torch.Tensor) -> torch.Tensor:
-    """Per-token FP8 e4m3 quantization with a power-of-two scale per 128 K-elements (official act_quant)."""
-    return replay(fp8_fake_quant, x.float(), block=ACT_BLOCK, amax_floor=ACT_AMAX_FLOOR)  # a graph in decode
+    """Per-token FP8 e4m3 quantization with a power-of-two scale per 128 K-elements (official act_quant). A graph in
+    decode; a prefill-sized input on a GPU in one pass (optimized.kernels.rounding: the same bits, one launch
+    instead of ~17)."""
+    x = x.float()
+    if fused_rounding_applies(x) and x.shape[-1] % ACT_BLOCK == 0:
+        return fp8_block_quant(x, ACT_BLOCK, ACT_AMAX_FLOOR, impl="triton")
+    return replay(fp8_fake_quant, x, block=ACT_BLOCK, amax_floor=ACT_AMAX_FLOOR)
 
 
 TENSOR_CORE_MIN_ROWS = 16

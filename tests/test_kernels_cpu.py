@@ -417,3 +417,122 @@ def test_interpreter_fused_standard_normal_is_the_torch_streams_bits(key, offset
     torch_path = hashing.standard_normal(key, numel, "cpu", offset)  # the CPU never takes the kernel
     fused = standard_normal_triton(key, numel, "cpu", offset, hashing.INV_STD_IH4)
     assert torch.equal(fused.view(torch.int32), torch_path.view(torch.int32))
+
+
+# optimized.kernels.rounding: the engine's bf16 round trip and FP8 activation quantizer in one pass. The kernels
+# round in integer arithmetic, so the interpreter runs the GPU's rounding and every bit is compared here.
+
+
+@interpreter
+def test_interpreter_bf16_round_is_the_torch_round_trip_bit_for_bit():
+    """Random fp32 bit patterns over every exponent, every tie between bf16 values at seven exponents (subnormal to
+    the largest) with its neighbours, ±0, ±inf and the largest finite fp32: the same bits as
+    `x.to(bfloat16).float()`, a NaN still a NaN."""
+    from optimized.kernels.rounding import bf16_round
+    from optimized.kernels.testing import bf16_round_cases, same_bits
+
+    x = bf16_round_cases()
+    fused = bf16_round(x, impl="triton")
+    expected = x.to(torch.bfloat16).float()
+    assert bool(same_bits(fused, expected).all()), int((~same_bits(fused, expected)).sum())
+    assert bool(torch.isinf(fused[-2:]).all()), "the largest finite fp32 rounds to ±inf in bf16"
+
+
+@interpreter
+@pytest.mark.parametrize("block", [128, 64])
+def test_interpreter_fp8_block_quant_is_the_reference_fake_quant_bit_for_bit(block):
+    """Every e4m3 midpoint and its neighbours (normal and subnormal, both signs) under scales 2^-20 … 2^100, block
+    maxima one ulp either side of 448·2^k, the amax floor, signed zeros, inf and NaN blocks, random blocks of many
+    magnitudes: the same bits as reference.quant.fp8_fake_quant."""
+    from optimized.kernels.rounding import fp8_block_quant
+    from optimized.kernels.testing import fp8_block_quant_cases, same_bits
+    from reference.quant import fp8_fake_quant
+
+    x = fp8_block_quant_cases(block)
+    fused = fp8_block_quant(x, block, 1e-4, impl="triton")
+    expected = fp8_fake_quant(x, block=block, amax_floor=1e-4)
+    assert bool(same_bits(fused, expected).all()), int((~same_bits(fused, expected)).sum())
+    assert bool(torch.signbit(fused[x.signbit() & (x == 0)]).all()), "−0 stays −0"
+
+
+def test_fp8_block_quant_cases_hold_the_hard_decisions():
+    """The cases above are only as good as what they hold: ties of e4m3 values that round up and down (to the even
+    code), e4m3 subnormal results, saturated values, and scales on both sides of an exponent flip."""
+    from optimized.kernels.testing import fp8_block_quant_cases
+    from reference.quant import fp8_fake_quant, ue8m0_scale_for
+
+    x = fp8_block_quant_cases(128)
+    q = fp8_fake_quant(x, block=128, amax_floor=1e-4)
+    unit = (x.abs() == 448.0)  # blocks at scale 1: their values are their e4m3 codes' values
+    rows = unit.any(1)
+    vals, outs = x[rows].flatten(), q[rows].flatten()
+    assert bool(((vals == 2.5 * 2.0**-9) & (outs == 2.0 * 2.0**-9)).any()), "a subnormal tie to even (down)"
+    assert bool(((vals == 3.5 * 2.0**-9) & (outs == 4.0 * 2.0**-9)).any()), "a subnormal tie to even (up)"
+    assert bool(((vals == 1.0625) & (outs == 1.0)).any()) and bool(((vals == 1.1875) & (outs == 1.25)).any())
+    top = torch.tensor(448.0).view(torch.int32)
+    amax = x.reshape(-1, 128).abs().amax(1)
+    exponents = ue8m0_scale_for(amax, 448.0, 1e-4)
+    for k in (-10, 0, 10):  # a block maximum of exactly 448·2^k has scale 2^k, one ulp more 2^(k+1)
+        at = torch.tensor(448.0 * 2.0**k).view(torch.int32)
+        assert set(exponents[amax.view(torch.int32) == at].tolist()) == {k}
+        assert exponents[amax.view(torch.int32) == at + 1].tolist() == [k + 1]
+
+
+
+@pytest.mark.parametrize("fn", ["bf16_round", "fp8_block_quant"])
+def test_rounding_kernels_refuse_what_they_cannot_read(fn):
+    """The Triton path reads a contiguous fp32 tensor and, for the quantizer, whole blocks: anything else is a clear
+    error naming the function, not a wrong answer (the engine routes only what fused_rounding_applies admits)."""
+    if not triton_available():
+        pytest.skip("needs triton")
+    from optimized.kernels import rounding
+
+    call = (lambda x: rounding.bf16_round(x, impl="triton")) if fn == "bf16_round" else \
+        (lambda x: rounding.fp8_block_quant(x, 128, 1e-4, impl="triton"))
+    if not triton_interpreting():
+        pytest.skip("the Triton path on CPU tensors needs the interpreter")
+    with pytest.raises(ValueError, match=fn):
+        call(torch.ones(4, 256).T)
+    with pytest.raises(ValueError, match=fn):
+        call(torch.ones(4, 256, dtype=torch.float64))
+    if fn == "fp8_block_quant":
+        with pytest.raises(ValueError, match="multiple of the block"):
+            call(torch.ones(4, 200))
+
+
+def test_the_cpu_engine_never_takes_the_fused_rounding(monkeypatch):
+    """numerics.bf16 and fp8_activation keep the torch ops for CPU tensors (whose bits tests/test_metrics_pin.py
+    pins): the one-pass kernels are for a GPU's prefill-sized tensors only."""
+    from optimized import numerics
+    from optimized.kernels.rounding import fused_rounding_applies
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the fused rounding ran on a CPU tensor")
+
+    monkeypatch.setattr(numerics, "bf16_round", refuse)
+    monkeypatch.setattr(numerics, "fp8_block_quant", refuse)
+    x = torch.randn(1024, 512)  # larger than a replayed graph's inputs
+    assert not fused_rounding_applies(x)
+    assert torch.equal(numerics.bf16(x), x.to(torch.bfloat16).float())
+    numerics.fp8_activation(x)
+
+
+@interpreter
+def test_a_device_whose_kernels_round_otherwise_keeps_the_torch_ops(monkeypatch):
+    """kernels_match_torch: True where the kernels give the torch ops' bits (the interpreter here); a kernel that
+    rounds otherwise (truncating, as the interpreter's own cast would) or fails makes it False with a warning that
+    says so, and the engine then never takes the one-pass path on that device."""
+    from optimized.kernels import rounding, rounding_triton
+
+    assert rounding.kernels_match_torch.__wrapped__(torch.device("cpu"))
+    truncating = lambda x: (x.view(torch.int32) & -65536).view(torch.float32)  # noqa: E731
+    monkeypatch.setattr(rounding_triton, "bf16_round_triton", truncating)
+    with pytest.warns(RuntimeWarning, match=r"differ from the torch ops .*'bf16_round': [1-9]"):
+        assert not rounding.kernels_match_torch.__wrapped__(torch.device("cpu"))
+
+    def broken(*args):
+        raise RuntimeError("no such instruction")
+
+    monkeypatch.setattr(rounding_triton, "fp8_block_quant_triton", broken)
+    with pytest.warns(RuntimeWarning, match="failed on cpu.*no such instruction"):
+        assert not rounding.kernels_match_torch.__wrapped__(torch.device("cpu"))

@@ -176,3 +176,51 @@ def test_indexer_triton_bf16_rounds_to_nearest_even():
             device="cuda"), torch.tensor([64], dtype=torch.int32, device="cuda"), 64)
     assert float(fp8_paged_mqa_logits(*args, dot_precision="bf16", impl="triton")[0, 0]) == 1 + 2.0**-7
     assert float(fp8_paged_mqa_logits(*args, dot_precision="fp32", impl="triton")[0, 0]) == 1 + 2.0**-8 + 2.0**-9
+
+
+def test_rounding_kernels_are_the_torch_ops_bit_for_bit_on_the_gpu():
+    """optimized.kernels.rounding on the device: the hard cases (every tie, scale flip, floor, ±0, inf, NaN) and a
+    prefill chunk's FP8 linear input at Flash width (8,192 × 4,096, magnitudes over 2^±20), each the same bits as
+    the torch ops the engine ran before (a NaN still a NaN)."""
+    from optimized.kernels.rounding import bf16_round, fp8_block_quant
+    from optimized.kernels.testing import bf16_round_cases, fp8_block_quant_cases, same_bits
+    from reference.quant import fp8_fake_quant
+
+    x = bf16_round_cases(device="cuda")
+    assert bool(same_bits(bf16_round(x, impl="triton"), x.to(torch.bfloat16).float()).all())
+    for block in (128, 64):
+        y = fp8_block_quant_cases(block, device="cuda")
+        assert bool(same_bits(fp8_block_quant(y, block, 1e-4, impl="triton"),
+                              fp8_fake_quant(y, block=block, amax_floor=1e-4)).all()), block
+    g = torch.Generator(device="cuda").manual_seed(0)
+    chunk = torch.randn(8192, 4096, device="cuda", generator=g) \
+        * 2.0 ** torch.randint(-20, 20, (8192, 32), device="cuda", generator=g).float().repeat_interleave(128, 1)
+    assert torch.equal(bf16_round(chunk, impl="triton"), chunk.to(torch.bfloat16).float())
+    assert torch.equal(fp8_block_quant(chunk, 128, 1e-4, impl="triton"),
+                       fp8_fake_quant(chunk, block=128, amax_floor=1e-4))
+
+
+def test_the_engine_rounds_prefill_sized_tensors_in_one_pass(monkeypatch):
+    """numerics.bf16 and fp8_activation take the one-pass kernels for a prefill-sized fp32 tensor on the device and
+    keep the torch ops for a decode step's (which its graphs replay); the values are the same either way."""
+    from optimized import numerics
+    from reference.quant import fp8_fake_quant
+
+    calls = []
+
+    def spy(name):
+        real = getattr(numerics, name)
+        return lambda *args, **kwargs: calls.append(name) or real(*args, **kwargs)
+
+    for name in ("bf16_round", "fp8_block_quant"):
+        monkeypatch.setattr(numerics, name, spy(name))
+    big = torch.randn(512, 4096, device="cuda")
+    from optimized.kernels.rounding import kernels_match_torch
+    assert kernels_match_torch(big.device), "the kernels gave other bits than the torch ops on this device"
+    assert torch.equal(numerics.bf16(big), big.to(torch.bfloat16).float())
+    assert torch.equal(numerics.fp8_activation(big), fp8_fake_quant(big, block=128, amax_floor=1e-4))
+    assert calls == ["bf16_round", "fp8_block_quant"]
+    small = big[:2].clone()
+    numerics.bf16(small)
+    numerics.fp8_activation(small)
+    assert calls == ["bf16_round", "fp8_block_quant"], "a decode step's tensors keep the torch ops"

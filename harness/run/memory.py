@@ -37,7 +37,11 @@ what would not fit and which setting changes it:
   (scaled_bf16_products too, with one expert's NVFP4 form made on use, which is smaller than a group) — in each
   host lane;
 - **experts site** (a variant with patches): the stock experts' output and the variant's, held while the pair and
-  clamp sites are judged (optimized.engine.OptimizedLayer._judge_experts);
+  clamp sites are judged (optimized.engine.OptimizedLayer._judge_experts). Not a term: the attention site at every
+  query of a block whose prefill attention a patch computed (OptimizedLayer._attention) runs the stock op and its
+  twin on that block after the variant's call, one at a time, each within the block's budget
+  (reference.layer.query_block_size); what they add is the stock call's output held during the twin's, one block's
+  [B, H, d] fp32 (256 × 64 × 512 × 4 B = 32 MiB at Flash width), below the estimate's rounding;
 - **NVFP4 conversion** (with `nvfp4-experts`): the temporaries of one group of expert matrices converted together
   from their codes (optimized.base_ops.prepare_nvfp4_forms; a group whose fp32 copies the cache holds only finds two
   numbers per matrix, from block maxima of 1/32 its size: NVFP4_FACTOR_GROUP, less than this term).

@@ -12,6 +12,7 @@ See NOTES.md for the kernel designs and measured timings.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -21,7 +22,9 @@ IMPLS = ("auto", "torch", "triton")
 IMPL_ENV = "DSV4_DRIFT_KERNEL_IMPL"
 
 
+@functools.cache
 def triton_available() -> bool:
+    """Whether triton imports here (looked up once: the engine asks at every rounding it might fuse)."""
     return importlib.util.find_spec("triton") is not None
 
 

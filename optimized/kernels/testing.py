@@ -271,3 +271,74 @@ def indexer_bound(case: IndexerCase, ref: IndexerReference, dot_precision: str, 
     w = case.weights.double().abs()[..., None]
     head_sum_err = (w * dot_err).sum(1) + (heads + 2) * U_FP32 * (w * (torch.relu(ref.dots) + dot_err)).sum(1)
     return head_sum_err * ref.key_scale[None, :] + 2 * U_FP32 * ref.logits.abs().nan_to_num(0.0, 0.0, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# rounding.py: inputs whose every rounding decision is a hard one
+# ---------------------------------------------------------------------------------------------
+
+
+def bf16_round_cases(n_random: int = 1 << 18, device: str = "cpu", seed: int = 0) -> torch.Tensor:
+    """fp32 inputs for bf16_round: n_random uniformly random bit patterns (every exponent, subnormals, ±inf and
+    NaNs among them), every exact tie between two bf16 values at a few exponents with its two fp32 neighbours, the
+    largest finite fp32 (rounds to inf), ±0 and ±inf."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-2**31, 2**31, (n_random,), generator=g, dtype=torch.int64).to(torch.int32)
+    ties = []
+    for exponent in (-140, -127, -1, 0, 1, 100, 127):  # subnormal, the smallest normal, around 1, the largest
+        base = torch.arange(256, dtype=torch.float64) / 256 + 1  # the 128 bf16 mantissas and the midpoints between
+        tie = (base * 2.0**exponent).float()
+        tie_bits = tie.view(torch.int32)
+        ties += [tie_bits, tie_bits + 1, tie_bits - 1, tie_bits + 0x8000, tie_bits + 0x7FFF]
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4028234663852886e38,
+                            -3.4028234663852886e38], dtype=torch.float32).view(torch.int32)
+    return torch.cat([bits, *ties, special]).view(torch.float32).to(device)
+
+
+def fp8_block_quant_cases(block: int = 128, device: str = "cpu", seed: int = 0) -> torch.Tensor:
+    """[rows, 4·block] fp32 inputs for fp8_block_quant whose blocks hit every kind of decision: every e4m3 value's
+    midpoint to the next (normal and subnormal) and its fp32 neighbours under a block maximum of exactly 448·2^k
+    (scale 2^k) for several k; maxima one ulp either side of 448·2^k (the scale's exponent flips there); a block below
+    the amax floor; zeros of both signs; a block holding inf, one holding a NaN; random normal blocks of many
+    magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 … 448, positive finite
+    mid = (e4m3[:-1] + e4m3[1:]) / 2  # exact in fp32: one more bit
+    mid_bits = mid.view(torch.int32)
+    grid = torch.cat([e4m3, mid, (mid_bits + 1).view(torch.float32), (mid_bits - 1).view(torch.float32)])
+    values = torch.cat([grid, -grid])
+    width = 4 * block
+    rows = []
+    for k in (-20, -6, 0, 7, 100):
+        scaled = values * 2.0**k
+        padded = torch.cat([scaled, torch.zeros((-scaled.numel()) % (block - 1))])
+        chunks = padded.view(-1, block - 1)  # each block: block − 1 test values and one 448·2^k (its maximum)
+        blocks = torch.cat([chunks, torch.full((chunks.shape[0], 1), 448.0 * 2.0**k)], 1)
+        rows.append(blocks)
+    flips = []
+    for k in (-10, 0, 10):
+        top = torch.tensor(448.0 * 2.0**k).view(torch.int32)
+        for top_bits in (top - 1, top, top + 1):
+            blk = torch.randn(block, generator=g) * 2.0**k
+            blk[0] = top_bits.view(torch.float32)
+            blk[1:] = blk[1:].clamp(-float(blk[0]) / 2, float(blk[0]) / 2)
+            flips.append(blk)
+    rows.append(torch.stack(flips))
+    tiny = torch.randn(2, block, generator=g) * 1e-6  # under the 1e-4 floor: scale 2^-22
+    signed_zeros = torch.zeros(2, block)
+    signed_zeros[1] = -0.0
+    with_inf = torch.randn(1, block, generator=g)
+    with_inf[0, 5] = float("inf")
+    with_nan = torch.randn(1, block, generator=g)
+    with_nan[0, 9] = float("nan")
+    rows.append(torch.cat([tiny, signed_zeros, with_inf, with_nan]))
+    magnitudes = 2.0 ** torch.randint(-40, 40, (64, 1), generator=g).float()
+    rows.append(torch.randn(64, block, generator=g) * magnitudes)
+    flat = torch.cat(rows)
+    flat = torch.cat([flat, torch.zeros((-flat.shape[0]) % 4, block)])
+    return flat.reshape(-1, width).to(device)  # four blocks per row: the kernel's block index along the row
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Element by element: equal fp32 bit patterns, or both NaN (a NaN's payload is not compared)."""
+    return (a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())
