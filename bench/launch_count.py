@@ -11,7 +11,9 @@ shows where launches come from without a GPU, and whether a change removed some.
 
 The count follows a GPU's where the code differs by device: a function `reference.graphs.replay` would replay from a
 CUDA graph on a GPU counts as its input copies, one launch and its output copies (`--eager` counts its operations,
-as the CPU runs them); the comparisons of prefill query blocks are batched on a GPU only (`--defer-blocks` batches
+as the CPU runs them); the engine's bf16 round trip and FP8 activation quantizer count as the one Triton kernel a
+GPU runs for a prefill-sized tensor (optimized.kernels.rounding: one launch, one read and one write per element;
+`--eager` counts the torch ops); the comparisons of prefill query blocks are batched on a GPU only (`--defer-blocks` batches
 them here too: probes.ComparingSink.DEFER_BLOCKS_ON_CPU). It still differs in the query block size (a GPU's from
 its memory). Regions: `reference` / `yardstick/MODE` / `VARIANT/MODE`, then `prefill` or `decode`,
 then what ran — `stack` (the layer's own computation), `sites` (the stock op and its twin beside a variant's,
@@ -160,6 +162,39 @@ def count_replays_as_graphs(counter: LaunchCounter) -> None:
         current = module.__dict__.get("replay") if isinstance(getattr(module, "__dict__", None), dict) else None
         if module is not graphs and (current is graphs.replay or getattr(current, "counts_graphs", False)):
             module.replay = replay
+
+
+def count_fused_rounding(counter: LaunchCounter) -> None:
+    """Count each rounding optimized.numerics gives a GPU's one-pass kernels (optimized.kernels.rounding) as the GPU
+    runs it: one launch that reads and writes each element once — where the GPU would take them (an fp32, contiguous
+    tensor past a replayed graph's inputs), not inside a function counted as a graph replay (a capture keeps the
+    torch ops). The values are the torch ops' (the kernels' bits), computed uncounted."""
+    from optimized import numerics
+    from optimized.kernels import rounding
+
+    def applies(x: torch.Tensor) -> bool:
+        return (not counter.paused and x.dtype == torch.float32 and x.numel() > graphs.MAX_ELEMENTS
+                and x.is_contiguous())
+
+    def one_pass(name: str, torch_op: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def run(x: torch.Tensor, *args: Any, impl: str = "auto") -> torch.Tensor:
+            counter.paused = True
+            try:
+                out = torch_op(x, *args, impl="torch")
+            finally:
+                counter.paused = False
+            counter.launches[counter.labels[-1]] += 1
+            counter.ops[counter.labels[-1]][f"{name} (one pass)"] += 1
+            if counter.callers is not None:
+                counter.callers.setdefault(counter.labels[-1], collections.Counter())[caller()] += 1
+            if counter.bytes_by_line is not None:
+                counter.bytes_by_line[caller()][name] += 2 * x.numel() * x.element_size()
+            return out
+        return run
+
+    numerics.fused_rounding_applies = applies
+    numerics.bf16_round = one_pass("bf16_round", rounding.bf16_round)
+    numerics.fp8_block_quant = one_pass("fp8_block_quant", rounding.fp8_block_quant)
 
 
 class RegionTimer:
@@ -359,6 +394,7 @@ def main() -> None:
     instrument(counter, where, args.tokens, args.by_tap, args.by_op)
     if not args.eager:
         count_replays_as_graphs(counter)
+        count_fused_rounding(counter)
 
     def progress(event: dict) -> None:
         if event.get("event") == "stack":

@@ -980,6 +980,40 @@ def test_launch_count_bytes_ranks_lines_by_their_memory_traffic(monkeypatch):
     assert [float(n) for n, _ in listed] == sorted((float(n) for n, _ in listed), reverse=True), out
 
 
+def test_launch_count_counts_a_prefill_rounding_as_the_gpu_runs_it(monkeypatch):
+    """bench/launch_count.py: a bf16 round trip or FP8 activation quantization of a prefill-sized fp32 tensor counts as
+    the one kernel a GPU runs for it (optimized.kernels.rounding: one launch, each element read and written once), a
+    decode-sized one as the torch ops a GPU keeps; the values are the torch ops'."""
+    import collections
+    from pathlib import Path
+
+    from optimized import numerics
+    from reference.quant import fp8_fake_quant
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import launch_count
+
+    for name in ("fused_rounding_applies", "bf16_round", "fp8_block_quant"):  # undone after the test
+        monkeypatch.setattr(numerics, name, getattr(numerics, name))
+    counter = launch_count.LaunchCounter()
+    counter.bytes_by_line = collections.defaultdict(collections.Counter)
+    launch_count.count_fused_rounding(counter)
+    big, small = torch.randn(512, 256), torch.randn(4, 256)  # past a replayed graph's inputs (2^16), and not
+    with counter:
+        rounded, quantized = numerics.bf16(big), numerics.fp8_activation(big)
+        numerics.bf16(small)
+    assert torch.equal(rounded, big.to(torch.bfloat16).float())
+    assert torch.equal(quantized, fp8_fake_quant(big, block=128, amax_floor=1e-4))
+    ops = counter.ops["(outside)"]
+    assert ops["bf16_round (one pass)"] == 1 and ops["fp8_block_quant (one pass)"] == 1
+    assert ops["_to_copy"] == 2, "the small tensor's round trip: to bf16 and back"
+    assert counter.launches["(outside)"] == 4
+    by_op = collections.Counter()
+    for per_line in counter.bytes_by_line.values():
+        by_op.update(per_line)
+    assert by_op["bf16_round"] == by_op["fp8_block_quant"] == 2 * big.numel() * 4
+
+
 def test_launch_count_names_the_regions_of_a_layer():
     """bench/launch_count.py counts the operations one lockstep layer launches per region (the GPU run's host cost,
     counted on the CPU): on tiny, each stack's prefill and decode, the sites and the comparisons have launches."""
