@@ -40,7 +40,7 @@ def fused_rounding_applies(x: torch.Tensor) -> bool:
     """Whether optimized.numerics rounds x with the one-pass kernels: an fp32, contiguous CUDA tensor of more than
     MAX_ELEMENTS elements (a prefill chunk's; smaller ones run in decode, where graphs replay the torch ops), not
     while a CUDA graph is being captured (a kernel's first launch compiles and loads it), and "auto" resolving to
-    Triton (DSV4_DRIFT_KERNEL_IMPL=torch keeps the torch ops everywhere: the same bits, for an A/B)."""
+    Triton (DSV4_DRIFT_KERNEL_IMPL=torch keeps the torch ops, as it does for every kernel here: the same bits)."""
     return (x.is_cuda and x.dtype == torch.float32 and x.numel() > MAX_ELEMENTS and x.is_contiguous()
             and triton_available() and not torch.cuda.is_current_stream_capturing()
             and resolve_impl("auto", x.device) == "triton" and kernels_match_torch(x.device))
@@ -49,8 +49,9 @@ def fused_rounding_applies(x: torch.Tensor) -> bool:
 @functools.cache
 def kernels_match_torch(device: torch.device) -> bool:
     """Whether both Triton kernels give the torch ops' bits on `device` for the hard cases of
-    optimized.kernels.testing (every tie, scale flip, floor, ±0, inf, NaN; ~0.3 M elements, a few milliseconds
-    once). False, with a warning naming what differed or failed, keeps the engine on the torch ops there."""
+    optimized.kernels.testing (every tie, scale flip, floor, ±0, inf, NaN; ~0.1 M elements, once per device and
+    process, after the kernels' first compile). False, with a warning naming what differed or failed, keeps the
+    engine on the torch ops there."""
     from optimized.kernels.testing import bf16_round_cases, fp8_block_quant_cases, same_bits
 
     try:
