@@ -13,8 +13,8 @@ The count follows a GPU's where the code differs by device: a function `referenc
 CUDA graph on a GPU counts as its input copies, one launch and its output copies (`--eager` counts its operations,
 as the CPU runs them); the engine's bf16 round trip and FP8 activation quantizer count as the one Triton kernel a
 GPU runs for a prefill-sized tensor (optimized.kernels.rounding: one launch, one read and one write per element;
-`--eager` counts the torch ops); the comparisons of prefill query blocks are batched on a GPU only (`--defer-blocks` batches
-them here too: probes.ComparingSink.DEFER_BLOCKS_ON_CPU). It still differs in the query block size (a GPU's from
+`--eager` counts the torch ops); the comparisons of prefill query blocks are batched on a GPU only (`--defer-blocks`
+batches them here too: probes.ComparingSink.DEFER_BLOCKS_ON_CPU). It still differs in the query block size (a GPU's from
 its memory). Regions: `reference` / `yardstick/MODE` / `VARIANT/MODE`, then `prefill` or `decode`,
 then what ran — `stack` (the layer's own computation), `sites` (the stock op and its twin beside a variant's,
 held sites' joined calls included, and since the thirty-first session the experts sites' stock calls, charged to
@@ -168,7 +168,8 @@ def count_fused_rounding(counter: LaunchCounter) -> None:
     """Count each rounding optimized.numerics gives a GPU's one-pass kernels (optimized.kernels.rounding) as the GPU
     runs it: one launch that reads and writes each element once — where the GPU would take them (an fp32, contiguous
     tensor past a replayed graph's inputs), not inside a function counted as a graph replay (a capture keeps the
-    torch ops). The values are the torch ops' (the kernels' bits), computed uncounted."""
+    torch ops). The values are the torch ops' (the kernels' bits), computed uncounted. optimized.numerics stays
+    patched for the rest of the process (this script's)."""
     from optimized import numerics
     from optimized.kernels import rounding
 

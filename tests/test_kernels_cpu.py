@@ -425,8 +425,8 @@ def test_interpreter_fused_standard_normal_is_the_torch_streams_bits(key, offset
 
 @interpreter
 def test_interpreter_bf16_round_is_the_torch_round_trip_bit_for_bit():
-    """Random fp32 bit patterns over every exponent, every tie between bf16 values at seven exponents (subnormal to
-    the largest) with its neighbours, ±0, ±inf and the largest finite fp32: the same bits as
+    """Random fp32 bit patterns over every exponent, every tie between bf16 values at eight exponents (bf16
+    subnormals to the largest) with its neighbours, ±0, ±inf and the largest finite fp32: the same bits as
     `x.to(bfloat16).float()`, a NaN still a NaN."""
     from optimized.kernels.rounding import bf16_round
     from optimized.kernels.testing import bf16_round_cases, same_bits
@@ -457,7 +457,8 @@ def test_interpreter_fp8_block_quant_is_the_reference_fake_quant_bit_for_bit(blo
 
 def test_fp8_block_quant_cases_hold_the_hard_decisions():
     """The cases above are only as good as what they hold: ties of e4m3 values that round up and down (to the even
-    code), e4m3 subnormal results, saturated values, and scales on both sides of an exponent flip."""
+    code), e4m3 subnormal results, the saturation of an inf (to 448 at scale 1, as torch's clamp does), and scales on
+    both sides of an exponent flip."""
     from optimized.kernels.testing import fp8_block_quant_cases
     from reference.quant import fp8_fake_quant, ue8m0_scale_for
 
@@ -469,6 +470,7 @@ def test_fp8_block_quant_cases_hold_the_hard_decisions():
     assert bool(((vals == 2.5 * 2.0**-9) & (outs == 2.0 * 2.0**-9)).any()), "a subnormal tie to even (down)"
     assert bool(((vals == 3.5 * 2.0**-9) & (outs == 4.0 * 2.0**-9)).any()), "a subnormal tie to even (up)"
     assert bool(((vals == 1.0625) & (outs == 1.0)).any()) and bool(((vals == 1.1875) & (outs == 1.25)).any())
+    assert q[x == float("inf")].tolist() == [448.0], "an inf in a block: scale 1 (frexp's exponent 0), clamped"
     top = torch.tensor(448.0).view(torch.int32)
     amax = x.reshape(-1, 128).abs().amax(1)
     exponents = ue8m0_scale_for(amax, 448.0, 1e-4)
@@ -480,12 +482,15 @@ def test_fp8_block_quant_cases_hold_the_hard_decisions():
 
 
 @pytest.mark.parametrize("fn", ["bf16_round", "fp8_block_quant"])
-def test_rounding_kernels_refuse_what_they_cannot_read(fn):
-    """The Triton path reads a contiguous fp32 tensor and, for the quantizer, whole blocks: anything else is a clear
-    error naming the function, not a wrong answer (the engine routes only what fused_rounding_applies admits)."""
+def test_rounding_kernels_refuse_what_they_cannot_read(fn, monkeypatch):
+    """The Triton path reads a contiguous fp32 tensor and, for the quantizer, whole blocks and an amax floor of at
+    least 2^-118 (its scale-exponent arithmetic needs a normal block maximum): asked for by name, anything else is a
+    clear error naming the function, not a wrong answer (the engine routes only what fused_rounding_applies
+    admits)."""
     if not triton_available():
         pytest.skip("needs triton")
     from optimized.kernels import rounding
+    from reference.quant import fp8_fake_quant
 
     call = (lambda x: rounding.bf16_round(x, impl="triton")) if fn == "bf16_round" else \
         (lambda x: rounding.fp8_block_quant(x, 128, 1e-4, impl="triton"))
@@ -498,6 +503,17 @@ def test_rounding_kernels_refuse_what_they_cannot_read(fn):
     if fn == "fp8_block_quant":
         with pytest.raises(ValueError, match="multiple of the block"):
             call(torch.ones(4, 200))
+        with pytest.raises(ValueError, match="amax floor of at least 2\\^-118"):
+            rounding.fp8_block_quant(torch.ones(4, 256), 128, 1e-40, impl="triton")
+        # where "auto" resolves to Triton (a GPU; here forced), what the kernel cannot read takes the torch path
+        monkeypatch.setattr(rounding, "resolve_impl", lambda impl, device: "triton")
+        x = torch.full((4, 256), 2.0**-130)
+        assert torch.equal(rounding.fp8_block_quant(x, 128, 0.0), fp8_fake_quant(x, block=128, amax_floor=0.0))
+        assert torch.equal(rounding.fp8_block_quant(x.T, 4, 1e-4), fp8_fake_quant(x.T, block=4, amax_floor=1e-4))
+    else:
+        monkeypatch.setattr(rounding, "resolve_impl", lambda impl, device: "triton")
+        x = torch.randn(4, 256)
+        assert torch.equal(rounding.bf16_round(x.T), x.T.to(torch.bfloat16).float())
 
 
 def test_the_cpu_engine_never_takes_the_fused_rounding(monkeypatch):
@@ -524,15 +540,16 @@ def test_a_device_whose_kernels_round_otherwise_keeps_the_torch_ops(monkeypatch)
     says so, and the engine then never takes the one-pass path on that device."""
     from optimized.kernels import rounding, rounding_triton
 
-    assert rounding.kernels_match_torch.__wrapped__(torch.device("cpu"))
+    check = rounding._kernels_match_torch.__wrapped__  # uncached, so each call checks again
+    assert check(torch.device("cpu"))
     truncating = lambda x: (x.view(torch.int32) & -65536).view(torch.float32)  # noqa: E731
     monkeypatch.setattr(rounding_triton, "bf16_round_triton", truncating)
     with pytest.warns(RuntimeWarning, match=r"differ from the torch ops .*'bf16_round': [1-9]"):
-        assert not rounding.kernels_match_torch.__wrapped__(torch.device("cpu"))
+        assert not check(torch.device("cpu"))
 
     def broken(*args):
         raise RuntimeError("no such instruction")
 
     monkeypatch.setattr(rounding_triton, "fp8_block_quant_triton", broken)
     with pytest.warns(RuntimeWarning, match="failed on cpu.*no such instruction"):
-        assert not rounding.kernels_match_torch.__wrapped__(torch.device("cpu"))
+        assert not check(torch.device("cpu"))

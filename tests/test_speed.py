@@ -983,7 +983,7 @@ def test_launch_count_bytes_ranks_lines_by_their_memory_traffic(monkeypatch):
 def test_launch_count_counts_a_prefill_rounding_as_the_gpu_runs_it(monkeypatch):
     """bench/launch_count.py: a bf16 round trip or FP8 activation quantization of a prefill-sized fp32 tensor counts as
     the one kernel a GPU runs for it (optimized.kernels.rounding: one launch, each element read and written once), a
-    decode-sized one as the torch ops a GPU keeps; the values are the torch ops'."""
+    decode-sized round trip as the torch ops a GPU keeps; the values are the torch ops'."""
     import collections
     from pathlib import Path
 

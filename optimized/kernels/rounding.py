@@ -12,13 +12,16 @@ the e4m3 cast, its widening, · s) where one reads and writes each element once.
 
 Both give those functions' values bit for bit (the "torch" implementation IS them; the Triton kernels compute the
 same roundings in integer arithmetic on the fp32 bits — see `rounding_triton.py` — so the Triton interpreter on a
-CPU runs the GPU's arithmetic, and tests/test_kernels_cpu.py compares every bit there). A NaN stays a NaN (its
-payload may differ from torch's); every other value, ±0 and ±inf included, is the same bits.
+CPU runs the GPU's arithmetic, and tests/test_kernels_cpu.py compares every bit there). A NaN stays a NaN, its sign
+and payload passed through (torch's casts make their own NaN, not the same on every device: a CPU gave 0xFFFF0000
+for both signs); every other value, ±0 and ±inf included, is the same bits. A NaN is a failure the probes' finite
+checks report wherever it arises; which NaN it is carries nothing.
 
 `impl` as for the other kernels (optimized.kernels.resolve_impl). The engine calls them through
 optimized.numerics only where `fused_rounding_applies`: fp32, contiguous CUDA tensors larger than a replayed
-graph's inputs (reference.graphs.MAX_ELEMENTS), outside a graph capture — a decode step's small tensors keep the
-torch ops, which its graphs replay (a Triton launch costs more host time than two small torch launches) — and on a
+graph's inputs (reference.graphs.MAX_ELEMENTS: a prefill chunk's, or a layer's decode steps computed together),
+outside a graph capture — one decode step's small tensors keep the torch ops, which its graphs replay (a Triton
+launch costs more host time than two small torch launches) — and on a
 device where the kernels gave the torch ops' bits on the hard cases (`kernels_match_torch`, checked once per
 device and process): a run's values must not depend on which path rounded them, and a compiler that rounded
 differently (or failed) would otherwise move every GPU metric silently; there the torch ops run, with a warning.
@@ -27,31 +30,46 @@ differently (or failed) would otherwise move every GPU metric silently; there th
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 
 import torch
 
 from optimized.kernels import resolve_impl, triton_available
-from reference.graphs import MAX_ELEMENTS
+from reference import graphs
 from reference.quant import fp8_fake_quant
+
+MIN_AMAX_FLOOR = 2.0**-118
+"""The smallest amax floor the quantizer's kernel takes: max(amax, floor) must be a normal fp32 whose scale
+exponent (k − 8 or k − 7 for a = m·2^k) builds a normal 2^e (e ≥ −126; rounding_triton.py). The engine's is 1e−4."""
+
+MAX_GRID_Y = 65535
+"""CUDA's limit on a grid's second dimension, along which the quantizer's kernel lays a row's blocks."""
+
+_CHECK_LOCK = threading.Lock()
 
 
 def fused_rounding_applies(x: torch.Tensor) -> bool:
     """Whether optimized.numerics rounds x with the one-pass kernels: an fp32, contiguous CUDA tensor of more than
-    MAX_ELEMENTS elements (a prefill chunk's; smaller ones run in decode, where graphs replay the torch ops), not
+    graphs.MAX_ELEMENTS elements (smaller ones are a decode step's, whose graphs replay the torch ops), not
     while a CUDA graph is being captured (a kernel's first launch compiles and loads it), and "auto" resolving to
     Triton (DSV4_DRIFT_KERNEL_IMPL=torch keeps the torch ops, as it does for every kernel here: the same bits)."""
-    return (x.is_cuda and x.dtype == torch.float32 and x.numel() > MAX_ELEMENTS and x.is_contiguous()
+    return (x.is_cuda and x.dtype == torch.float32 and x.numel() > graphs.MAX_ELEMENTS and x.is_contiguous()
             and triton_available() and not torch.cuda.is_current_stream_capturing()
             and resolve_impl("auto", x.device) == "triton" and kernels_match_torch(x.device))
 
 
-@functools.cache
 def kernels_match_torch(device: torch.device) -> bool:
     """Whether both Triton kernels give the torch ops' bits on `device` for the hard cases of
     optimized.kernels.testing (every tie, scale flip, floor, ±0, inf, NaN; ~0.1 M elements, once per device and
-    process, after the kernels' first compile). False, with a warning naming what differed or failed, keeps the
-    engine on the torch ops there."""
+    process, after the kernels' first compile; under a lock, as both host lanes may ask at once). False, with a
+    warning naming what differed or failed, keeps the engine on the torch ops there."""
+    with _CHECK_LOCK:
+        return _kernels_match_torch(device)
+
+
+@functools.cache
+def _kernels_match_torch(device: torch.device) -> bool:
     from optimized.kernels.testing import bf16_round_cases, fp8_block_quant_cases, same_bits
 
     try:
@@ -75,8 +93,9 @@ def kernels_match_torch(device: torch.device) -> bool:
 
 def bf16_round(x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """x rounded to bf16 (round to nearest, ties to even) and returned in fp32: `x.to(torch.bfloat16).float()`.
-    The Triton path needs an fp32 contiguous x and returns a new contiguous tensor."""
-    if resolve_impl(impl, x.device) == "triton":
+    The Triton path reads an fp32 contiguous x and returns a new contiguous tensor; "auto" takes it only for such
+    an x, "triton" refuses any other."""
+    if _triton(impl, x):
         from optimized.kernels.rounding_triton import bf16_round_triton
         return bf16_round_triton(_checked(x, "bf16_round"))
     return x.to(torch.bfloat16).float()
@@ -85,16 +104,29 @@ def bf16_round(x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
 def fp8_block_quant(x: torch.Tensor, block: int, amax_floor: float, impl: str = "auto") -> torch.Tensor:
     """FP8 e4m3 fake-quant with one UE8M0 scale per `block` elements of the last dim (optimized-stack §0.1; spec
     §7): s = 2^ceil(log2(max(amax, amax_floor) / 448)), x ← e4m3_RNE(clamp(x / s, ±448)) · s — the value of
-    reference.quant.fp8_fake_quant. The Triton path needs an fp32 contiguous x whose last dim is a multiple of
-    `block` (a power of two), and returns a new contiguous tensor."""
-    if resolve_impl(impl, x.device) == "triton":
+    reference.quant.fp8_fake_quant. The Triton path reads an fp32 contiguous x whose last dim is a multiple of
+    `block` (a power of two, at most MAX_GRID_Y blocks a row) with amax_floor ≥ MIN_AMAX_FLOOR, and returns a new
+    contiguous tensor; "auto" takes it only for such an x, "triton" refuses any other."""
+    if _triton(impl, x, block > 0 and not x.shape[-1] % block and not block & (block - 1)
+               and x.shape[-1] // block <= MAX_GRID_Y and amax_floor >= MIN_AMAX_FLOOR):
         from optimized.kernels.rounding_triton import fp8_block_quant_triton
         _checked(x, "fp8_block_quant")
-        if x.shape[-1] % block or block & (block - 1):
+        if x.shape[-1] % block or block & (block - 1) or x.shape[-1] // block > MAX_GRID_Y:
             raise ValueError(f"fp8_block_quant: the last dim ({x.shape[-1]}) must be a multiple of the block "
-                             f"({block}), a power of two")
+                             f"({block}), a power of two, and hold at most {MAX_GRID_Y} blocks")
+        if not amax_floor >= MIN_AMAX_FLOOR:
+            raise ValueError(f"fp8_block_quant: the Triton path takes an amax floor of at least 2^-118, got "
+                             f"{amax_floor!r} (the torch path takes any)")
         return fp8_block_quant_triton(x, block, amax_floor)
     return fp8_fake_quant(x, block=block, amax_floor=amax_floor)
+
+
+def _triton(impl: str, x: torch.Tensor, shape_ok: bool = True) -> bool:
+    """Whether to run the Triton kernel: asked for by name, or "auto" resolving to Triton for an x it reads (fp32,
+    contiguous, `shape_ok`)."""
+    if resolve_impl(impl, x.device) != "triton":
+        return False
+    return impl == "triton" or (x.dtype == torch.float32 and x.is_contiguous() and shape_ok)
 
 
 def _checked(x: torch.Tensor, name: str) -> torch.Tensor:

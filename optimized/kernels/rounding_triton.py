@@ -18,11 +18,17 @@ way, the interpreter runs the GPU's arithmetic and tests/test_kernels_cpu.py can
   is rounded to 3 bits (+0x7FFFF + bit 20, low 20 bits cleared; 448 is representable, so nothing rounds past
   it); below 2^−6 the spacing is 2^−9, and fl(|v| + 2^14) − 2^14 rounds |v| to a multiple of 2^−9 (ulp(2^14) =
   2^−9), ties to even. The sign is the input's bit, so −0 and small negatives that round to zero stay −0.
+- The exponent field read above is a's only for a normal a, and 2^e is built from bits only for e ≥ −126: hence an
+  amax floor of at least 2^−118 (rounding.MIN_AMAX_FLOOR; the engine's is 1e−4).
+
+Launches are serialised by a lock: the engine rounds in both host lanes (harness.run.host_lanes), and a kernel's
+first launch compiles it, which Triton does not promise to be safe from two threads at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 import triton
@@ -32,6 +38,7 @@ BF16_BLOCK = 2048
 """Elements per program of the round trip (8 KiB in, 8 KiB out)."""
 QUANT_ROWS = 16
 """Rows per program of the quantizer: a [16, block] tile, one scale per row."""
+_LAUNCH_LOCK = threading.Lock()
 
 
 @triton.jit
@@ -81,7 +88,7 @@ def bf16_round_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        with _LAUNCH_LOCK, torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             _bf16_round_kernel[(triton.cdiv(n, BF16_BLOCK),)](x, out, n, BLOCK=BF16_BLOCK, num_warps=8)
     return out
 
@@ -92,7 +99,7 @@ def fp8_block_quant_triton(x: torch.Tensor, block: int, amax_floor: float) -> to
     rows = x.numel() // width if width else 0
     if rows:
         floor = float(torch.tensor(amax_floor, dtype=torch.float32))  # the fp32 floor torch.clamp compares with
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        with _LAUNCH_LOCK, torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             _fp8_block_quant_kernel[(triton.cdiv(rows, QUANT_ROWS), width // block)](
                 x, out, rows, width, floor, ROWS=QUANT_ROWS, BLOCK=block, num_warps=4)
     return out

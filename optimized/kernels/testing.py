@@ -280,12 +280,13 @@ def indexer_bound(case: IndexerCase, ref: IndexerReference, dot_precision: str, 
 
 def bf16_round_cases(n_random: int = 1 << 18, device: str = "cpu", seed: int = 0) -> torch.Tensor:
     """fp32 inputs for bf16_round: n_random uniformly random bit patterns (every exponent, subnormals, ±inf and
-    NaNs among them), every exact tie between two bf16 values at a few exponents with its two fp32 neighbours, the
-    largest finite fp32 (rounds to inf), ±0 and ±inf."""
+    NaNs among them); at eight exponents (bf16's subnormals 2^-130 and 2^-127, its smallest normal, around 1, the
+    largest) every value with 8 fractional mantissa bits — each bf16 value and each tie between two — with its fp32
+    neighbours and two more values that round across; the largest finite fp32 (rounds to inf), ±0 and ±inf."""
     g = torch.Generator().manual_seed(seed)
     bits = torch.randint(-2**31, 2**31, (n_random,), generator=g, dtype=torch.int64).to(torch.int32)
     ties = []
-    for exponent in (-140, -127, -1, 0, 1, 100, 127):  # subnormal, the smallest normal, around 1, the largest
+    for exponent in (-130, -127, -126, -1, 0, 1, 100, 127):  # bf16 subnormals, its smallest normal, 1, the largest
         base = torch.arange(256, dtype=torch.float64) / 256 + 1  # the 128 bf16 mantissas and the midpoints between
         tie = (base * 2.0**exponent).float()
         tie_bits = tie.view(torch.int32)
