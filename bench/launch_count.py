@@ -168,14 +168,17 @@ def count_fused_rounding(counter: LaunchCounter) -> None:
     """Count each rounding optimized.numerics gives a GPU's one-pass kernels (optimized.kernels.rounding) as the GPU
     runs it: one launch that reads and writes each element once — where the GPU would take them (an fp32, contiguous
     tensor past a replayed graph's inputs), not inside a function counted as a graph replay (a capture keeps the
-    torch ops). The values are the torch ops' (the kernels' bits), computed uncounted. optimized.numerics stays
-    patched for the rest of the process (this script's)."""
+    torch ops), and nowhere under DSV4_DRIFT_KERNEL_IMPL=torch (as on a GPU). The values are the torch ops' (the
+    kernels' bits), computed uncounted. optimized.numerics stays patched for the rest of the process (this
+    script's)."""
     from optimized import numerics
     from optimized.kernels import rounding
 
-    def applies(x: torch.Tensor) -> bool:
+    from optimized.kernels import IMPL_ENV
+
+    def applies(x: torch.Tensor) -> bool:  # DSV4_DRIFT_KERNEL_IMPL=torch keeps a GPU on the torch ops: counted so
         return (not counter.paused and x.dtype == torch.float32 and x.numel() > graphs.MAX_ELEMENTS
-                and x.is_contiguous())
+                and x.is_contiguous() and os.environ.get(IMPL_ENV, "auto") != "torch")
 
     def one_pass(name: str, torch_op: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def run(x: torch.Tensor, *args: Any, impl: str = "auto") -> torch.Tensor:

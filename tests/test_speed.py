@@ -1012,6 +1012,10 @@ def test_launch_count_counts_a_prefill_rounding_as_the_gpu_runs_it(monkeypatch):
     for per_line in counter.bytes_by_line.values():
         by_op.update(per_line)
     assert by_op["bf16_round"] == by_op["fp8_block_quant"] == 2 * big.numel() * 4
+    monkeypatch.setenv("DSV4_DRIFT_KERNEL_IMPL", "torch")  # a GPU told to keep the torch ops: counted as them
+    with counter:
+        numerics.bf16(big)
+    assert ops["bf16_round (one pass)"] == 1 and ops["_to_copy"] == 4
 
 
 def test_launch_count_names_the_regions_of_a_layer():
