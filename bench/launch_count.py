@@ -177,8 +177,7 @@ def count_fused_rounding(counter: LaunchCounter) -> None:
     from optimized.kernels import IMPL_ENV
 
     def applies(x: torch.Tensor) -> bool:  # DSV4_DRIFT_KERNEL_IMPL=torch keeps a GPU on the torch ops: counted so
-        return (not counter.paused and x.dtype == torch.float32 and x.numel() > graphs.MAX_ELEMENTS
-                and x.is_contiguous() and os.environ.get(IMPL_ENV, "auto") != "torch")
+        return not counter.paused and rounding.prefill_sized(x) and os.environ.get(IMPL_ENV, "auto") != "torch"
 
     def one_pass(name: str, torch_op: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def run(x: torch.Tensor, *args: Any, impl: str = "auto") -> torch.Tensor:

@@ -763,10 +763,10 @@ class OptimizedLayer:
                            weights: torch.Tensor, row_ids: torch.Tensor, valid: torch.Tensor,
                            index_rows: int | None = None) -> None:
         """The indexer's selection at sampled queries (every query of a prefill block whose selection a patch
-        computed: _attention), and the stock logits + top-k's (and its twin's) on the same
-        queries, weights and keys: the fp32 weighted head-sum is a site the official model keeps in fp32. Also,
-        per stock pick, its stock score's margin over the k-th pick's, and per query the largest change the twin's
-        re-association made to any visible score: a lost pick whose margin is many times that is no tie.
+        computed: _attention), and the stock logits + top-k's (and its twin's) on the same queries, weights and
+        keys: the fp32 weighted head-sum is a site the official model keeps in fp32. Also, per stock pick, its
+        stock score's margin over the k-th pick's, and per query the largest change the twin's re-association
+        made to any visible score: a lost pick whose margin is many times that is no tie.
         `index_rows`: the number of index rows the queries' step had (the cache may hold more now); None: all."""
         # the rows each query may see, from its position alone (not from what any indexer op says): a valid pick
         # past them is a row the query must not attend (harness.run.metrics.compare_indexer_site)

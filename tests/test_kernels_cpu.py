@@ -521,6 +521,7 @@ def test_the_cpu_engine_never_takes_the_fused_rounding(monkeypatch):
     pins): the one-pass kernels are for a GPU's prefill-sized tensors only."""
     from optimized import numerics
     from optimized.kernels.rounding import fused_rounding_applies
+    from reference.quant import fp8_fake_quant
 
     def refuse(*args, **kwargs):
         raise AssertionError("the fused rounding ran on a CPU tensor")
@@ -530,7 +531,7 @@ def test_the_cpu_engine_never_takes_the_fused_rounding(monkeypatch):
     x = torch.randn(1024, 512)  # larger than a replayed graph's inputs
     assert not fused_rounding_applies(x)
     assert torch.equal(numerics.bf16(x), x.to(torch.bfloat16).float())
-    numerics.fp8_activation(x)
+    assert torch.equal(numerics.fp8_activation(x), fp8_fake_quant(x, block=128, amax_floor=1e-4))
 
 
 @interpreter

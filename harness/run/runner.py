@@ -139,8 +139,9 @@ def sampled_positions(spec: RunSpec, every: int, chunk_edges: bool = False) -> t
     position, every decode position and every dump position; with `chunk_edges`, also the first and last query
     of every prefill chunk — where chunked prefill and tiled kernels go wrong (a mask or window computed from the
     chunk's start, a boundary tile), and where the attention site, which runs the stock op on the variant's own
-    inputs at these queries (at every prefill query only where a patch computed the attention), must look: the stride takes the last query of every group of `every`, so a chunk
-    of a multiple of `every` tokens has its last query on it and never its first."""
+    inputs at these queries (at every prefill query only where a patch computed the attention), must look: the
+    stride takes the last query of every group of `every`, so a chunk of a multiple of `every` tokens has its last
+    query on it and never its first."""
     mask = torch.zeros(spec.n_total, dtype=torch.bool)
     if every > 0:
         mask[every - 1 : spec.n_prompt : every] = True

@@ -49,13 +49,19 @@ MAX_GRID_Y = 65535
 _CHECK_LOCK = threading.Lock()
 
 
+def prefill_sized(x: torch.Tensor) -> bool:
+    """An fp32, contiguous tensor of more than graphs.MAX_ELEMENTS elements: what a GPU rounds with the one-pass
+    kernels (smaller ones are a decode step's, whose graphs replay the torch ops). bench/launch_count.py counts by
+    the same rule."""
+    return x.dtype == torch.float32 and x.numel() > graphs.MAX_ELEMENTS and x.is_contiguous()
+
+
 def fused_rounding_applies(x: torch.Tensor) -> bool:
-    """Whether optimized.numerics rounds x with the one-pass kernels: an fp32, contiguous CUDA tensor of more than
-    graphs.MAX_ELEMENTS elements (smaller ones are a decode step's, whose graphs replay the torch ops), not
-    while a CUDA graph is being captured (a kernel's first launch compiles and loads it), and "auto" resolving to
-    Triton (DSV4_DRIFT_KERNEL_IMPL=torch keeps the torch ops, as it does for every kernel here: the same bits)."""
-    return (x.is_cuda and x.dtype == torch.float32 and x.numel() > graphs.MAX_ELEMENTS and x.is_contiguous()
-            and triton_available() and not torch.cuda.is_current_stream_capturing()
+    """Whether optimized.numerics rounds x with the one-pass kernels: a prefill-sized CUDA tensor, not while a CUDA
+    graph is being captured (a kernel's first launch compiles and loads it), and "auto" resolving to Triton
+    (DSV4_DRIFT_KERNEL_IMPL=torch keeps the torch ops, as it does for every kernel here: the same bits) on a device
+    where the kernels gave the torch ops' bits."""
+    return (x.is_cuda and prefill_sized(x) and triton_available() and not torch.cuda.is_current_stream_capturing()
             and resolve_impl("auto", x.device) == "triton" and kernels_match_torch(x.device))
 
 
@@ -95,9 +101,9 @@ def bf16_round(x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """x rounded to bf16 (round to nearest, ties to even) and returned in fp32: `x.to(torch.bfloat16).float()`.
     The Triton path reads an fp32 contiguous x and returns a new contiguous tensor; "auto" takes it only for such
     an x, "triton" refuses any other."""
-    if _triton(impl, x):
+    if _use_triton(impl, x, "bf16_round", _layout_problem(x)):
         from optimized.kernels.rounding_triton import bf16_round_triton
-        return bf16_round_triton(_checked(x, "bf16_round"))
+        return bf16_round_triton(x)
     return x.to(torch.bfloat16).float()
 
 
@@ -107,32 +113,32 @@ def fp8_block_quant(x: torch.Tensor, block: int, amax_floor: float, impl: str = 
     reference.quant.fp8_fake_quant. The Triton path reads an fp32 contiguous x whose last dim is a multiple of
     `block` (a power of two, at most MAX_GRID_Y blocks a row) with amax_floor ≥ MIN_AMAX_FLOOR, and returns a new
     contiguous tensor; "auto" takes it only for such an x, "triton" refuses any other."""
-    if _triton(impl, x, block > 0 and not x.shape[-1] % block and not block & (block - 1)
-               and x.shape[-1] // block <= MAX_GRID_Y and amax_floor >= MIN_AMAX_FLOOR):
+    problem = _layout_problem(x)
+    width = x.shape[-1]
+    if problem is None and (block <= 0 or width % block or block & (block - 1) or width // block > MAX_GRID_Y):
+        problem = (f"the last dim ({width}) must be a multiple of the block ({block}), a power of two, and "
+                   f"hold at most {MAX_GRID_Y} blocks")
+    if problem is None and not amax_floor >= MIN_AMAX_FLOOR:
+        problem = f"the Triton path takes an amax floor of at least 2^-118, got {amax_floor!r} (the torch path any)"
+    if _use_triton(impl, x, "fp8_block_quant", problem):
         from optimized.kernels.rounding_triton import fp8_block_quant_triton
-        _checked(x, "fp8_block_quant")
-        if x.shape[-1] % block or block & (block - 1) or x.shape[-1] // block > MAX_GRID_Y:
-            raise ValueError(f"fp8_block_quant: the last dim ({x.shape[-1]}) must be a multiple of the block "
-                             f"({block}), a power of two, and hold at most {MAX_GRID_Y} blocks")
-        if not amax_floor >= MIN_AMAX_FLOOR:
-            raise ValueError(f"fp8_block_quant: the Triton path takes an amax floor of at least 2^-118, got "
-                             f"{amax_floor!r} (the torch path takes any)")
         return fp8_block_quant_triton(x, block, amax_floor)
     return fp8_fake_quant(x, block=block, amax_floor=amax_floor)
 
 
-def _triton(impl: str, x: torch.Tensor, shape_ok: bool = True) -> bool:
-    """Whether to run the Triton kernel: asked for by name, or "auto" resolving to Triton for an x it reads (fp32,
-    contiguous, `shape_ok`)."""
+def _layout_problem(x: torch.Tensor) -> str | None:
+    """Why a kernel here cannot read x (None: it can): it reads contiguous fp32 tensors."""
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        return f"the Triton path takes a contiguous fp32 tensor, got {x.dtype} with strides {tuple(x.stride())}"
+    return None
+
+
+def _use_triton(impl: str, x: torch.Tensor, name: str, problem: str | None) -> bool:
+    """Whether to run the Triton kernel: when `impl` resolves to Triton and the kernel can read x (`problem` is
+    None). Asked for by name ("triton") for an x it cannot read: a ValueError naming the function and why; "auto"
+    then keeps the torch path."""
     if resolve_impl(impl, x.device) != "triton":
         return False
-    return impl == "triton" or (x.dtype == torch.float32 and x.is_contiguous() and shape_ok)
-
-
-def _checked(x: torch.Tensor, name: str) -> torch.Tensor:
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        raise ValueError(f"{name}: the Triton path takes a contiguous fp32 tensor, got {x.dtype} with strides "
-                         f"{tuple(x.stride())}")
-    return x
-
-
+    if problem is not None and impl == "triton":
+        raise ValueError(f"{name}: {problem}")
+    return problem is None
