@@ -109,15 +109,20 @@ if not old.equals(new):
 PY
       ;;
     profile)
-      # Where a Flash CSA layer's time goes (bench/launch_count.py): synced seconds per part and tap, then a traced run
-      # with DECODE_TRACED decode steps (default 8: tracing 64 steps' ~100,000 launches takes minutes) for each part's
-      # device-busy seconds. The full listings go to $OUT (a device call's output tail keeps only the last 12,000
-      # characters); the heads are printed.
+      # Where a Flash CSA layer's time goes (bench/launch_count.py): synced seconds per part and tap; then traced runs
+      # with DECODE_TRACED decode steps (default 8: tracing 64 steps' ~100,000 launches takes minutes): each part's
+      # device-busy seconds and the device's idle seconds charged to what the host launched after each gap (unmarked),
+      # then per line of this repository (each operation marked in the trace, which slows the host). The full
+      # listings go to $OUT (a device call's output tail keeps only the last 12,000 characters); the heads are printed.
       L=(--model flash --tokens 30720 --layer "${LAYER:-2}" --device cuda --time)
       python3 bench/launch_count.py "${L[@]}" --decode 64 --sync --by-tap --top 120 > "$OUT/profile-sync.txt" 2>&1
       python3 bench/launch_count.py "${L[@]}" --decode "${DECODE_TRACED:-8}" --kernels --top 45 \
+        > "$OUT/profile-idle.txt" 2>&1
+      python3 bench/launch_count.py "${L[@]}" --decode "${DECODE_TRACED:-8}" --kernels --top 45 \
         --kernel-lines 60 --caller-depth 2 > "$OUT/profile-kernels.txt" 2>&1
-      head -25 "$OUT/profile-sync.txt"; sed -n '/device-busy seconds per region/,+24p' "$OUT/profile-kernels.txt"
+      head -12 "$OUT/profile-sync.txt"; sed -n '/^device idle between/,+16p' "$OUT/profile-idle.txt"
+      sed -n '/^device idle per line/,+25p;/^device-busy seconds per kernel over/,+25p' \
+        "$OUT/profile-kernels.txt"
       sed -n '/device-busy seconds per line of/,+30p' "$OUT/profile-kernels.txt" ;;
     flash27k|flash30k)
       # Resumable across calls while the machine stays warm: the run lives in /tmp/<stage>-<patches>, each call runs at

@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import collections
 import os
-import re
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils import _pytree as pytree
@@ -238,46 +237,80 @@ REGION_MARK = "region|"
 """Prefix of the profiler ranges RegionTimer opens per region (`--kernels`)."""
 
 
-def kernels_by_region(events: list[Any]) -> tuple[collections.Counter[str], dict[str, collections.Counter[str]],
-                                                   dict[str, collections.Counter[str]]]:
-    """Device seconds of the kernels each region launched, per region per kernel name, and per line of this
-    repository's code per kernel name, from a profile's events (torch.profiler's FunctionEvent trees: a kernel
-    belongs to the CPU event that launched it): each kernel is charged to the innermost REGION_MARK range around its
-    launch, "(outside)" when none, and to the innermost CALLER_DEPTH lines of this repository's packages on the
-    launching event's Python stack (a profile made with_stack; an event without a stack takes its parent's)."""
-    busy: collections.Counter[str] = collections.Counter()
-    by_name: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    by_line: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    todo = [(e, "(outside)", "(no stack)") for e in events if e.cpu_parent is None]
+def launch_sites(events: list[Any]) -> Iterator[tuple[Any, str, str]]:
+    """Each event of a profile (torch.profiler's FunctionEvent trees) with the innermost REGION_MARK range around it
+    ("(outside)" when none) and the innermost LINE_MARK range's lines of this repository's code ("(no line)" when
+    none: a profile made without LineMarks, or a launch that is no ATen operation, such as a Triton kernel's)."""
+    todo: list[tuple[Any, str, str]] = [(e, "(outside)", "(no line)") for e in events if e.cpu_parent is None]
     while todo:
         event, region, line = todo.pop()
         if event.name.startswith(REGION_MARK):
             region = event.name[len(REGION_MARK):]
-        line = stack_lines(getattr(event, "stack", None) or []) or line
+        elif event.name.startswith(LINE_MARK):
+            line = event.name[len(LINE_MARK):]
+        yield event, region, line
+        todo += [(child, region, line) for child in event.cpu_children]
+
+
+def kernels_by_region(events: list[Any]) -> tuple[collections.Counter[str], dict[str, collections.Counter[str]],
+                                                   dict[str, collections.Counter[str]]]:
+    """Device seconds of the kernels each region launched, per region per kernel name, and per function of this
+    repository's code per kernel name (launch_sites: a kernel belongs to the CPU event that launched it)."""
+    busy: collections.Counter[str] = collections.Counter()
+    by_name: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    by_line: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for event, region, line in launch_sites(events):
         for kernel in event.kernels:
             busy[region] += kernel.duration / 1e6
             by_name[region][kernel.name] += kernel.duration / 1e6
             by_line[line][kernel.name] += kernel.duration / 1e6
-        todo += [(child, region, line) for child in event.cpu_children]
     return busy, by_name, by_line
 
 
-PROFILER_FRAME = re.compile(r"^(?P<path>.+)\((?P<line>\d+)\): (?P<function>.+)$")
-"""A frame of a torch.profiler event's stack: 'path(line): function', innermost first."""
+def idle_before_launches(events: list[Any]) -> tuple[float, collections.Counter[str], collections.Counter[str]]:
+    """Seconds the device sat idle between its first and last activity, charged per region and per function to the
+    CPU event that launched the activity ending each gap: the device waited for the host to ask for it (a host
+    read that drained the queue, Python between launches, a launch slower than its kernel). Device activities are
+    the events on a non-CPU device (kernels, copies, memsets), each linked to its launching CPU event by the
+    correlation id (`linked_correlation_id` = that event's `id`); a gap whose launcher is not found is charged to
+    "(unlinked)". Overlapping activities (two streams) count once. Not activities: the device-side spans the profiler
+    draws for record_function ranges (user annotations, such as REGION_MARK's and LINE_MARK's), which would cover
+    every gap inside a region."""
+    where = {event.id: (region, line) for event, region, line in launch_sites(events) if event.kernels}
+    device = sorted((e for e in events if str(getattr(e, "device_type", "")).split(".")[-1] not in ("CPU", "")
+                     and not getattr(e, "is_user_annotation", False)
+                     and not e.name.startswith((REGION_MARK, LINE_MARK))),
+                    key=lambda e: e.time_range.start)
+    by_region: collections.Counter[str] = collections.Counter()
+    by_line: collections.Counter[str] = collections.Counter()
+    total, busy_until = 0.0, None
+    for e in device:
+        if busy_until is not None and e.time_range.start > busy_until:
+            gap = (e.time_range.start - busy_until) / 1e6
+            region, line = where.get(getattr(e, "linked_correlation_id", -1), ("(unlinked)", "(unlinked)"))
+            total += gap
+            by_region[region] += gap
+            by_line[line] += gap
+        busy_until = e.time_range.end if busy_until is None else max(busy_until, e.time_range.end)
+    return total, by_region, by_line
 
 
-def stack_lines(stack: list[str]) -> str:
-    """The innermost CALLER_DEPTH frames of this repository's packages on a profiler event's stack, as caller()
-    names them ('path:line function' joined by ' <- '); '' when none is."""
-    lines = []
-    for frame in stack:
-        match = PROFILER_FRAME.match(frame)
-        if match and os.path.abspath(match["path"]).startswith(PACKAGES):
-            lines.append(f"{os.path.relpath(os.path.abspath(match['path']), REPO)}:{match['line']} "
-                         f"{match['function']}")
-            if len(lines) == CALLER_DEPTH:
-                break
-    return " <- ".join(lines)
+LINE_MARK = "line|"
+"""Prefix of the profiler ranges LineMarks opens around each launching operation (`--kernel-lines`)."""
+
+
+class LineMarks(TorchDispatchMode):
+    """Opens a profiler range named LINE_MARK + caller() around each ATen operation that launches, so that a traced
+    run's kernels can be charged to the lines of this repository's code that asked for them (launch_sites). Not the
+    profiler's with_stack: the GPU machine's torch (2.11) records no Python frames with it (an H100 profile of
+    2026-12-07 charged every kernel to no line). Slows the host, so the idle seconds of a run marked so are not the
+    run's."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        if func.__name__.split(".")[0] in NO_LAUNCH:
+            return func(*args, **(kwargs or {}))
+        with torch.profiler.record_function(LINE_MARK + caller()):
+            return func(*args, **(kwargs or {}))
 
 
 def labelled(counter: LaunchCounter | RegionTimer, fn: Callable[..., Any], label: Callable[..., str]
@@ -363,8 +396,9 @@ def main() -> None:
                     help="with --kernels, the busiest kernels listed per region (default 3)")
     ap.add_argument("--kernel-lines", type=int, default=0,
                     help="with --kernels, also list the N lines of this repository's code whose kernels kept the "
-                         "device busiest, over all regions (the trace records Python stacks: slower still; "
-                         "--caller-depth names their callers too)")
+                         "device busiest, and those that launched after the device's idle gaps, over all regions "
+                         "(each operation is marked in the trace: slower still; --caller-depth names their callers "
+                         "too)")
     ap.add_argument("--cache-fraction", type=float,
                     help="the layer's dense cache takes this share of the GPU's memory instead of the runner's "
                          "(reference.weights.dense_cache.DEVICE_BUDGET_FRACTION): an H100 given an H200's room, "
@@ -464,10 +498,13 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
             traced = args.kernels and run == "timed"
             profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                          torch.profiler.ProfilerActivity.CUDA],
-                                             with_stack=args.kernel_lines > 0) if traced else None
+                                             ) if traced else None
+            marks = LineMarks() if traced and args.kernel_lines else None
             if profile is not None:
                 profile.__enter__()
                 timer.marked = True
+            if marks is not None:
+                marks.__enter__()
             start = timer._since = time.perf_counter()
             try:
                 runner.run_layer(args.layer, streams, weights=weights)
@@ -477,6 +514,8 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
                 timer.leave_region()
                 wall = time.perf_counter() - start
             finally:
+                if marks is not None:
+                    marks.__exit__(None, None, None)
                 if profile is not None:
                     timer.marked = False
                     profile.__exit__(None, None, None)
@@ -489,13 +528,27 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
         per_step = f"  ({1e3 * seconds / args.decode:,.2f} ms per decode step)" if steps else ""
         print(f"  {seconds:8.3f} s  {region}{per_step}")
     if args.kernels:
-        busy, by_name, by_line = kernels_by_region(list(profile.events()))
+        events = list(profile.events())
+        busy, by_name, by_line = kernels_by_region(events)
         print(f"device-busy seconds per region (traced run: {sum(busy.values()):.3f} s of kernels), busiest kernels:")
         for region, seconds in busy.most_common(args.top):
             print(f"  {seconds:8.3f} s  {region}")
             for name, k in by_name[region].most_common(args.kernels_listed):
                 print(f"               {k:7.3f} s  {name[:100]}")
+        idle, idle_regions, idle_lines = idle_before_launches(events)
+        print(f"device idle between its first and last activity: {idle:.3f} s (traced: the tracer slows the host, "
+              "--kernel-lines most), charged to what launched the activity after each gap, per region:")
+        for region, seconds in idle_regions.most_common(args.top):
+            print(f"  {seconds:8.3f} s  {region}")
         if args.kernel_lines:
+            print(f"device idle per line that launched the activity after each gap (the {args.kernel_lines} most; "
+                  "the host slowed by the line marks):")
+            for line, seconds in idle_lines.most_common(args.kernel_lines):
+                print(f"  {seconds:8.3f} s  {line}")
+            overall = sum(by_name.values(), collections.Counter())
+            print(f"device-busy seconds per kernel over all regions (the {args.kernel_lines} busiest):")
+            for name, seconds in overall.most_common(args.kernel_lines):
+                print(f"  {seconds:8.3f} s  {name[:140]}")
             innermost: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
             for line, kernels in by_line.items():
                 innermost[line.split(" <- ")[0]].update(kernels)
@@ -506,7 +559,6 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
                 for line, seconds in seconds_of.most_common(args.kernel_lines):
                     kernels = ", ".join(f"{name[:50]} {k:.3f}" for name, k in table[line].most_common(2))
                     print(f"  {seconds:8.3f} s  {line}  [{kernels}]")
-
 
 if __name__ == "__main__":
     main()

@@ -926,34 +926,97 @@ def test_launch_count_charges_each_kernel_to_the_innermost_region_around_its_lau
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     import launch_count
 
-    def event(name, kernels=(), children=(), stack=()):
+    def event(name, kernels=(), children=()):
         e = SimpleNamespace(name=name, kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels],
-                            cpu_children=list(children), cpu_parent=None, stack=list(stack))
+                            cpu_children=list(children), cpu_parent=None)
         for child in e.cpu_children:
             child.cpu_parent = e
         return e
 
-    mark = launch_count.REGION_MARK
-    repo = launch_count.REPO
-    # --kernel-lines: a profile made with_stack names the Python frames of each event, innermost first; the kernel is
-    # charged to the innermost frame of this repository's packages, an event without a stack taking its parent's
-    bf16_line = [f"{repo}/optimized/numerics.py(42): bf16", "/usr/lib/python3/torch/x.py(7): to",
-                 f"{repo}/optimized/base_ops.py(48): linear"]
-    to_copy = event("aten::_to_copy", children=[event("aten::copy_", [("cast", 400)])], stack=bf16_line)
-    inner = event(mark + "base/global prefill sites", children=[event("aten::mm", [("gemm", 1000)]), to_copy])
+    mark, line = launch_count.REGION_MARK, launch_count.LINE_MARK
+    # --kernel-lines: LineMarks opens a range named by the lines that asked for each launching operation; a kernel
+    # is charged to the innermost such range around its launch
+    to_copy = event("aten::_to_copy", children=[event("aten::copy_", [("cast", 400)])])
+    bf16 = event(line + "optimized/numerics.py:47 bf16 <- optimized/base_ops.py:48 linear", children=[to_copy])
+    inner = event(mark + "base/global prefill sites", children=[event("aten::mm", [("gemm", 1000)]), bf16])
     outer = event(mark + "base/global prefill stack", children=[event("aten::add", [("add", 2000), ("add", 500)]),
                                                                   inner])
     stray = event("aten::copy_", [("copy", 250)])
-    events = [outer, *outer.cpu_children, inner, *inner.cpu_children, *to_copy.cpu_children, stray]
+    events = [outer, *outer.cpu_children, inner, *inner.cpu_children, bf16, to_copy, *to_copy.cpu_children, stray]
     busy, by_name, by_line = launch_count.kernels_by_region(events)
     assert busy == pytest.approx({"base/global prefill stack": 2.5e-3, "base/global prefill sites": 1.4e-3,
                                   "(outside)": 2.5e-4})
     assert by_name["base/global prefill stack"] == pytest.approx({"add": 2.5e-3})
     assert by_name["(outside)"] == pytest.approx({"copy": 2.5e-4})
-    assert by_line["optimized/numerics.py:42 bf16"] == pytest.approx({"cast": 4e-4})
-    assert by_line["(no stack)"] == pytest.approx({"add": 2.5e-3, "gemm": 1e-3, "copy": 2.5e-4})
-    monkeypatch.setattr(launch_count, "CALLER_DEPTH", 2)  # --caller-depth 2: the line that called it too
-    assert launch_count.stack_lines(bf16_line) == "optimized/numerics.py:42 bf16 <- optimized/base_ops.py:48 linear"
+    assert by_line["optimized/numerics.py:47 bf16 <- optimized/base_ops.py:48 linear"] == pytest.approx({"cast": 4e-4})
+    assert by_line["(no line)"] == pytest.approx({"add": 2.5e-3, "gemm": 1e-3, "copy": 2.5e-4})
+
+
+def test_launch_count_charges_device_idle_to_what_launched_the_activity_after_each_gap(monkeypatch):
+    """bench/launch_count.py --kernels: the device's idle time between its first and last activity, each gap charged
+    to the region and line of the CPU event that launched the activity ending it (linked by correlation id);
+    overlapping activities count once, a gap before an unlinked activity goes to "(unlinked)", and the device-side
+    spans of record_function ranges are no activity (the first GPU profile found no idle inside a region for them)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import launch_count
+
+    def cpu(name, eid=0, kernels=(), children=()):
+        e = SimpleNamespace(name=name, id=eid, kernels=[SimpleNamespace(name="k", duration=1)] * len(kernels),
+                            cpu_children=list(children), cpu_parent=None, device_type="DeviceType.CPU")
+        for child in e.cpu_children:
+            child.cpu_parent = e
+        return e
+
+    def gpu(start, end, launcher):  # times in microseconds, as FunctionEvent.time_range gives them
+        return SimpleNamespace(name="k", kernels=[], cpu_children=[], cpu_parent=None, device_type="DeviceType.CUDA",
+                               time_range=SimpleNamespace(start=start, end=end), linked_correlation_id=launcher)
+
+    mark = launch_count.REGION_MARK
+    mm = cpu("aten::mm", 1, kernels=[1])
+    add = cpu("aten::add", 2, kernels=[1])
+    read = cpu("aten::copy_", 3, kernels=[1])  # the host read that drained the queue
+    stack = cpu(mark + "base/global prefill stack", children=[cpu(launch_count.LINE_MARK + "optimized/numerics.py:47 bf16",
+                                                                  children=[mm]), add])
+    compare = cpu(mark + "base/global prefill compare", children=[read])
+    events = [stack, *stack.cpu_children, stack.cpu_children[0].cpu_children[0], add, compare, read,
+              gpu(0, 100, 1), gpu(50, 120, 2),  # two streams overlapping: busy until 120
+              gpu(150, 200, 3),   # 30 µs idle before the read's copy
+              gpu(1200, 1300, 1),  # 1,000 µs idle before the mm (the host was slow to launch it)
+              gpu(1310, 1320, 99)]  # 10 µs before an activity whose launcher the trace lacks
+    # the device-side span the profiler draws for a record_function range: no activity of the device
+    span = gpu(0, 1320, 0)
+    span.name, span.is_user_annotation = mark + "base/global prefill stack", True
+    events.append(span)
+    idle, by_region, by_line = launch_count.idle_before_launches(events)
+    assert idle == pytest.approx(1.04e-3)
+    assert by_region == pytest.approx({"base/global prefill compare": 3e-5, "base/global prefill stack": 1e-3,
+                                       "(unlinked)": 1e-5})
+    assert by_line == pytest.approx({"(no line)": 3e-5, "optimized/numerics.py:47 bf16": 1e-3, "(unlinked)": 1e-5})
+
+
+def test_launch_count_line_marks_name_the_line_that_asked_for_each_operation(monkeypatch):
+    """--kernel-lines on a real profile: under LineMarks, the copy numerics.bf16 asks for sits inside a range named by
+    that line, which launch_sites reads (the GPU machine's torch records no Python frames with with_stack, so the
+    lines come from the dispatcher, as the launch counter's do)."""
+    import inspect
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import launch_count
+    from optimized import numerics
+
+    source, first = inspect.getsourcelines(numerics.bf16)
+    cast = first + next(i for i, text in enumerate(source) if "x.to(torch.bfloat16).float()" in text)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile, \
+            launch_count.LineMarks():
+        numerics.bf16(torch.ones(8))
+    # the dispatcher records the operation once before the mode and once inside its range; the copy that does the
+    # work (and would launch on a GPU) is only inside
+    lines = {line for event, _, line in launch_count.launch_sites(list(profile.events())) if event.name == "aten::copy_"}
+    assert lines == {f"optimized/numerics.py:{cast} bf16"}
 
 
 def test_launch_count_bytes_ranks_lines_by_their_memory_traffic(monkeypatch):
