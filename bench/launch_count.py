@@ -13,7 +13,8 @@ The count follows a GPU's where the code differs by device: a function `referenc
 CUDA graph on a GPU counts as its input copies, one launch and its output copies (`--eager` counts its operations,
 as the CPU runs them); the engine's bf16 round trip and FP8 activation quantizer count as the one Triton kernel a
 GPU runs for a prefill-sized tensor (optimized.kernels.rounding: one launch, one read and one write per element;
-`--eager` counts the torch ops); the comparisons of prefill query blocks are batched on a GPU only (`--defer-blocks`
+`--eager` counts the torch ops); the indexer's top-k set takes the ranked form a GPU takes (reference.ops.topk:
+no host reads); the comparisons of prefill query blocks are batched on a GPU only (`--defer-blocks`
 batches them here too: probes.ComparingSink.DEFER_BLOCKS_ON_CPU). It still differs in the query block size (a GPU's from
 its memory). Regions: `reference` / `yardstick/MODE` / `VARIANT/MODE`, then `prefill` or `decode`,
 then what ran — `stack` (the layer's own computation), `sites` (the stock op and its twin beside a variant's,
@@ -25,6 +26,7 @@ deferred and sampled comparisons, of both phases), `record` (the reference's tap
 
 from __future__ import annotations
 
+import bisect
 import collections
 import os
 import sys
@@ -199,6 +201,14 @@ def count_fused_rounding(counter: LaunchCounter) -> None:
     numerics.fp8_block_quant = one_pass("fp8_block_quant", rounding.fp8_block_quant)
 
 
+def count_reads_as_on_a_gpu() -> None:
+    """Take the paths a GPU takes where a host read would stall it (reference.ops.topk.reads_stall: the ranked top-k
+    set), so that the counts are a GPU's. reference.ops.topk stays patched for the rest of the process."""
+    from reference.ops import topk
+
+    topk.reads_stall = lambda device: True
+
+
 class RegionTimer:
     """Wall seconds per region, each charged to the innermost label running (`--time`): no dispatch mode, so the
     stacks run at their own speed (on a GPU, host-bound, the host's time in a region is the region's cost; a host
@@ -267,32 +277,46 @@ def kernels_by_region(events: list[Any]) -> tuple[collections.Counter[str], dict
     return busy, by_name, by_line
 
 
-def idle_before_launches(events: list[Any]) -> tuple[float, collections.Counter[str], collections.Counter[str]]:
-    """Seconds the device sat idle between its first and last activity, charged per region and per function to the
-    CPU event that launched the activity ending each gap: the device waited for the host to ask for it (a host
+def idle_before_launches(events: list[Any]) -> tuple[float, collections.Counter[str], collections.Counter[str],
+                                                     collections.Counter[str]]:
+    """Seconds the device sat idle between its first and last activity, charged per region, per line and per
+    operation (the CPU event's name, such as aten::copy_ or cudaLaunchKernel) to the CPU event that launched the
+    activity ending each gap: the device waited for the host to ask for it (a host
     read that drained the queue, Python between launches, a launch slower than its kernel). Device activities are
-    the events on a non-CPU device (kernels, copies, memsets), each linked to its launching CPU event by the
-    correlation id (`linked_correlation_id` = that event's `id`); a gap whose launcher is not found is charged to
-    "(unlinked)". Overlapping activities (two streams) count once. Not activities: the device-side spans the profiler
-    draws for record_function ranges (user annotations, such as REGION_MARK's and LINE_MARK's), which would cover
-    every gap inside a region."""
-    where = {event.id: (region, line) for event, region, line in launch_sites(events) if event.kernels}
+    the events on a non-CPU device (kernels, copies, memsets); overlapping ones (two streams) count once. Not
+    activities: the device-side spans the profiler draws for record_function ranges (user annotations, such as
+    REGION_MARK's and LINE_MARK's), which would cover every gap inside a region.
+
+    The launcher is the CPU event whose `id` is the activity's `linked_correlation_id` where this torch records it;
+    else (the GPU machine's torch 2.11 does not: every gap came out unlinked) the last CPU event with kernels that
+    began before the activity did — with the device idle, an activity starts microseconds after its launch, sooner
+    than the host launches again, and one host thread launches at a time (launch_count turns the runner's host
+    lanes off). "(unlinked)" when neither is found."""
+    sites = [(event, region, line, event.name) for event, region, line in launch_sites(events) if event.kernels]
+    by_id = {site[0].id: site[1:] for site in sites}
+    sites.sort(key=lambda site: site[0].time_range.start)
+    starts = [site[0].time_range.start for site in sites]
     device = sorted((e for e in events if str(getattr(e, "device_type", "")).split(".")[-1] not in ("CPU", "")
                      and not getattr(e, "is_user_annotation", False)
                      and not e.name.startswith((REGION_MARK, LINE_MARK))),
                     key=lambda e: e.time_range.start)
     by_region: collections.Counter[str] = collections.Counter()
     by_line: collections.Counter[str] = collections.Counter()
+    by_op: collections.Counter[str] = collections.Counter()
     total, busy_until = 0.0, None
     for e in device:
         if busy_until is not None and e.time_range.start > busy_until:
             gap = (e.time_range.start - busy_until) / 1e6
-            region, line = where.get(getattr(e, "linked_correlation_id", -1), ("(unlinked)", "(unlinked)"))
+            where = by_id.get(getattr(e, "linked_correlation_id", None))
+            if where is None:
+                i = bisect.bisect_right(starts, e.time_range.start) - 1
+                where = sites[i][1:] if i >= 0 else ("(unlinked)",) * 3
             total += gap
-            by_region[region] += gap
-            by_line[line] += gap
+            by_region[where[0]] += gap
+            by_line[where[1]] += gap
+            by_op[where[2]] += gap
         busy_until = e.time_range.end if busy_until is None else max(busy_until, e.time_range.end)
-    return total, by_region, by_line
+    return total, by_region, by_line, by_op
 
 
 LINE_MARK = "line|"
@@ -429,6 +453,7 @@ def main() -> None:
     if args.bytes:
         counter.bytes_by_line = collections.defaultdict(collections.Counter)
     instrument(counter, where, args.tokens, args.by_tap, args.by_op)
+    count_reads_as_on_a_gpu()
     if not args.eager:
         count_replays_as_graphs(counter)
         count_fused_rounding(counter)
@@ -535,11 +560,14 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
             print(f"  {seconds:8.3f} s  {region}")
             for name, k in by_name[region].most_common(args.kernels_listed):
                 print(f"               {k:7.3f} s  {name[:100]}")
-        idle, idle_regions, idle_lines = idle_before_launches(events)
+        idle, idle_regions, idle_lines, idle_ops = idle_before_launches(events)
         print(f"device idle between its first and last activity: {idle:.3f} s (traced: the tracer slows the host, "
               "--kernel-lines most), charged to what launched the activity after each gap, per region:")
         for region, seconds in idle_regions.most_common(args.top):
             print(f"  {seconds:8.3f} s  {region}")
+        print("device idle per operation that launched the activity after each gap:")
+        for op, seconds in idle_ops.most_common(args.kernels_listed * 4):
+            print(f"  {seconds:8.3f} s  {op}")
         if args.kernel_lines:
             print(f"device idle per line that launched the activity after each gap (the {args.kernel_lines} most; "
                   "the host slowed by the line marks):")

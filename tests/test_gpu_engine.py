@@ -477,3 +477,19 @@ def test_bench_on_a_gpu_reports_device_busy_seconds_below_the_wall_time(tmp_path
         assert 0 < busy["run"] < row["run_s"] and all(0 < busy[s] for s in row["alone_s"])
         assert row["top_kernels"] and all(0 < seconds <= busy["run"] for _, seconds in row["top_kernels"])
     assert 0 < record["projected_busy_s"] < record["projected_run_s"]
+
+
+def test_the_indexer_top_k_set_on_a_gpu_is_the_cpus():
+    """reference.ops.topk.stable_topk_set takes the ranked form on a GPU (no host reads): the same rows as the CPU's
+    unranked path on the hard cases — plateaus of exact ties wider than the places left, signed zeros, −inf padding,
+    a NaN — at an indexer block's shape (256 queries, 7,680 rows → 512)."""
+    from reference.ops.topk import stable_topk_set
+
+    g = torch.Generator().manual_seed(5)
+    plateau = torch.randint(-2, 3, (256, 7680), generator=g).float().clamp_min(0)
+    signed_zeros = torch.where(torch.rand(256, 7680, generator=g) < 0.5, -0.0, 0.0)
+    hidden = torch.randn(256, 7680, generator=g).masked_fill(torch.arange(7680) >= 300, float("-inf"))
+    with_nan = torch.randn(256, 7680, generator=g)
+    with_nan[9, 70] = float("nan")
+    for scores in (plateau, signed_zeros, hidden, with_nan, torch.randn(256, 7680, generator=g)):
+        assert torch.equal(stable_topk_set(scores.cuda(), 512).cpu(), stable_topk_set(scores, 512))

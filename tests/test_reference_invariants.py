@@ -475,10 +475,15 @@ def test_top_k_ties_go_to_the_lower_index_whatever_the_number_of_candidates():
     assert bool((has_1 & ~has_4).any()), "the tie never fell on the top-k boundary: test is void"
 
 
+@pytest.mark.parametrize("stall", [False, True], ids=["cpu-path", "gpu-path"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_top_k_set_is_the_ranked_top_k_in_index_order(dtype):
+def test_top_k_set_is_the_ranked_top_k_in_index_order(dtype, stall, monkeypatch):
     """stable_topk_set (the indexer's) picks exactly the rows of the stable ranked top-k: plateaus of exact ties
-    wider than the places left, −0.0 next to +0.0, −inf padding beyond the visible rows, and NaN."""
+    wider than the places left, −0.0 next to +0.0, −inf padding beyond the visible rows, and NaN — by either path
+    (the CPU's unranked top-k with host reads, the GPU's ranked form without: reference.ops.topk.reads_stall)."""
+    import reference.ops.topk
+
+    monkeypatch.setattr(reference.ops.topk, "reads_stall", lambda device: stall)
     g = torch.Generator().manual_seed(3)
     plateau = torch.randint(-2, 3, (64, 700), generator=g).to(dtype).clamp_min(0)  # mostly exact zeros
     signed_zeros = torch.where(torch.rand(64, 700, generator=g) < 0.5, -0.0, 0.0).to(dtype)

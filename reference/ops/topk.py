@@ -11,9 +11,13 @@ Two forms:
   monotonically (−0.0 folded onto +0.0, as the comparison does), so keys are distinct, larger scores
   win and equal scores go to the lower index. Identical to the stable sort, 2–3× cheaper.
 - `stable_topk_set` — the same set in ascending index order (the indexer: 512 of thousands of rows,
-  where only the set matters). An unranked top-k finds the k-th largest value v; every score > v is in,
-  and the lowest-index scores == v fill the rest. About twice as fast as the ranked form at
-  [3072 × 2000] → 512.
+  where only the set matters). On a CPU an unranked top-k finds the k-th largest value v; every score > v
+  is in, and the lowest-index scores == v fill the rest: about twice as fast as the ranked form at
+  [3072 × 2000] → 512. It reads three or four values on the host per call (whether rows are crowded, whether
+  NaN broke the count, the chosen entries' positions), and on a GPU each read waits for every queued kernel:
+  at 30,720 tokens the reference's and the yardstick's prefill stacks read 120 times each per CSA layer, and
+  the device sat idle 0.2–0.3 s in each of them (bench/launch_count.py --kernels on an H100). There the
+  ranked form, sorted by index, gives the same set without a host read.
 """
 
 from __future__ import annotations
@@ -37,8 +41,16 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(keys, k, dim=-1, sorted=True).indices
 
 
+def reads_stall(device: torch.device) -> bool:
+    """Whether a host read on `device` waits for queued work (a GPU's): stable_topk_set then takes the ranked form,
+    which reads nothing. bench/launch_count.py models a GPU on any machine by answering True."""
+    return device.type == "cuda"
+
+
 def stable_topk_set(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The indices `stable_topk_indices` picks for 2-D scores [B, n], in ascending index order: [B, k]."""
+    if reads_stall(scores.device):
+        return stable_topk_indices(scores, k).sort(-1).values
     kth = torch.topk(scores, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # the k-th largest value
     take = scores >= kth
     crowded = take.sum(-1) > k  # rows where more entries tie with the k-th value than places are left
