@@ -264,7 +264,7 @@ def launch_sites(events: list[Any]) -> Iterator[tuple[Any, str, str]]:
 
 def kernels_by_region(events: list[Any]) -> tuple[collections.Counter[str], dict[str, collections.Counter[str]],
                                                    dict[str, collections.Counter[str]]]:
-    """Device seconds of the kernels each region launched, per region per kernel name, and per function of this
+    """Device seconds of the kernels each region launched, per region per kernel name, and per line of this
     repository's code per kernel name (launch_sites: a kernel belongs to the CPU event that launched it)."""
     busy: collections.Counter[str] = collections.Counter()
     by_name: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
@@ -587,6 +587,7 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
                 for line, seconds in seconds_of.most_common(args.kernel_lines):
                     kernels = ", ".join(f"{name[:50]} {k:.3f}" for name, k in table[line].most_common(2))
                     print(f"  {seconds:8.3f} s  {line}  [{kernels}]")
+
 
 if __name__ == "__main__":
     main()
