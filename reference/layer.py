@@ -25,7 +25,7 @@ from reference.ops.mhc import hc_post, hc_pre
 from reference.ops.moe import moe_forward, route
 from reference.ops.norms import rms_norm
 from reference.ops.rope import apply_rope, cos_sin, layer_inverse_frequencies
-from reference.probes import NULL_SINK, ProbeSink, sampled_offsets
+from reference.probes import NULL_SINK, ProbeSink, sampled_offsets, sampled_positions
 from reference.quant import fp4_fake_quant, fp8_fake_quant, hadamard_matrix
 from reference.weights.dense_cache import DenseCache
 from reference.weights.source import TensorBundle
@@ -222,8 +222,9 @@ class ReferenceLayer:
             band, band_pos, band_valid = window_band(history, history_start, pos, cfg.sliding_window, (first, last))
             visible = visible_rows(pos, self.ratio) if self.ratio else None
             n_vis = (last + 1) // self.ratio if self.ratio else 0  # visible_rows of the block's last query
-            sampled = sampled_offsets(sink, first, pos.numel(), self.device) \
-                if sink.wants("attn.probs") or sink.wants("indexer.scores") else None  # no device read
+            sampled, sampled_pos = (sampled_offsets(sink, first, pos.numel(), self.device),  # no device read
+                                    sampled_positions(sink, first, pos.numel())) \
+                if sink.wants("attn.probs") or sink.wants("indexer.scores") else (None, None)
             comp = KeySet(no_rows, torch.zeros(pos.numel(), 0, dtype=torch.bool, device=self.device))
             comp_rows = torch.zeros(pos.numel(), 0, dtype=torch.int64, device=self.device)
             if self.kind == "hca":  # every complete block is a key: the rows shared by the whole query block
@@ -236,7 +237,7 @@ class ReferenceLayer:
                 chosen, chosen_valid = select_rows(scores, pos, self.ratio, cfg.index_topk)
                 if sink.wants("indexer.scores"):
                     hidden = torch.arange(scores.shape[1], device=self.device)[None] >= visible[sampled][:, None]
-                    sink.emit("indexer.scores", pos[sampled], scores=scores[sampled].masked_fill(hidden, float("-inf")))
+                    sink.emit("indexer.scores", sampled_pos, scores=scores[sampled].masked_fill(hidden, float("-inf")))
                 if sink.wants("indexer.selected"):
                     sink.emit("indexer.selected", pos, row_ids=chosen, valid=chosen_valid)
                 if share_rows(n_vis, chosen.shape[-1], cfg.num_attention_heads, self.device):
@@ -252,7 +253,7 @@ class ReferenceLayer:
             res = sparse_attention_with_sink(q[blk], [KeySet(band, band_valid), comp], w["attn.attn_sink"])
             if sink.wants("attn.probs"):
                 window_pos = torch.where(band_valid, band_pos[None, :], -1)
-                sink.emit("attn.probs", pos[sampled], window_pos=window_pos[sampled], comp_rows=comp_rows[sampled],
+                sink.emit("attn.probs", sampled_pos, window_pos=window_pos[sampled], comp_rows=comp_rows[sampled],
                           probs=res.probs[sampled], sink_prob=res.sink_prob[sampled], max_logit=res.max_logit[sampled])
             if sink.wants("attn.lse"):
                 sink.emit("attn.lse", pos, lse=res.lse)

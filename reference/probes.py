@@ -1,7 +1,8 @@
 """The probe stream: named taps that every stack emits identically (DESIGN §3, Probes).
 
 A stack calls `sink.emit(tap, positions, **tensors)` at fixed points of each layer; `positions` are
-the absolute token positions [B] that the tensors' first dimension is aligned with. The harness
+the absolute token positions [B] that the tensors' first dimension is aligned with (on the stack's device, or,
+for a sampled tap, on the host: `sampled_positions`, which a sink reads without waiting for the device). The harness
 implements the sink (pairing reference and variant taps, computing metrics as they stream past);
 the model code only needs this protocol, so `reference/` never imports `harness/`.
 
@@ -52,6 +53,16 @@ def sampled_offsets(sink: ProbeSink, first: int, count: int, device: torch.devic
     if own is not None:
         return own(first, count, device)
     return torch.nonzero(sink.sampled(torch.arange(first, first + count, device=device))).flatten()
+
+
+def sampled_positions(sink: ProbeSink, first: int, count: int) -> torch.Tensor:
+    """The positions among first … first + count − 1 that `sink` samples, as an int64 tensor on the host: the same
+    numbers as `first + sampled_offsets(sink, first, count, device)`, for a sampled tap's emission (attn.probs,
+    indexer.scores) to give. The sinks read a sampled tap's positions on the host (which to keep, where to file
+    them), and on a GPU a read of device positions waits for every queued kernel: the reference's and the
+    yardstick's emissions were one such wait per query block and tap (242 and 121 per CSA layer at 30,720
+    tokens: bench/launch_count.py)."""
+    return first + sampled_offsets(sink, first, count, torch.device("cpu"))
 
 
 class NullSink:

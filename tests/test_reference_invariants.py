@@ -571,6 +571,41 @@ def _attention_by_key(sink: _Taps) -> list[dict[tuple[str, int], torch.Tensor]]:
     return out
 
 
+def test_sampled_taps_give_their_positions_on_the_host(monkeypatch):
+    """attn.probs and indexer.scores are emitted with the positions sampled_positions makes on the host — the
+    sampled ones, first + offset — not device positions a sink would wait for the device to read (on a GPU, one
+    wait per query block and tap: issue #14)."""
+    made = []
+
+    def recorded(sink, first, count):
+        out = sampled_positions(sink, first, count)
+        made.append(out)
+        return out
+
+    from reference.probes import sampled_positions
+    monkeypatch.setattr(reference.layer, "sampled_positions", recorded)
+
+    class EveryThird(_Taps):
+        def __init__(self) -> None:
+            super().__init__("attn.probs", "indexer.scores")
+            self.positions = defaultdict(list)
+
+        def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
+            self.positions[tap].append(positions)
+
+        def sampled(self, positions: torch.Tensor) -> torch.Tensor:
+            return positions % 3 == 0
+
+    model, n = tiny_model(), 150
+    ids = torch.tensor(random_ids(n, 4))
+    sink = EveryThird()
+    model.run_layer(model.layer(TINY.layer_kinds.index("csa")), model.embed(ids), ids, [n], sink)
+    for tap in ("attn.probs", "indexer.scores"):
+        assert sink.positions[tap] and all(any(p is m for m in made) for p in sink.positions[tap])
+        assert all(p.device.type == "cpu" for p in sink.positions[tap])
+        assert torch.cat(sink.positions[tap]).tolist() == list(range(0, n, 3))
+
+
 def test_attention_tap_names_the_keys_its_probabilities_belong_to(monkeypatch):
     """attn.probs at a CSA layer must pair each probability with the key it weighs, whether the compressed
     rows are evaluated shared (all rows, picks masked) or gathered per query: the same distribution over
