@@ -14,7 +14,7 @@ CUDA graph on a GPU counts as its input copies, one launch and its output copies
 as the CPU runs them); the engine's bf16 round trip and FP8 activation quantizer count as the one Triton kernel a
 GPU runs for a prefill-sized tensor (optimized.kernels.rounding: one launch, one read and one write per element;
 `--eager` counts the torch ops); the indexer's top-k set takes the ranked form a GPU takes (reference.ops.topk:
-no host reads); the comparisons of prefill query blocks are batched on a GPU only (`--defer-blocks`
+no host reads; `--eager` too); the comparisons of prefill query blocks are batched on a GPU only (`--defer-blocks`
 batches them here too: probes.ComparingSink.DEFER_BLOCKS_ON_CPU). It still differs in the query block size (a GPU's from
 its memory). Regions: `reference` / `yardstick/MODE` / `VARIANT/MODE`, then `prefill` or `decode`,
 then what ran — `stack` (the layer's own computation), `sites` (the stock op and its twin beside a variant's,
@@ -291,7 +291,12 @@ def idle_before_launches(events: list[Any]) -> tuple[float, collections.Counter[
     else (the GPU machine's torch 2.11 does not: every gap came out unlinked) the last CPU event with kernels that
     began before the activity did — with the device idle, an activity starts microseconds after its launch, sooner
     than the host launches again, and one host thread launches at a time (launch_count turns the runner's host
-    lanes off). "(unlinked)" when neither is found."""
+    lanes off). "(unlinked)" when neither is found.
+
+    What is charged is the launch that ended the wait, not its cause: after a host read drained the queue, the line
+    charged is the next one to launch (the read itself launches nothing, or a copy of its own), so read a charged
+    line together with what ran just before it; a Triton kernel or graph replay, which no ATen event launches, is
+    charged to the ATen operation before it."""
     sites = [(event, region, line, event.name) for event, region, line in launch_sites(events) if event.kernels]
     by_id = {site[0].id: site[1:] for site in sites}
     sites.sort(key=lambda site: site[0].time_range.start)
@@ -331,7 +336,9 @@ class LineMarks(TorchDispatchMode):
     run's."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
-        if func.__name__.split(".")[0] in NO_LAUNCH:
+        # the profiler's own operations (a region's record_function opening) are no launch: a mark around one
+        # would overlap the region's range without nesting in it
+        if func.__name__.split(".")[0] in NO_LAUNCH or func.namespace == "profiler":
             return func(*args, **(kwargs or {}))
         with torch.profiler.record_function(LINE_MARK + caller()):
             return func(*args, **(kwargs or {}))
@@ -522,8 +529,7 @@ def time_regions(spec: RunSpec, args: Any, where: dict[str, str]) -> None:
             timer.seconds.clear()
             traced = args.kernels and run == "timed"
             profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                         torch.profiler.ProfilerActivity.CUDA],
-                                             ) if traced else None
+                                                         torch.profiler.ProfilerActivity.CUDA]) if traced else None
             marks = LineMarks() if traced and args.kernel_lines else None
             if profile is not None:
                 profile.__enter__()

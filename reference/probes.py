@@ -40,7 +40,8 @@ class ProbeSink(Protocol):
         ...
 
     def sampled(self, positions: torch.Tensor) -> torch.Tensor:
-        """Which of these positions the sink wants expensive taps (attn.probs, indexer.scores) for."""
+        """Which of these positions the sink wants expensive taps (attn.probs, indexer.scores) for: a bool mask on
+        the positions' device, which may be the host's (sampled_positions asks with host positions)."""
         ...
 
 

@@ -482,7 +482,7 @@ def test_bench_on_a_gpu_reports_device_busy_seconds_below_the_wall_time(tmp_path
 def test_the_indexer_top_k_set_on_a_gpu_is_the_cpus():
     """reference.ops.topk.stable_topk_set takes the ranked form on a GPU (no host reads): the same rows as the CPU's
     unranked path on the hard cases — plateaus of exact ties wider than the places left, signed zeros, −inf padding,
-    a NaN — at an indexer block's shape (256 queries, 7,680 rows → 512)."""
+    a NaN — at an indexer block's shape (256 queries, 7,680 rows → 512), in fp32 and bf16."""
     from reference.ops.topk import stable_topk_set
 
     g = torch.Generator().manual_seed(5)
@@ -492,4 +492,6 @@ def test_the_indexer_top_k_set_on_a_gpu_is_the_cpus():
     with_nan = torch.randn(256, 7680, generator=g)
     with_nan[9, 70] = float("nan")
     for scores in (plateau, signed_zeros, hidden, with_nan, torch.randn(256, 7680, generator=g)):
-        assert torch.equal(stable_topk_set(scores.cuda(), 512).cpu(), stable_topk_set(scores, 512))
+        for dtype in (torch.float32, torch.bfloat16):  # the yardstick's scores are bf16
+            typed = scores.to(dtype)
+            assert torch.equal(stable_topk_set(typed.cuda(), 512).cpu(), stable_topk_set(typed, 512))

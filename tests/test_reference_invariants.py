@@ -573,8 +573,10 @@ def _attention_by_key(sink: _Taps) -> list[dict[tuple[str, int], torch.Tensor]]:
 
 def test_sampled_taps_give_their_positions_on_the_host(monkeypatch):
     """attn.probs and indexer.scores are emitted with the positions sampled_positions makes on the host — the
-    sampled ones, first + offset — not device positions a sink would wait for the device to read (on a GPU, one
-    wait per query block and tap: issue #14)."""
+    sampled ones, first + offset, over several segments (prefill chunks, then decode steps) and query blocks of 16 —
+    not device positions a sink would wait for the device to read (on a GPU, one wait per query block and tap:
+    issue #14); each emission's values have a row per position."""
+    monkeypatch.setattr(reference.layer, "query_block_size", lambda *args, **kwargs: 16)
     made = []
 
     def recorded(sink, first, count):
@@ -591,6 +593,7 @@ def test_sampled_taps_give_their_positions_on_the_host(monkeypatch):
             self.positions = defaultdict(list)
 
         def emit(self, tap: str, positions: torch.Tensor, **values: torch.Tensor) -> None:
+            assert all(v.shape[0] == positions.numel() for v in values.values())
             self.positions[tap].append(positions)
 
         def sampled(self, positions: torch.Tensor) -> torch.Tensor:
@@ -599,9 +602,9 @@ def test_sampled_taps_give_their_positions_on_the_host(monkeypatch):
     model, n = tiny_model(), 150
     ids = torch.tensor(random_ids(n, 4))
     sink = EveryThird()
-    model.run_layer(model.layer(TINY.layer_kinds.index("csa")), model.embed(ids), ids, [n], sink)
+    model.run_layer(model.layer(TINY.layer_kinds.index("csa")), model.embed(ids), ids, [40, 50, 57, 1, 1, 1], sink)
     for tap in ("attn.probs", "indexer.scores"):
-        assert sink.positions[tap] and all(any(p is m for m in made) for p in sink.positions[tap])
+        assert len(sink.positions[tap]) >= 10 and all(any(p is m for m in made) for p in sink.positions[tap])
         assert all(p.device.type == "cpu" for p in sink.positions[tap])
         assert torch.cat(sink.positions[tap]).tolist() == list(range(0, n, 3))
 
