@@ -35,6 +35,7 @@ import time
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.autograd import DeviceType
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -301,7 +302,7 @@ def idle_before_launches(events: list[Any]) -> tuple[float, collections.Counter[
     by_id = {site[0].id: site[1:] for site in sites}
     sites.sort(key=lambda site: site[0].time_range.start)
     starts = [site[0].time_range.start for site in sites]
-    device = sorted((e for e in events if str(getattr(e, "device_type", "")).split(".")[-1] not in ("CPU", "")
+    device = sorted((e for e in events if e.device_type != DeviceType.CPU
                      and not getattr(e, "is_user_annotation", False)
                      and not e.name.startswith((REGION_MARK, LINE_MARK))),
                     key=lambda e: e.time_range.start)

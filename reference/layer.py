@@ -25,7 +25,7 @@ from reference.ops.mhc import hc_post, hc_pre
 from reference.ops.moe import moe_forward, route
 from reference.ops.norms import rms_norm
 from reference.ops.rope import apply_rope, cos_sin, layer_inverse_frequencies
-from reference.probes import NULL_SINK, ProbeSink, sampled_offsets, sampled_positions
+from reference.probes import NULL_SINK, ProbeSink, sampled_offsets, sampled_positions_on_host
 from reference.quant import fp4_fake_quant, fp8_fake_quant, hadamard_matrix
 from reference.weights.dense_cache import DenseCache
 from reference.weights.source import TensorBundle
@@ -223,7 +223,7 @@ class ReferenceLayer:
             visible = visible_rows(pos, self.ratio) if self.ratio else None
             n_vis = (last + 1) // self.ratio if self.ratio else 0  # visible_rows of the block's last query
             sampled, sampled_pos = (sampled_offsets(sink, first, pos.numel(), self.device),  # no device read
-                                    sampled_positions(sink, first, pos.numel())) \
+                                    sampled_positions_on_host(sink, first, pos.numel())) \
                 if sink.wants("attn.probs") or sink.wants("indexer.scores") else (None, None)
             comp = KeySet(no_rows, torch.zeros(pos.numel(), 0, dtype=torch.bool, device=self.device))
             comp_rows = torch.zeros(pos.numel(), 0, dtype=torch.int64, device=self.device)

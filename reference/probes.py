@@ -2,8 +2,8 @@
 
 A stack calls `sink.emit(tap, positions, **tensors)` at fixed points of each layer; `positions` are
 the absolute token positions [B] that the tensors' first dimension is aligned with (on the stack's device, or,
-for a sampled tap, on the host: `sampled_positions`, which a sink reads without waiting for the device). The harness
-implements the sink (pairing reference and variant taps, computing metrics as they stream past);
+for a sampled tap, on the host: `sampled_positions_on_host`, which a sink reads without waiting for the device).
+The harness implements the sink (pairing reference and variant taps, computing metrics as they stream past);
 the model code only needs this protocol, so `reference/` never imports `harness/`.
 
 Canonical taps (values are keyword tensors; [B] = the positions given):
@@ -41,7 +41,7 @@ class ProbeSink(Protocol):
 
     def sampled(self, positions: torch.Tensor) -> torch.Tensor:
         """Which of these positions the sink wants expensive taps (attn.probs, indexer.scores) for: a bool mask on
-        the positions' device, which may be the host's (sampled_positions asks with host positions)."""
+        the positions' device, which may be the host's (sampled_positions_on_host asks with host positions)."""
         ...
 
 
@@ -56,13 +56,14 @@ def sampled_offsets(sink: ProbeSink, first: int, count: int, device: torch.devic
     return torch.nonzero(sink.sampled(torch.arange(first, first + count, device=device))).flatten()
 
 
-def sampled_positions(sink: ProbeSink, first: int, count: int) -> torch.Tensor:
+def sampled_positions_on_host(sink: ProbeSink, first: int, count: int) -> torch.Tensor:
     """The positions among first … first + count − 1 that `sink` samples, as an int64 tensor on the host: the same
     numbers as `first + sampled_offsets(sink, first, count, device)`, for a sampled tap's emission (attn.probs,
     indexer.scores) to give. The sinks read a sampled tap's positions on the host (which to keep, where to file
     them), and on a GPU a read of device positions waits for every queued kernel: the reference's and the
-    yardstick's emissions were one such wait per query block and tap (242 and 121 per CSA layer at 30,720
-    tokens: bench/launch_count.py)."""
+    yardstick's emissions were one such wait per query block and tap (at 30,720 + 64 tokens, 121 blocks — 120 of
+    256 prefill queries, the decode tokens as one segment — so 2 × 121 = 242 reads in the reference's record, which
+    files both taps, and 121 in each yardstick comparison, which holds attn.probs: bench/launch_count.py)."""
     return first + sampled_offsets(sink, first, count, torch.device("cpu"))
 
 

@@ -572,7 +572,7 @@ def _attention_by_key(sink: _Taps) -> list[dict[tuple[str, int], torch.Tensor]]:
 
 
 def test_sampled_taps_give_their_positions_on_the_host(monkeypatch):
-    """attn.probs and indexer.scores are emitted with the positions sampled_positions makes on the host — the
+    """attn.probs and indexer.scores are emitted with the positions sampled_positions_on_host makes on the host — the
     sampled ones, first + offset, over several segments (prefill chunks, then decode steps) and query blocks of 16 —
     not device positions a sink would wait for the device to read (on a GPU, one wait per query block and tap:
     issue #14); each emission's values have a row per position."""
@@ -580,12 +580,12 @@ def test_sampled_taps_give_their_positions_on_the_host(monkeypatch):
     made = []
 
     def recorded(sink, first, count):
-        out = sampled_positions(sink, first, count)
+        out = sampled_positions_on_host(sink, first, count)
         made.append(out)
         return out
 
-    from reference.probes import sampled_positions
-    monkeypatch.setattr(reference.layer, "sampled_positions", recorded)
+    from reference.probes import sampled_positions_on_host
+    monkeypatch.setattr(reference.layer, "sampled_positions_on_host", recorded)
 
     class EveryThird(_Taps):
         def __init__(self) -> None:

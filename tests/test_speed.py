@@ -960,27 +960,29 @@ def test_launch_count_charges_device_idle_to_what_launched_the_activity_after_ea
     from pathlib import Path
     from types import SimpleNamespace
 
+    from torch.autograd import DeviceType
+
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     import launch_count
 
     def cpu(name, eid=0, kernels=(), children=(), start=0):
         e = SimpleNamespace(name=name, id=eid, kernels=[SimpleNamespace(name="k", duration=1)] * len(kernels),
-                            cpu_children=list(children), cpu_parent=None, device_type="DeviceType.CPU",
+                            cpu_children=list(children), cpu_parent=None, device_type=DeviceType.CPU,
                             time_range=SimpleNamespace(start=start, end=start + 5))
         for child in e.cpu_children:
             child.cpu_parent = e
         return e
 
     def gpu(start, end, launcher):  # times in microseconds, as FunctionEvent.time_range gives them
-        return SimpleNamespace(name="k", kernels=[], cpu_children=[], cpu_parent=None, device_type="DeviceType.CUDA",
+        return SimpleNamespace(name="k", kernels=[], cpu_children=[], cpu_parent=None, device_type=DeviceType.CUDA,
                                time_range=SimpleNamespace(start=start, end=end), linked_correlation_id=launcher)
 
     mark = launch_count.REGION_MARK
     mm = cpu("aten::mm", 1, kernels=[1], start=1150)
     add = cpu("aten::add", 2, kernels=[1], start=40)
     read = cpu("aten::copy_", 3, kernels=[1], start=140)  # the host read that drained the queue
-    stack = cpu(mark + "base/global prefill stack", children=[cpu(launch_count.LINE_MARK + "optimized/numerics.py:47 bf16",
-                                                                  children=[mm]), add])
+    bf16_mark = cpu(launch_count.LINE_MARK + "optimized/numerics.py:47 bf16", children=[mm])
+    stack = cpu(mark + "base/global prefill stack", children=[bf16_mark, add])
     compare = cpu(mark + "base/global prefill compare", children=[read])
     events = [stack, *stack.cpu_children, stack.cpu_children[0].cpu_children[0], add, compare, read,
               gpu(0, 100, 1), gpu(50, 120, 2),  # two streams overlapping: busy until 120
@@ -1022,7 +1024,8 @@ def test_launch_count_line_marks_name_the_line_that_asked_for_each_operation(mon
         numerics.bf16(torch.ones(8))
     # the dispatcher records the operation once before the mode and once inside its range; the copy that does the
     # work (and would launch on a GPU) is only inside
-    lines = {line for event, _, line in launch_count.launch_sites(list(profile.events())) if event.name == "aten::copy_"}
+    lines = {line for event, _, line in launch_count.launch_sites(list(profile.events()))
+             if event.name == "aten::copy_"}
     assert lines == {f"optimized/numerics.py:{cast} bf16"}
 
 
