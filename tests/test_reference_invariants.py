@@ -495,6 +495,23 @@ def test_top_k_set_is_the_ranked_top_k_in_index_order(dtype, stall, monkeypatch)
         assert torch.equal(stable_topk_set(scores, 512), ranked.sort(-1).values)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_every_nan_ranks_first_whatever_its_sign(dtype):
+    """A NaN's sign is the conversion's, not the scores': the CPU widens a bf16 NaN to a negative fp32 NaN, an H100
+    to a positive one (2026-12-07), and ranked by its bits the same scores picked differently on the two devices.
+    Every NaN ranks above +inf, lower index first among them, as the float64 path's torch.sort puts it."""
+    scores = torch.tensor([[1.0, float("inf"), 0.0, 2.0, 0.5, 3.0]], dtype=dtype).repeat(2, 1)
+    # a quiet NaN with the sign bit set, written as bits (a conversion may drop the sign): 0xFFC00000 in fp32
+    bits_dtype, negative_nan_bits = {torch.float32: (torch.int32, -(2**22)), torch.bfloat16: (torch.int16, -(2**6)),
+                                     torch.float64: (torch.int64, -(2**51))}[dtype]
+    scores.view(bits_dtype)[0, 4] = scores.view(bits_dtype)[1, 2] = negative_nan_bits
+    scores[0, 2] = scores[1, 4] = float("nan")
+    assert bool(torch.isnan(scores[:, [2, 4]]).all()) and int(scores.view(bits_dtype)[0, 4]) < 0
+    for row in range(2):
+        assert stable_topk_indices(scores[row:row + 1], 4).tolist() == [[2, 4, 1, 5]]
+    assert stable_topk_set(scores, 3).tolist() == [[1, 2, 4], [1, 2, 4]]
+
+
 # ------------------------------------------------------------------------------------------------
 # TF32 guard (DESIGN §10)
 # ------------------------------------------------------------------------------------------------

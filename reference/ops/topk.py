@@ -25,9 +25,19 @@ from __future__ import annotations
 import torch
 
 
+QUIET_NAN_BITS = 0x7FC00000
+"""The one fp32 NaN every NaN is ranked as: above +inf (0x7F800000), where torch.sort and torch.topk put NaN."""
+
+
 def _ordered_int32(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> int64 holding an int32 that orders like the floats (−0.0 == +0.0; −inf lowest)."""
+    """fp32 -> int64 holding an int32 that orders like the floats (−0.0 == +0.0; −inf lowest; every NaN above +inf).
+
+    A NaN's sign and payload are not the scores' to choose: a bf16 NaN widened to fp32 came out of the CPU as a
+    negative NaN and out of an H100 as a positive one (2026-12-07, torch 2.11/2.13), so ranked by its bits it was
+    last on one device and first on the other. Every NaN is ranked as QUIET_NAN_BITS instead, the order the float64
+    path's torch.sort gives."""
     bits = (x + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 turns −0.0 into +0.0
+    bits = torch.where(torch.isnan(x), QUIET_NAN_BITS, bits)
     return torch.where(bits >= 0, bits, -(2**31) - 1 - bits)
 
 
@@ -60,6 +70,6 @@ def stable_topk_set(scores: torch.Tensor, k: int) -> torch.Tensor:
         tie = s == v
         above = s > v
         take[rows] = above | (tie & (tie.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # lowest indices first
-    if int(take.sum()) != take.shape[0] * k:  # NaN scores compare false everywhere: rank them by their bits
+    if int(take.sum()) != take.shape[0] * k:  # NaN scores compare false everywhere: the ranked form (NaN first)
         return stable_topk_indices(scores, k).sort(-1).values
     return torch.nonzero(take)[:, 1].view(scores.shape[0], k)
