@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device machine: python3 with torch/triton preinstalled, no package registry).
-# Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, compare, samebits, profile, flash27k,
+# Usage: bash bench/gpu_session.sh STAGE...   stages: gputests, smoke, forward, bench, compare, samebits, profile, blocks, flash27k,
 # flash30k, attr30k, mps
 # pydantic (scenario and policy files) is not preinstalled: run bench/wheels.sh here first and carry .whl/ along.
 set -uo pipefail
@@ -124,6 +124,31 @@ PY
       sed -n '/^device idle per line/,+25p;/^device-busy seconds per kernel over/,+25p' \
         "$OUT/profile-kernels.txt"
       sed -n '/device-busy seconds per line of/,+30p' "$OUT/profile-kernels.txt" ;;
+    blocks)
+      # Query blocks of 256 (reference.layer.MAX_QUERY_BLOCK) against BLOCK (default 512) on this GPU: a Flash CSA
+      # layer's bench (LAYERS, default 2; --no-trace) in the order 256, BLOCK, BLOCK, 256, each side's mean compared.
+      # Counted on the CPU as a GPU launches (bench/launch_count.py, tiny, 30,720 + 64, forty-third session): 512-query
+      # blocks cut a CSA layer's operations 173,183 -> 128,513 and host reads 3,551 -> 3,065, and widen each query's
+      # keys from 383 window-band rows + 512 picks to 639 + 512 (W = 128). GPU GEMMs of other shapes may round
+      # differently: this stage measures time only.
+      for q in 256 "${BLOCK:-512}" "${BLOCK:-512}" 256; do
+        n=$(ls "$OUT"/blocks-$q-*.json 2>/dev/null | wc -l)
+        python3 -c "
+import sys, reference.layer as layer
+layer.MAX_QUERY_BLOCK = $q
+from harness.cli.main import main
+sys.exit(main(sys.argv[1:]))" bench --model flash --tokens 30720 --decode 64 --layers "${LAYERS:-2}" --device cuda \
+          --no-trace --json "$OUT/blocks-$q-$n.json" | grep -E "^layer"
+      done
+      python3 - "$OUT" "${BLOCK:-512}" <<'PY'
+import glob, json, statistics, sys
+runs = {q: [json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/blocks-{q}-*.json"))] for q in ("256", sys.argv[2])}
+for i, row in enumerate(runs["256"][0]["layers"]):
+    base, wide = (statistics.mean(r["layers"][i]["run_s"] for r in runs[q]) for q in ("256", sys.argv[2]))
+    print(f"layer {row['layer']} ({row['kind']}): blocks of 256 {base:.2f} s, of {sys.argv[2]} {wide:.2f} s, "
+          f"{base / wide:.2f}x (means of two runs each, order 256 {sys.argv[2]} {sys.argv[2]} 256)")
+PY
+      ;;
     flash27k|flash30k)
       # Resumable across calls while the machine stays warm: the run lives in /tmp/<stage>-<patches>, each call runs at
       # most RUN_LIMIT seconds, and the measured files come back under $OUT/<stage>-<patches> (report and gate run
