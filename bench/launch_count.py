@@ -146,8 +146,9 @@ def count_replays_as_graphs(counter: LaunchCounter) -> None:
     """Count each call `reference.graphs.replay` would replay on a GPU as a GPU runs it: a copy per input, the graph's
     launch and the copies of its outputs (graphs._Graph.__call__: one when it packs them, else one per output), not
     the operations inside. Patched where it is imported."""
-    def replay(fn: Callable[..., Any], *tensors: torch.Tensor, **static: Any) -> Any:
-        if not graphs.small_enough(tensors) or counter.paused:
+    def replay(fn: Callable[..., Any], *tensors: torch.Tensor, max_elements: int = graphs.MAX_ELEMENTS,
+               **static: Any) -> Any:
+        if not graphs.small_enough(tensors, max_elements) or counter.paused:
             return fn(*tensors, **static)
         counter.paused = True
         try:

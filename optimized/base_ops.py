@@ -24,7 +24,7 @@ from reference.quant import QuantizedTensor, mx32_to_nvfp4, mx32_to_nvfp4_forms,
 from reference.layer import share_rows
 from reference.ops.attention import KeySet
 from reference.ops.compressor import pool_new_windows, visible_rows
-from reference.ops.mhc import HCMix, sinkhorn
+from reference.ops.mhc import SINKHORN_GRAPH_ELEMENTS, HCMix, sinkhorn
 from reference.ops.moe import expert_groups
 from reference.ops.rope import apply_rope, cos_sin
 
@@ -114,7 +114,9 @@ def hc_mix(m: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale: to
     """From the mixes m: pre = σ(·) + eps, post = 2σ(·), comb = Sinkhorn(·), and a = bf16(Σ pre·X)."""
     pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + eps
     post = 2 * torch.sigmoid(m[..., n : 2 * n] * scale[1] + base[n : 2 * n])
-    comb = sinkhorn((m[..., 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n)), iters, eps)
+    # a graph of its own when hc_mix runs eagerly (a prefill chunk: the streams are too large for hc_mix's graph)
+    comb = replay(sinkhorn, (m[..., 2 * n :] * scale[2] + base[2 * n :]).unflatten(-1, (n, n)), iters=iters, eps=eps,
+                  max_elements=SINKHORN_GRAPH_ELEMENTS)
     a = bf16((pre.unsqueeze(-1) * streams.float()).sum(-2))
     return a, pre, post, comb
 

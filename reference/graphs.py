@@ -165,18 +165,19 @@ def clear() -> None:
         _graphs_of.clear()
 
 
-def small_enough(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Inputs a graph replays: at most MAX_ELEMENTS in total, the first not empty (an empty input launches nothing:
+def small_enough(tensors: tuple[torch.Tensor, ...], max_elements: int = MAX_ELEMENTS) -> bool:
+    """Inputs a graph replays: at most max_elements in total, the first not empty (an empty input launches nothing:
     no graph to make). bench/launch_count.py counts replays by the same rule."""
-    return 0 < sum(t.numel() for t in tensors) <= MAX_ELEMENTS and tensors[0].numel() > 0
+    return 0 < sum(t.numel() for t in tensors) <= max_elements and tensors[0].numel() > 0
 
 
-def replay(fn: Callable[..., Any], *tensors: torch.Tensor, **static: Any) -> Any:
+def replay(fn: Callable[..., Any], *tensors: torch.Tensor, max_elements: int = MAX_ELEMENTS, **static: Any) -> Any:
     """fn(*tensors, **static), from a CUDA graph when the tensors are small and on a GPU. `fn` must be pure: its
     result a tensor or a tuple of tensors depending only on `tensors` and on `static` (hashable, fixed per graph),
-    with no host synchronisation inside."""
+    with no host synchronisation inside. `max_elements`: what is small for `fn` (MAX_ELEMENTS unless its kernels
+    stay shorter than their launches at larger inputs: reference.ops.mhc.SINKHORN_GRAPH_ELEMENTS)."""
     first = tensors[0]
-    if (not ENABLED or first.device.type != "cuda" or not small_enough(tensors)
+    if (not ENABLED or first.device.type != "cuda" or not small_enough(tensors, max_elements)
             or first.device.index != torch.cuda.current_device()  # a capture and its memory pool use the current device
             or torch.cuda.is_current_stream_capturing()):
         return fn(*tensors, **static)

@@ -81,7 +81,7 @@ def test_optimized_engine_with_triton_kernels_on_gpu():
 
 def test_graph_replays_give_the_eager_bits():
     """reference.graphs replays the decode step's small pure functions (mHC mix, FP8 activation quantizer, RMSNorm,
-    the attention's RoPE glue, the NVFP4 activation quantizer) from CUDA graphs: the same kernels on inputs of the
+    the attention's RoPE glue, the NVFP4 activation quantizer) and a prefill chunk's Sinkhorn from CUDA graphs: the same kernels on inputs of the
     same layout, so the eager call's bits — also for a strided input and for a second call with new values (the
     replay path, not the capture)."""
     from reference import graphs
@@ -89,6 +89,7 @@ def test_graph_replays_give_the_eager_bits():
     from optimized import engine
     from optimized.numerics import fp8_activation, rms_norm_bf16
     from optimized.patches.nvfp4_experts import nvfp4_activation
+    from reference.ops.mhc import SINKHORN_GRAPH_ELEMENTS, sinkhorn
     from reference.quant import hadamard_matrix
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -102,6 +103,9 @@ def test_graph_replays_give_the_eager_bits():
                         torch.randn(1, 4, 32, device="cuda", generator=g))
         cos, sin = torch.rand(1, 8, device="cuda", generator=g), torch.rand(1, 8, device="cuda", generator=g)
         hadamard = hadamard_matrix(32, device="cuda")
+        m_chunk = torch.randn(8192, 24, device="cuda", generator=g)
+        streams_chunk = torch.randn(8192, 4, 512, device="cuda", generator=g).bfloat16()
+        comb_chunk = torch.randn(8192, 4, 4, device="cuda", generator=g)
         calls = [lambda: hc_mix(m, streams, base, scale, n=4, iters=20, eps=1e-6),
                  lambda: graphs.replay(hc_mix, m, streams, base, scale, n=4, iters=20, eps=1e-6),
                  lambda: fp8_activation(x), lambda: rms_norm_bf16(x, w, 1e-6),
@@ -109,7 +113,12 @@ def test_graph_replays_give_the_eager_bits():
                  lambda: graphs.replay(engine._rotated_rows, kv, cos, sin),
                  lambda: graphs.replay(engine._rotated_index_queries, q_idx, cos, sin, hadamard),
                  lambda: graphs.replay(engine._derotated_outputs, q, cos, sin),
-                 lambda: nvfp4_activation(x, 0.37)]
+                 lambda: nvfp4_activation(x, 0.37),
+                 # a prefill chunk's mix: hc_mix eager (its streams too large for a graph), its Sinkhorn replayed
+                 # (reference.ops.mhc.SINKHORN_GRAPH_ELEMENTS), and the reference's Sinkhorn at that size
+                 lambda: hc_mix(m_chunk, streams_chunk, base, scale, n=4, iters=20, eps=1e-6),
+                 lambda: graphs.replay(sinkhorn, comb_chunk, iters=20, eps=1e-6,
+                                       max_elements=SINKHORN_GRAPH_ELEMENTS)]
         replayed = [c() for c in calls]
         graphs.ENABLED = False
         try:

@@ -1131,6 +1131,21 @@ def test_launch_count_names_the_regions_of_a_layer():
                                  "the stack's finish (was 2,884)")
 
 
+def test_a_prefill_chunks_sinkhorn_is_replayed_and_nothing_else_grows():
+    """reference.ops.mhc.SINKHORN_GRAPH_ELEMENTS: the Sinkhorn of an 8,192-token prefill chunk ([T, 4, 4], 131,072
+    elements) replays from a graph on a GPU though it is past the general cap (graphs.MAX_ELEMENTS, 65,536), and the
+    cap is the caller's: `max_elements` is not handed to the function (on the CPU, where replay calls it directly)."""
+    from reference import graphs
+    from reference.ops.mhc import SINKHORN_GRAPH_ELEMENTS, sinkhorn
+
+    chunk = (torch.randn(8192, 4, 4),)
+    assert not graphs.small_enough(chunk) and graphs.small_enough(chunk, SINKHORN_GRAPH_ELEMENTS)
+    assert not graphs.small_enough((torch.randn(16385, 4, 4),), SINKHORN_GRAPH_ELEMENTS)  # 16,384 tokens at most
+    logits = torch.randn(300, 4, 4, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(graphs.replay(sinkhorn, logits, iters=20, eps=1e-6, max_elements=SINKHORN_GRAPH_ELEMENTS),
+                       sinkhorn(logits, 20, 1e-6))
+
+
 def test_tensors_cloned_together_have_clones_bits_dtypes_and_shapes():
     """clone_together (a decode step's tap fields) copies each dtype's contiguous tensors through one buffer, and a
     graph replay packs its outputs as bytes (_pack): each copy must equal clone() bit for bit in every dtype, NaN
