@@ -15,8 +15,11 @@ Same numbers: a replay runs the kernels the eager call would launch, on inputs o
 (the static inputs copy the caller's layout), so the results are the eager call's bit for bit — checked by
 tests/test_gpu_engine.py. The CPU never replays (nothing changes there), and neither do large inputs (prefill
 chunks: their kernels are long enough that launching them costs nothing, and a graph would pin their memory). What
-is small is the inputs' total (MAX_ELEMENTS): the reference's Sinkhorn takes 16 elements per token, so its prefill
-passes of up to 4,096 tokens replay too — one graph per distinct length (MAX_GRAPHS_PER_FUNCTION caps them).
+is small is the inputs' total (MAX_ELEMENTS), or a cap a caller gives for its function (`max_elements`): the
+Sinkhorn takes 16 elements per token and its kernels stay shorter than their launches, so it replays for prefill
+chunks of up to 16,384 tokens (reference.ops.mhc.SINKHORN_GRAPH_ELEMENTS) — one graph per distinct length
+(MAX_GRAPHS_PER_FUNCTION caps them). A function being made into a graph may call replay itself (the engine's mHC mix
+calls it for its Sinkhorn): inside the making, that call runs eagerly and its kernels join the outer graph.
 """
 
 from __future__ import annotations
@@ -42,10 +45,16 @@ MAX_GRAPHS_PER_FUNCTION = 64
 """Keys (shapes × static arguments) a function is captured for; calls with further keys run eagerly, and the first
 keys keep their graphs (nothing is evicted). A static argument that takes many values (a checkpoint's per-expert
 NVFP4 input scales) would otherwise hold a graph and its private memory pool for each; the decode steps' shapes are
-a handful per function, and prefill passes of up to 4,096 tokens (the reference's Sinkhorn) a few dozen lengths per
-run. A graph's memory was not measured; the caching allocator reserves small blocks in 2 MiB segments, so 64 graphs
-of a function may hold ~128 MiB."""
+a handful per function, and the Sinkhorn's prefill passes (up to 16,384 tokens) a few dozen lengths per run. A
+graph's memory was not measured; the caching allocator reserves small blocks in 2 MiB segments, so 64 graphs of a
+small function may hold ~128 MiB, and a Sinkhorn graph of a 16,384-token chunk holds its live intermediates (1 MiB
+each) as well."""
 _graphs_of: dict[Callable[..., Any], int] = {}
+
+_making = threading.local()
+"""`active` while this thread makes a graph (its warm-up call and its capture): a replay called from inside the
+function being made runs eagerly — inside the capture its kernels become the outer graph's — instead of waiting for
+_lock, which this thread holds (a plain lock: it would wait forever)."""
 
 
 OUTPUT_ALIGN = 512
@@ -171,15 +180,18 @@ def small_enough(tensors: tuple[torch.Tensor, ...], max_elements: int = MAX_ELEM
     return 0 < sum(t.numel() for t in tensors) <= max_elements and tensors[0].numel() > 0
 
 
+def on_current_gpu(t: torch.Tensor) -> bool:
+    """Whether `t` lies on the current CUDA device: a capture and its memory pool use the current device."""
+    return t.device.type == "cuda" and t.device.index == torch.cuda.current_device()
+
+
 def replay(fn: Callable[..., Any], *tensors: torch.Tensor, max_elements: int = MAX_ELEMENTS, **static: Any) -> Any:
     """fn(*tensors, **static), from a CUDA graph when the tensors are small and on a GPU. `fn` must be pure: its
     result a tensor or a tuple of tensors depending only on `tensors` and on `static` (hashable, fixed per graph),
     with no host synchronisation inside. `max_elements`: what is small for `fn` (MAX_ELEMENTS unless its kernels
     stay shorter than their launches at larger inputs: reference.ops.mhc.SINKHORN_GRAPH_ELEMENTS)."""
-    first = tensors[0]
-    if (not ENABLED or first.device.type != "cuda" or not small_enough(tensors, max_elements)
-            or first.device.index != torch.cuda.current_device()  # a capture and its memory pool use the current device
-            or torch.cuda.is_current_stream_capturing()):
+    if (not ENABLED or not on_current_gpu(tensors[0]) or not small_enough(tensors, max_elements)
+            or getattr(_making, "active", False) or torch.cuda.is_current_stream_capturing()):
         return fn(*tensors, **static)
     key = (fn, tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors), tuple(sorted(static.items())))
     graph = _graphs.get(key, False)
@@ -190,10 +202,13 @@ def replay(fn: Callable[..., Any], *tensors: torch.Tensor, max_elements: int = M
                 if _graphs_of.get(fn, 0) >= MAX_GRAPHS_PER_FUNCTION:
                     graph = None  # eager from now on: the key is remembered, the lock not taken again for it
                 else:
+                    _making.active = True
                     try:
                         graph = _Graph(fn, tensors, static)
                         _graphs_of[fn] = _graphs_of.get(fn, 0) + 1
                     except RuntimeError:  # not capturable after all: this key runs eagerly from now on
                         graph = None
+                    finally:
+                        _making.active = False
                 _graphs[key] = graph
     return fn(*tensors, **static) if graph is None else graph(tensors)

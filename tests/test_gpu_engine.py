@@ -81,9 +81,10 @@ def test_optimized_engine_with_triton_kernels_on_gpu():
 
 def test_graph_replays_give_the_eager_bits():
     """reference.graphs replays the decode step's small pure functions (mHC mix, FP8 activation quantizer, RMSNorm,
-    the attention's RoPE glue, the NVFP4 activation quantizer) and a prefill chunk's Sinkhorn from CUDA graphs: the same kernels on inputs of the
-    same layout, so the eager call's bits — also for a strided input and for a second call with new values (the
-    replay path, not the capture)."""
+    the attention's RoPE glue, the NVFP4 activation quantizer) and a prefill chunk's Sinkhorn from CUDA graphs: the
+    same kernels on inputs of the same layout, so the eager call's bits — also for a strided input and for a second
+    call with new values (the replay path, not the capture). The mix is made into a graph first, before any Sinkhorn
+    graph exists: its nested Sinkhorn replay must run eagerly inside the making (reference.graphs._making)."""
     from reference import graphs
     from optimized.base_ops import hc_mix
     from optimized import engine
@@ -92,6 +93,7 @@ def test_graph_replays_give_the_eager_bits():
     from reference.ops.mhc import SINKHORN_GRAPH_ELEMENTS, sinkhorn
     from reference.quant import hadamard_matrix
 
+    graphs.clear()  # the mix's graph first of all: made while no Sinkhorn graph exists (its nested replay runs eagerly)
     g = torch.Generator(device="cuda").manual_seed(3)
     for trial in range(2):
         m = torch.randn(1, 24, device="cuda", generator=g)
@@ -106,8 +108,8 @@ def test_graph_replays_give_the_eager_bits():
         m_chunk = torch.randn(8192, 24, device="cuda", generator=g)
         streams_chunk = torch.randn(8192, 4, 512, device="cuda", generator=g).bfloat16()
         comb_chunk = torch.randn(8192, 4, 4, device="cuda", generator=g)
-        calls = [lambda: hc_mix(m, streams, base, scale, n=4, iters=20, eps=1e-6),
-                 lambda: graphs.replay(hc_mix, m, streams, base, scale, n=4, iters=20, eps=1e-6),
+        calls = [lambda: graphs.replay(hc_mix, m, streams, base, scale, n=4, iters=20, eps=1e-6),
+                 lambda: hc_mix(m, streams, base, scale, n=4, iters=20, eps=1e-6),
                  lambda: fp8_activation(x), lambda: rms_norm_bf16(x, w, 1e-6),
                  lambda: graphs.replay(engine._normed_rotated_queries, q, cos, sin, eps=1e-6),
                  lambda: graphs.replay(engine._rotated_rows, kv, cos, sin),
@@ -129,6 +131,9 @@ def test_graph_replays_give_the_eager_bits():
             for a, b in zip(r if isinstance(r, tuple) else (r,), e if isinstance(e, tuple) else (e,)):
                 assert torch.equal(a, b), f"call {i}, trial {trial}: the replay differs from the eager call"
     assert any(v is not None for v in graphs._graphs.values()), "nothing was captured"  # noqa: SLF001
+    chunk_sinkhorn = [v for (fn, layout, _), v in graphs._graphs.items()  # noqa: SLF001
+                      if fn is sinkhorn and layout[0][0] == (8192, 4, 4)]
+    assert chunk_sinkhorn and all(v is not None for v in chunk_sinkhorn), "a prefill chunk's Sinkhorn ran eagerly"
 
 
 def test_a_function_is_captured_for_at_most_its_cap_of_keys(monkeypatch):

@@ -497,8 +497,9 @@ def test_top_k_set_is_the_ranked_top_k_in_index_order(dtype, stall, monkeypatch)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_every_nan_ranks_first_whatever_its_sign(dtype):
-    """A NaN's sign is the conversion's, not the scores': the CPU widens a bf16 NaN to a negative fp32 NaN, an H100
-    to a positive one (2026-12-07), and ranked by its bits the same scores picked differently on the two devices.
+    """A NaN's sign is the arithmetic's, not the scores': the CPU casts float("nan") to a negative bf16 NaN and keeps
+    its sign, an H100 ranked the same bits as a positive NaN (2026-12-07), so ranked by its bits the same scores
+    picked differently on the two devices.
     Every NaN ranks above +inf, lower index first among them, as the float64 path's torch.sort puts it."""
     scores = torch.tensor([[1.0, float("inf"), 0.0, 2.0, 0.5, 3.0]], dtype=dtype).repeat(2, 1)
     # a quiet NaN with the sign bit set, written as bits (a conversion may drop the sign): 0xFFC00000 in fp32

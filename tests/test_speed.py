@@ -1131,7 +1131,49 @@ def test_launch_count_names_the_regions_of_a_layer():
                                  "the stack's finish (was 2,884)")
 
 
-def test_a_prefill_chunks_sinkhorn_is_replayed_and_nothing_else_grows():
+def test_a_replay_inside_a_function_being_made_into_a_graph_runs_eagerly(monkeypatch):
+    """The engine's mHC mix (replayed as a whole in decode) replays its Sinkhorn itself: while the mix's graph is made
+    (its warm-up call and its capture, under graphs._lock), the inner replay must run eagerly — before, it waited for
+    the lock its own thread held, forever. Modelled on the CPU: the device check passes and a stand-in graph makes
+    its warm-up call as _Graph does; the call must finish, and the inner function must have run eagerly inside it."""
+    import threading
+    from reference import graphs
+
+    made: list[str] = []
+
+    class WarmUpOnly:  # _Graph's first step: fn called once off the capture
+        def __init__(self, fn, tensors, static):
+            made.append(fn.__name__)
+            self.out = fn(*tensors, **static)
+
+        def __call__(self, tensors):  # a replay runs the captured kernels, not the Python function
+            return self.out.clone()
+
+    def inner(x):
+        return x * 2
+
+    def outer(x):
+        return graphs.replay(inner, x) + 1
+
+    monkeypatch.setattr(graphs, "on_current_gpu", lambda t: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(graphs, "_Graph", WarmUpOnly)
+    # a lock and tables of this test's own: a thread stuck on the lock holds it forever, and nothing else waits for it
+    monkeypatch.setattr(graphs, "_lock", threading.Lock())
+    monkeypatch.setattr(graphs, "_graphs", {})
+    monkeypatch.setattr(graphs, "_graphs_of", {})
+    result: list[torch.Tensor] = []
+    worker = threading.Thread(target=lambda: result.append(graphs.replay(outer, torch.ones(3))), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "a replay inside a graph being made waited for the lock its thread holds"
+    assert torch.equal(result[0], torch.full((3,), 3.0))
+    assert made == ["outer"], "the inner function was made into a graph of its own inside the outer one's making"
+    assert torch.equal(graphs.replay(inner, torch.ones(3)), torch.full((3,), 2.0))  # outside a making: made as usual
+    assert made == ["outer", "inner"]
+
+
+def test_a_prefill_chunks_sinkhorn_is_small_enough_to_replay():
     """reference.ops.mhc.SINKHORN_GRAPH_ELEMENTS: the Sinkhorn of an 8,192-token prefill chunk ([T, 4, 4], 131,072
     elements) replays from a graph on a GPU though it is past the general cap (graphs.MAX_ELEMENTS, 65,536), and the
     cap is the caller's: `max_elements` is not handed to the function (on the CPU, where replay calls it directly)."""

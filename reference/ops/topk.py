@@ -32,9 +32,10 @@ QUIET_NAN_BITS = 0x7FC00000
 def _ordered_int32(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> int64 holding an int32 that orders like the floats (−0.0 == +0.0; −inf lowest; every NaN above +inf).
 
-    A NaN's sign and payload are not the scores' to choose: a bf16 NaN widened to fp32 came out of the CPU as a
-    negative NaN and out of an H100 as a positive one (2026-12-07, torch 2.11/2.13), so ranked by its bits it was
-    last on one device and first on the other. Every NaN is ranked as QUIET_NAN_BITS instead, the order the float64
+    A NaN's sign and payload are not the scores' to choose: the CPU's cast of float("nan") to bf16 makes a negative
+    NaN (0xFFFF), which the CPU's widening and `+ 0.0` keep, while an H100 given those bits ranked it as a positive
+    NaN (CUDA arithmetic returns its canonical NaN; 2026-12-07, torch 2.11/2.13), so ranked by its bits it was last
+    on one device and first on the other. Every NaN is ranked as QUIET_NAN_BITS instead, the order the float64
     path's torch.sort gives."""
     bits = (x + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 turns −0.0 into +0.0
     bits = torch.where(torch.isnan(x), QUIET_NAN_BITS, bits)
