@@ -28,10 +28,11 @@ def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.T
 SINKHORN_GRAPH_ELEMENTS = 1 << 18
 """Sinkhorn inputs up to this many elements replay from a CUDA graph (reference.graphs.replay's max_elements): 16 per
 token (n² at n = 4), so prefill chunks of up to 16,384 tokens, where the general cap (graphs.MAX_ELEMENTS, 65,536)
-stops at 4,096. Its 4 + 3·(2·iters − 1) small kernels (121 at 20 iterations: a softmax, two copies, sums of 4, adds, divides) each move 16
-fp32 per token — 512 KiB at 8,192 tokens, less than a microsecond of an H100's bandwidth — so a prefill chunk's
-Sinkhorn, like a decode step's, costs its launches, and every stack calls it twice per chunk (HC_pre of attention and
-of the FFN). A graph's private pool holds the call's live intermediates, a few MiB at 16,384 tokens."""
+stops at 4,096. Its 4 + 3·(2·iters − 1) small kernels (121 at 20 iterations: a softmax, two copies, sums of 4, adds,
+divides) each move 16 fp32 per token — 512 KiB at 8,192 tokens, less than a microsecond of an H100's bandwidth — so
+a prefill chunk's Sinkhorn, like a decode step's, costs its launches, and every stack calls it twice per chunk
+(HC_pre of attention and of the FFN). A graph's private pool holds the call's live intermediates, a few MiB at 16,384
+tokens."""
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
