@@ -16,6 +16,31 @@ old_tree() {
   [ -f "${OLD_TAR:-}" ] || { echo "$1: set OLD_TAR to a git archive of the old code (carried along)"; exit 2; }
   rm -rf /tmp/old && mkdir -p /tmp/old && tar -xf "$OLD_TAR" -C /tmp/old
 }
+# An A/B of `dsv4-drift bench` in one lease without favouring either side: the first bench of a fresh machine runs
+# slower (2026-12-01: the unchanged reference 6-11% slower), so the sides run in the order A, B, B, A and each side's
+# mean per layer is compared. `ab_bench NAME A B` calls the stage's `bench_side SIDE JSON` for each run; the JSON
+# files are $OUT/NAME-SIDE-N.json. The bench's arguments: MODEL, TOKENS, DECODE, LAYERS, DEVICE, BENCH_ARGS (more
+# arguments for both sides, e.g. "--attribution --no-trace").
+bench_args() {
+  B=(bench --model "${MODEL:-flash}" --tokens "${TOKENS:-30720}" --decode "${DECODE:-64}" --layers "${LAYERS:-2,3}"
+     --device "${DEVICE:-cuda}" ${BENCH_ARGS:-})
+}
+ab_bench() {
+  bench_args
+  for side in "$2" "$3" "$3" "$2"; do
+    n=$(ls "$OUT/$1-$side"-*.json 2>/dev/null | wc -l)
+    bench_side "$side" "$OUT/$1-$side-$n.json" | grep -E "^layer"
+  done
+  python3 - "$OUT" "$1" "$2" "$3" <<'PY'
+import glob, json, statistics, sys
+out, name, a, b = sys.argv[1:]
+runs = {side: [json.load(open(f)) for f in sorted(glob.glob(f"{out}/{name}-{side}-*.json"))] for side in (a, b)}
+for i, row in enumerate(runs[b][0]["layers"]):
+    mean_a, mean_b = (statistics.mean(r["layers"][i]["run_s"] for r in runs[side]) for side in (a, b))
+    print(f"layer {row['layer']} ({row['kind']}): {a} {mean_a:.2f} s, {b} {mean_b:.2f} s, {a}/{b} {mean_a / mean_b:.2f}x "
+          f"(means of {len(runs[a])} and {len(runs[b])} runs, order {a} {b} {b} {a})")
+PY
+}
 for stage in "$@"; do
   echo "=== stage $stage $(date -u +%T)"
   case $stage in
@@ -50,30 +75,14 @@ PY
       COLUMNS=250 dd bench --model flash --tokens 30720 --decode 64 --layers 2,3 --device cuda --json "$OUT/bench.json" 2>&1 | tail -9
       python3 optimized/kernels/bench_kernels.py 2>&1 | tail -12 ;;
     compare)
-      # A speed-up against older code, measured in one lease without favouring either side: the first bench of a
-      # fresh machine runs slower (2026-12-01: the unchanged reference 6-11% slower), so the two trees run in the
-      # order old, new, new, old and each side's mean is compared. OLD_TAR: `git archive <rev> -o .scratch/old.tar`
-      # made beside the work tree and carried along.
+      # A speed-up against older code (ab_bench: old/new > 1 is faster now). OLD_TAR: `git archive <rev> -o
+      # .scratch/old.tar` made beside the work tree and carried along.
       old_tree compare
-      # BENCH_ARGS: more bench arguments for both sides, e.g. "--attribution --no-trace"
-      B=(bench --model "${MODEL:-flash}" --tokens "${TOKENS:-30720}" --decode "${DECODE:-64}" --layers "${LAYERS:-2,3}"
-         --device "${DEVICE:-cuda}" ${BENCH_ARGS:-})
-      for side in old new new old; do
-        n=$(ls "$OUT"/compare-$side-*.json 2>/dev/null | wc -l)
-        tree=$PWD; [ $side = old ] && tree=/tmp/old
-        (cd "$tree" && PYTHONPATH="$tree" python3 -m harness.cli "${B[@]}" --json "$OUT/compare-$side-$n.json" \
-          | grep -E "^layer")
-      done
-      python3 - "$OUT" <<'PY'
-import glob, json, statistics, sys
-runs = {side: [json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/compare-{side}-*.json"))] for side in ("old", "new")}
-for i, row in enumerate(runs["new"][0]["layers"]):
-    old = statistics.mean(r["layers"][i]["run_s"] for r in runs["old"])
-    new = statistics.mean(r["layers"][i]["run_s"] for r in runs["new"])
-    print(f"layer {row['layer']} ({row['kind']}): old {old:.2f} s, new {new:.2f} s, speed-up {old / new:.2f}x "
-          f"(means of {len(runs['old'])} and {len(runs['new'])} runs, order old new new old)")
-PY
-      ;;
+      bench_side() {
+        tree=$PWD; [ "$1" = old ] && tree=/tmp/old
+        (cd "$tree" && PYTHONPATH="$tree" python3 -m harness.cli "${B[@]}" --json "$2")
+      }
+      ab_bench compare old new ;;
     samebits)
       # Whether a change keeps a GPU run's metrics: tiny-smoke (every patch, local on) on this GPU with older code and
       # with this tree, every metric row compared (the CPU's pin, tests/test_metrics_pin.py, cannot see GPU-only paths).
@@ -125,30 +134,19 @@ PY
         "$OUT/profile-kernels.txt"
       sed -n '/device-busy seconds per line of/,+30p' "$OUT/profile-kernels.txt" ;;
     blocks)
-      # Query blocks of 256 (reference.layer.MAX_QUERY_BLOCK) against BLOCK (default 512) on this GPU: a Flash CSA
-      # layer's bench (LAYERS, default 2; --no-trace) in the order 256, BLOCK, BLOCK, 256, each side's mean compared.
-      # Counted on the CPU as a GPU launches (bench/launch_count.py, tiny, 30,720 + 64, forty-third session): 512-query
-      # blocks cut a CSA layer's operations 173,183 -> 128,513 and host reads 3,551 -> 3,065, and widen each query's
-      # keys from 383 window-band rows + 512 picks to 639 + 512 (W = 128). GPU GEMMs of other shapes may round
-      # differently: this stage measures time only.
-      for q in 256 "${BLOCK:-512}" "${BLOCK:-512}" 256; do
-        n=$(ls "$OUT"/blocks-$q-*.json 2>/dev/null | wc -l)
-        python3 -c "
-import sys, reference.layer as layer
-layer.MAX_QUERY_BLOCK = $q
+      # Query blocks of 256 (reference.layer.MAX_QUERY_BLOCK) against BLOCK (default 512) queries in this tree
+      # (ab_bench; LAYERS defaults to 2 here, a Flash CSA layer, and BENCH_ARGS to --no-trace). Counted on the CPU as a GPU launches
+      # (bench/launch_count.py, tiny, 30,720 + 64, forty-third session): 512-query blocks cut a CSA layer's operations
+      # 173,183 -> 128,513 and host reads 3,551 -> 3,065, and widen each query's keys from 383 window-band rows + 512
+      # picks to 639 + 512 (W = 128). GPU GEMMs of other shapes may round differently: this stage measures time only.
+      LAYERS=${LAYERS:-2} BENCH_ARGS=${BENCH_ARGS:---no-trace}
+      bench_side() {
+        python3 -c "import sys, reference.layer as layer
+layer.MAX_QUERY_BLOCK = int(sys.argv[1])
 from harness.cli.main import main
-sys.exit(main(sys.argv[1:]))" bench --model flash --tokens 30720 --decode 64 --layers "${LAYERS:-2}" --device cuda \
-          --no-trace --json "$OUT/blocks-$q-$n.json" | grep -E "^layer"
-      done
-      python3 - "$OUT" "${BLOCK:-512}" <<'PY'
-import glob, json, statistics, sys
-runs = {q: [json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/blocks-{q}-*.json"))] for q in ("256", sys.argv[2])}
-for i, row in enumerate(runs["256"][0]["layers"]):
-    base, wide = (statistics.mean(r["layers"][i]["run_s"] for r in runs[q]) for q in ("256", sys.argv[2]))
-    print(f"layer {row['layer']} ({row['kind']}): blocks of 256 {base:.2f} s, of {sys.argv[2]} {wide:.2f} s, "
-          f"{base / wide:.2f}x (means of two runs each, order 256 {sys.argv[2]} {sys.argv[2]} 256)")
-PY
-      ;;
+sys.exit(main(sys.argv[2:]))" "$1" "${B[@]}" --json "$2"
+      }
+      ab_bench blocks 256 "${BLOCK:-512}" ;;
     flash27k|flash30k)
       # Resumable across calls while the machine stays warm: the run lives in /tmp/<stage>-<patches>, each call runs at
       # most RUN_LIMIT seconds, and the measured files come back under $OUT/<stage>-<patches> (report and gate run

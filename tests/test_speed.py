@@ -1133,8 +1133,8 @@ def test_launch_count_names_the_regions_of_a_layer():
 
 def test_a_replay_inside_a_function_being_made_into_a_graph_runs_eagerly(monkeypatch):
     """The engine's mHC mix (replayed as a whole in decode) replays its Sinkhorn itself: while the mix's graph is made
-    (its warm-up call and its capture, under graphs._lock), the inner replay must run eagerly — before, it waited for
-    the lock its own thread held, forever. Modelled on the CPU: the device check passes and a stand-in graph makes
+    (its warm-up call and its capture, under graphs._lock), the inner replay must run eagerly — else it would wait
+    forever for the lock its own thread holds. Modelled on the CPU: the device check passes and a stand-in graph makes
     its warm-up call as _Graph does; the call must finish, and the inner function must have run eagerly inside it."""
     import threading
     from reference import graphs
