@@ -280,6 +280,23 @@ def _at_most(sites: list["_HeldSite"], tokens: int) -> list[list["_HeldSite"]]:
     return runs
 
 
+class _SampledRows:
+    """`t[sampled]` for a query block's tensors, each tensor indexed once: a block's position, query, window and
+    compressed slots go to up to four consumers (indexer.scores, the indexer and attention sites, attn.probs), and
+    each pick is an index kernel on a GPU (bench/launch_count.py counted 19 per block, 2,280 per prefill stack of a
+    CSA layer at 30,720 tokens). The picks are copies no consumer writes into, so one serves them all."""
+
+    def __init__(self, sampled: torch.Tensor) -> None:
+        self.sampled = sampled
+        self._picked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id → (the tensor, kept alive; its pick)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        held = self._picked.get(id(t))
+        if held is None:
+            held = self._picked[id(t)] = (t, t[self.sampled])
+        return held[1]
+
+
 def _widths(rows: tuple[torch.Tensor, ...]) -> tuple[torch.Size, ...]:
     return tuple(f.shape[1:] for f in rows)
 
@@ -634,7 +651,8 @@ class OptimizedLayer:
             # every sampled query of a single-block chunk (a decode step whose position is sampled): offsets
             # 0 … n−1, so t[sampled] is t itself, and no later block of the chunk can reuse what an op returned
             whole = sampled is not None and sampled.numel() == pos.numel() and positions.numel() <= block
-            pick = (lambda t: t) if whole else (lambda t: t[sampled])  # noqa: E731
+            pick = (lambda t: t) if whole else _SampledRows(sampled)
+            q_blk = q[blk]
             if self.kind == "swa":
                 comp_slots = torch.full((pos.numel(), 0), -1, dtype=torch.int64, device=self.device)
                 lanes, length = comp_slots, torch.zeros(pos.numel(), dtype=torch.int64, device=self.device)
@@ -662,7 +680,7 @@ class OptimizedLayer:
                 comp_slots = torch.where(valid, row_ids, constant(-1, row_ids.dtype, row_ids.device))
                 lanes, length = kernel_lanes(row_ids, valid)
             (o, lse), stock_only = ctx.call_noting_patches(
-                "sparse_attention", q=q[blk], window_slots=window_slots, comp_slots=comp_slots, sink=sink_logit,
+                "sparse_attention", q=q_blk, window_slots=window_slots, comp_slots=comp_slots, sink=sink_logit,
                 comp_lanes=lanes, comp_length=length)
             if sink.wants("attn.lse"):
                 sink.emit("attn.lse", pos, lse=lse)
@@ -676,12 +694,12 @@ class OptimizedLayer:
             if sink.wants("attn.site") and (every or sampled.numel()):
                 at = (lambda t: t) if every else pick  # noqa: E731
                 self._emit_site(sink, "attn.site", ctx, "sparse_attention", lambda r: {"lse": r[1]}, at(pos),
-                                (at(o), at(lse)), stock_only, None if every else attn_sites, q=at(q[blk]),
+                                (at(o), at(lse)), stock_only, None if every else attn_sites, q=at(q_blk),
                                 window_slots=at(window_slots),
                                 comp_slots=at(comp_slots), sink=sink_logit, comp_lanes=at(lanes),
                                 comp_length=at(length))
             if sink.wants("attn.probs") and sampled.numel():
-                probs_rows.append((pick(pos), pick(q[blk]), pick(window_slots), pick(comp_slots)))
+                probs_rows.append((pick(pos), pick(q_blk), pick(window_slots), pick(comp_slots)))
             out[blk] = o
         if join_sites and attn_sites:  # the chunk's attention sites: a stock and a twin call per budget of queries,
             # whose window band is the chunk's (the sampled queries lie across it), so sized for that band
