@@ -20,8 +20,8 @@ import torch
 
 from harness.run.aggregate import LayerAccumulator
 from harness.run.metrics import COMPARATORS, SITE_COMPARATORS, CompareContext, MetricValues, compare_indexer_scores
+from reference import layer as reference_layer
 from reference.graphs import clone_together
-from reference.layer import MAX_QUERY_BLOCK
 
 DENSE_TAPS = ("attn.out", "moe.out", "attn.hc", "ffn.hc", "attn.lse", "moe.router", "indexer.selected", "layer.out")
 ROW_TAPS = ("compressor.rows", "indexer.rows")
@@ -257,7 +257,8 @@ class ComparingSink:
     of indexer.selected (512 int64 ids and flags per query) ~75 MB."""
     BLOCK_TAPS = frozenset({"indexer.selected", "attn.lse", "attn.site", "indexer.site"})
     """The BATCHED_TAPS a stack emits once per query block of a prefill chunk (the indexer site per chunk, in calls of
-    at most a block): on a GPU their emissions of at most MAX_QUERY_BLOCK positions are deferred too. Taps emitted
+    at most a block): on a GPU their emissions of at most reference.layer.MAX_QUERY_BLOCK positions are deferred too
+    (read when emitted: a bench that sets another block size defers its blocks as well). Taps emitted
     once per chunk (layer.out, attn.out, the mHC taps, …) are compared as they arrive whatever the chunk's size:
     deferring 64 of those would hold 64 chunks' streams."""
     DEFER_BLOCKS_ON_CPU = False
@@ -286,8 +287,8 @@ class ComparingSink:
             return
         number, self._emitted = self._emitted, self._emitted + 1
         n = positions.numel()
-        block = tap in self.BLOCK_TAPS and n <= MAX_QUERY_BLOCK and (positions.device.type != "cpu"
-                                                                    or self.DEFER_BLOCKS_ON_CPU)
+        block = tap in self.BLOCK_TAPS and n <= reference_layer.MAX_QUERY_BLOCK \
+            and (positions.device.type != "cpu" or self.DEFER_BLOCKS_ON_CPU)
         if (tap in COMPARATORS and positions.dim() == 1 and (n == 1 or block)
                 and all(v.dim() and v.shape[0] == n for v in values.values())):
             held = self._deferred.setdefault(tap, [])
