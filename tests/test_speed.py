@@ -526,6 +526,21 @@ def _tiny_metrics(tmp_path, name: str, decode_together: bool | None = None, site
     return store.read_metrics().to_pandas().sort_values(keys).reset_index(drop=True)
 
 
+def _widest_comparisons(monkeypatch) -> dict[str, int]:
+    """Per tap, the most positions ComparingSink compared in one call, filled as the test's runs compare."""
+    from harness.run.probes import ComparingSink
+
+    widest: dict[str, int] = {}
+    compare = ComparingSink._compare
+
+    def noting(self, tap, positions, values):
+        widest[tap] = max(widest.get(tap, 0), positions.numel())
+        return compare(self, tap, positions, values)
+
+    monkeypatch.setattr(ComparingSink, "_compare", noting)
+    return widest
+
+
 def test_comparisons_deferred_in_batches_give_the_same_bits_as_one_by_one(tmp_path, monkeypatch):
     """ComparingSink compares one-position decode emissions and query-block prefill emissions in batches (issue
     #14); DEFER_EMISSIONS = 1 compares each as it arrives, as before. Every metric value must be the same bits: the
@@ -536,14 +551,7 @@ def test_comparisons_deferred_in_batches_give_the_same_bits_as_one_by_one(tmp_pa
     from reference.layer import MAX_QUERY_BLOCK
 
     torch.set_num_threads(1)
-    widest: dict[str, int] = {}
-    compare = ComparingSink._compare
-
-    def noting(self, tap, positions, values):
-        widest[tap] = max(widest.get(tap, 0), positions.numel())
-        return compare(self, tap, positions, values)
-
-    monkeypatch.setattr(ComparingSink, "_compare", noting)
+    widest = _widest_comparisons(monkeypatch)
     monkeypatch.setattr(ComparingSink, "DEFER_BLOCKS_ON_CPU", True)  # the GPU's path
     batched = _tiny_metrics(tmp_path, "batched")
     assert widest["indexer.selected"] > MAX_QUERY_BLOCK, widest
@@ -553,6 +561,37 @@ def test_comparisons_deferred_in_batches_give_the_same_bits_as_one_by_one(tmp_pa
     assert widest["indexer.selected"] <= MAX_QUERY_BLOCK, widest
     assert len(batched) > 1000
     assert batched.equals(one_by_one)
+
+
+def test_a_blocks_sampled_rows_are_picked_once_per_tensor():
+    """The engine gives a query block's sampled rows of one tensor to up to four consumers; _SampledRows indexes each
+    tensor once (one index kernel on a GPU) and hands every consumer that pick, with t[sampled]'s values; another
+    tensor, even one equal in value, gets its own pick."""
+    from optimized.engine import _SampledRows
+
+    pick = _SampledRows(torch.tensor([0, 2, 3]))
+    q, k = torch.arange(12.0).view(4, 3), torch.arange(12.0).view(4, 3)
+    first = pick(q)
+    assert pick(q) is first
+    assert torch.equal(first, q[torch.tensor([0, 2, 3])])
+    assert pick(k) is not first and torch.equal(pick(k), first)
+
+
+def test_comparisons_defer_blocks_up_to_the_block_size_in_force(tmp_path, monkeypatch):
+    """The probes defer a prefill block's emissions up to reference.layer.MAX_QUERY_BLOCK as it is when the block is
+    emitted: a bench that runs larger blocks (bench/gpu_session.sh blocks sets the constant) must batch them as the
+    default size is batched, else each is compared alone with host reads of its own and the A/B favours the default.
+    With 512-query blocks tiny-smoke's 320-query chunks are one block each, so a batched comparison spans more than
+    320 positions only if they were deferred (a copy of the constant taken at import, 256, failed this)."""
+    from harness.run.probes import ComparingSink
+    from reference import layer as reference_layer
+
+    torch.set_num_threads(1)
+    widest = _widest_comparisons(monkeypatch)
+    monkeypatch.setattr(ComparingSink, "DEFER_BLOCKS_ON_CPU", True)  # the GPU's path
+    monkeypatch.setattr(reference_layer, "MAX_QUERY_BLOCK", 512)
+    _tiny_metrics(tmp_path, "blocks-512", variants=[])
+    assert widest["indexer.selected"] > 320, widest
 
 
 METRIC_KEYS = ["variant", "mode", "layer", "phase", "chunk", "step", "turn", "pos_bin", "pos_end", "tap", "metric"]
