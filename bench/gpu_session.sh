@@ -135,10 +135,12 @@ PY
       sed -n '/device-busy seconds per line of/,+30p' "$OUT/profile-kernels.txt" ;;
     blocks)
       # Query blocks of 256 (reference.layer.MAX_QUERY_BLOCK) against BLOCK (default 512) queries in this tree
-      # (ab_bench; LAYERS defaults to 2 here, a Flash CSA layer, and BENCH_ARGS to --no-trace). Counted on the CPU as a GPU launches
-      # (bench/launch_count.py, tiny, 30,720 + 64, forty-third session): 512-query blocks cut a CSA layer's operations
-      # 173,183 -> 128,513 and host reads 3,551 -> 3,065, and widen each query's keys from 383 window-band rows + 512
-      # picks to 639 + 512 (W = 128). GPU GEMMs of other shapes may round differently: this stage measures time only.
+      # (ab_bench; LAYERS defaults to 2 here, a Flash CSA layer, and BENCH_ARGS to --no-trace). Counted on the CPU as
+      # a GPU launches (bench/launch_count.py --defer-blocks, tiny, 30,720 + 64, forty-fourth session's code),
+      # 512-query blocks cut a CSA layer's operations 158,975 -> 117,027 and host reads 3,551 -> 3,081, and widen each
+      # query's keys from 383 window-band rows (256 + W − 1, W = 128) + 512 picks to 639 + 512. GPU GEMMs of other
+      # shapes may round differently: this stage measures time only (forty-fourth session on an H100: 1.06x and
+      # 1.19x, within the lease's load noise; README, Benchmarks).
       LAYERS=${LAYERS:-2} BENCH_ARGS=${BENCH_ARGS:---no-trace}
       bench_side() {
         python3 -c "import sys, reference.layer as layer

@@ -283,8 +283,10 @@ def _at_most(sites: list["_HeldSite"], tokens: int) -> list[list["_HeldSite"]]:
 class _SampledRows:
     """`t[sampled]` for a query block's tensors, each tensor indexed once: a block's position, query, window and
     compressed slots go to up to four consumers (indexer.scores, the indexer and attention sites, attn.probs), and
-    each pick is an index kernel on a GPU (bench/launch_count.py counted 19 per block, 2,280 per prefill stack of a
-    CSA layer at 30,720 tokens). The picks are copies no consumer writes into, so one serves them all."""
+    each pick is an index kernel on a GPU (bench/launch_count.py, tiny, CSA layer 2 at 30,720 tokens: 19 picks per
+    block before, 13 after, × 120 blocks per prefill stack). The picks are copies that only this repository's
+    consumers read (probes and the stock and twin site calls, never a patched op), none writing into them, so one
+    serves them all."""
 
     def __init__(self, sampled: torch.Tensor) -> None:
         self.sampled = sampled

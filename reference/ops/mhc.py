@@ -32,7 +32,8 @@ stops at 4,096. Its 4 + 3·(2·iters − 1) small kernels (121 at 20 iterations:
 divides) each move 16 fp32 per token — 512 KiB at 8,192 tokens, less than a microsecond of an H100's bandwidth — so
 a prefill chunk's Sinkhorn, like a decode step's, costs its launches, and every stack calls it twice per chunk
 (HC_pre of attention and of the FFN). A graph's private pool holds the call's live intermediates, a few MiB at 16,384
-tokens."""
+tokens (an estimate, not measured). The gain is not measured apart: a Flash CSA layer's A/B of this with the
+engines' per-tensor picks on an H100 (forty-fourth session, README Benchmarks) was 0.97x, within the lease's noise."""
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
