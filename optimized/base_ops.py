@@ -18,7 +18,8 @@ from optimized import numerics
 from optimized.numerics import Nvfp4Operand, bf16, bf16_linear, constant, exact_matmul, exact_product, \
     fp8_activation, fp8_linear, fp32_linear, rms_norm_bf16, tensor_core_queries
 from optimized.ops import OpContext, Routing
-from optimized.paged_cache import quantize_fp8_per_row
+from optimized.kernels import resolve_impl
+from optimized.paged_cache import IndexKeyCache, quantize_fp8_per_row
 from reference.graphs import replay
 from reference.quant import QuantizedTensor, mx32_to_nvfp4, mx32_to_nvfp4_forms, nvfp4_factors_from_mx
 from reference.layer import share_rows
@@ -363,9 +364,15 @@ def quantize_indexer_q(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Te
 
 def indexer_logits(ctx: OpContext, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """DeepGEMM fp8_paged_mqa_logits semantics: Σ_h w'_h·ReLU(q8_h·k8)·k_scale with exact fp32 accumulation
-    of FP8 products; rows not yet visible get −inf."""
+    of FP8 products; rows not yet visible get −inf. A prefill block on a GPU runs it as one fused kernel
+    (paged_logits_apply); elsewhere as the torch steps below."""
     keys = ctx.state.index_keys
     q8, w = quantize_indexer_q(q, weights)
+    if paged_logits_apply(ctx, q, keys):
+        from optimized.kernels.indexer_logits_triton import fp8_paged_mqa_logits_triton
+        context = visible_rows(positions, ctx.state.ratio).to(torch.int32)
+        return fp8_paged_mqa_logits_triton(q8, w, keys.codes, keys.scale, keys.page_table, context, keys.length,
+                                           "tf32", float("-inf"))
     if keys.fp4:
         k, k_scale = keys.dense(), torch.ones(keys.length, device=q.device)
     else:
@@ -381,6 +388,24 @@ def indexer_logits(ctx: OpContext, q: torch.Tensor, weights: torch.Tensor, posit
     logits = summed * k_scale[None, :]
     hidden = torch.arange(keys.length, device=q.device)[None, :] >= visible_rows(positions, ctx.state.ratio)[:, None]
     return logits.masked_fill(hidden, float("-inf"))
+
+
+def paged_logits_apply(ctx: OpContext, q: torch.Tensor, keys: IndexKeyCache) -> bool:
+    """Whether the stock indexer's logits for queries `q` run as the FP8 paged logits kernel
+    (optimized.kernels.indexer_logits_triton at dot precision "tf32": e4m3 codes are exact in tf32, so its
+    per-head dots are the same exact products summed in fp32, the head sum and the key scale in the recipe's order —
+    DeepGEMM's semantics, which the torch steps emulate; only the fp32 accumulation order differs, as it already did
+    between the CPU's fp32 GEMM and the GPU's tensor cores): a prefill block on a GPU (tensor_core_queries) with
+    FP8 keys, not the benign twin (whose head sum is split in two), and Triton picked for the device
+    (optimized.kernels.resolve_impl, so DSV4_DRIFT_KERNEL_IMPL=torch keeps the torch steps).
+
+    Why: the torch steps write the [queries, heads, rows] fp32 dots and pass over them three times more (ReLU, the
+    head weights, the head sum) — 0.29 s of device time per Flash CSA layer at 30,720 tokens over the four engine
+    runs of base and all (H100 profile, forty-third session: base_ops lines of the ReLU/weights and the sum) — where
+    the kernel reads the FP8 codes and writes only the [queries, rows] logits. A decode step keeps the torch steps
+    (one query: the few launches its graph replays)."""
+    return tensor_core_queries(q) and not keys.fp4 and not reassociated(ctx) \
+        and resolve_impl("auto", q.device) == "triton"
 
 
 def indexer_topk(ctx: OpContext, logits: torch.Tensor, positions: torch.Tensor, k: int

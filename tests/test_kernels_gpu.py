@@ -224,3 +224,56 @@ def test_the_engine_rounds_prefill_sized_tensors_in_one_pass(monkeypatch):
     numerics.bf16(small)
     numerics.fp8_activation(small)
     assert calls == ["bf16_round", "fp8_block_quant"], "a decode step's tensors keep the torch ops"
+
+
+def test_the_stock_indexer_runs_a_prefill_block_as_the_paged_kernel(monkeypatch):
+    """base_ops.indexer_logits on a GPU prefill block (causal positions, a scrambled page table, Flash's 64 heads ×
+    128 dims, compression ratio 4) takes the paged kernel at "tf32" (base_ops.paged_logits_apply) and gives the torch
+    steps' logits but for fp32 accumulation order: both within indexer_bound of the exact fp64 logits, the tensor-core
+    u for the kernel's dots and for the torch steps' (exact_matmul, also on tensor cores), and the same −inf columns.
+    The twin (`reassociate`), FP4 keys, a decode step's query and DSV4_DRIFT_KERNEL_IMPL=torch keep the torch steps."""
+    from optimized import base_ops
+    from optimized.kernels import IMPL_ENV, indexer_logits_triton
+    from optimized.kernels.testing import IndexerCase
+    from optimized.ops import OpContext
+    from optimized.state import EngineState
+    from reference.config import FLASH
+    from reference.ops.compressor import visible_rows
+
+    ratio, n_keys, queries = 4, 6000, 256
+    case = make_indexer_case(batch=1, **{**FLASH_INDEXER, "n_keys": n_keys}, device="cuda", seed=400)
+    state = EngineState(0, 0, ratio, torch.ones(1), None, None, case.cache, None, None)
+    ctx = OpContext(FLASH, 2, "csa", "prefill", 2, torch.arange(queries), state, None, None, torch.device("cuda"), {},
+                    None)
+    g = torch.Generator(device="cuda").manual_seed(401)
+    q = torch.randn(queries, 64, 128, device="cuda", generator=g)
+    weights = torch.randn(queries, 64, device="cuda", generator=g) * 64**-0.5
+    positions = torch.arange(queries, device="cuda") * (ratio * n_keys // queries)  # from no row visible to ~all
+    launched = []
+    kernel = indexer_logits_triton.fp8_paged_mqa_logits_triton
+    monkeypatch.setattr(indexer_logits_triton, "fp8_paged_mqa_logits_triton",
+                        lambda *a, **k: launched.append(a[7]) or kernel(*a, **k))
+    fused = base_ops.indexer_logits(ctx, q, weights, positions)
+    assert launched == ["tf32"], "a prefill block on the GPU takes the paged kernel"
+    monkeypatch.setenv(IMPL_ENV, "torch")
+    steps = base_ops.indexer_logits(ctx, q, weights, positions)
+    assert launched == ["tf32"], "DSV4_DRIFT_KERNEL_IMPL=torch keeps the torch steps"
+    monkeypatch.delenv(IMPL_ENV)
+    base_ops.indexer_logits(ctx.with_fields(engine_options={"reassociate": True}), q, weights, positions)
+    base_ops.indexer_logits(ctx, q[:1], weights[:1], positions[:1])
+    assert launched == ["tf32"], "the twin and a decode step's query keep the torch steps"
+    torch.cuda.synchronize()
+
+    q8, w = base_ops.quantize_indexer_q(q, weights)
+    exact_case = IndexerCase(q8, w, case.cache, visible_rows(positions, ratio).to(torch.int32), n_keys)
+    ref = indexer_reference(exact_case)
+    assert torch.equal(torch.isneginf(fused), ~ref.visible) and torch.equal(torch.isneginf(steps), ~ref.visible)
+    bound = indexer_bound(exact_case, ref, "tf32", u_dot=U_TENSOR_CORE)
+    vis = ref.visible
+    assert_within(fused[vis], ref.logits[vis], bound[vis], "stock indexer, paged kernel vs exact")
+    assert_within(steps[vis], ref.logits[vis], bound[vis], "stock indexer, torch steps vs exact")
+    # the top-512 the indexer picks from them: the same rows but where two logits lie within the bound of each other
+    picked = [set(torch.topk(x, 512, dim=-1).indices[-1].tolist()) for x in (fused, steps)]
+    same = float((fused[vis] == steps[vis]).float().mean())
+    print(f"\n[stock indexer, prefill block] identical to the torch steps: {same:.2%}; the last query's top-512 "
+          f"shared: {len(picked[0] & picked[1])}")
