@@ -48,7 +48,7 @@ for stage in "$@"; do
       # the GPU tests by file: collecting all of tests/ needs the [test] extras the device image lacks (jsonschema)
       python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_kernels_gpu.py \
         tests/test_host_lanes.py tests/test_distributed_gpu.py tests/test_streams.py tests/test_stream_placement.py \
-        tests/test_speed.py \
+        tests/test_speed.py tests/test_stream_sums.py \
         2>&1 | tail -15 ;;
     smoke)
       nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv

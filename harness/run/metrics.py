@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from harness.run.stream_sums import stream_sums
+
 KL_FLOOR = 1e-12
 """Probability floor in KL(ref‖opt): a key the variant never attended (another indexer pick) would make
 KL infinite; flooring at 1e-12 caps one such key's contribution at p·27.6 nats."""
@@ -174,16 +176,15 @@ def ratio_metric(name: str, positions: torch.Tensor, a: torch.Tensor, b: torch.T
 
 def compare_streams(pos, ref, var, ctx) -> list[MetricValues]:
     """layer.out: the residual streams [B, n, D]."""
-    af, bf, diff = _flat32(var["streams"], ref["streams"])
-    err2, ref2 = diff.pow(2).sum(1, dtype=torch.float64), bf.pow(2).sum(1, dtype=torch.float64)
-    var2 = af.pow(2).sum(1, dtype=torch.float64)
-    cos = (af * bf).sum(1, dtype=torch.float64) / (var2 * ref2).sqrt().clamp_min(1e-300)
+    s = stream_sums(var["streams"], ref["streams"])
+    cos = s.dot / (s.var2 * s.ref2).sqrt().clamp_min(1e-300)
+    n = var["streams"].flatten(1).shape[1]
     return [
-        MetricValues("streams.rel_l2", pos, combine_rel_l2(err2, ref2), err2, ref2, "rel_l2"),
-        MetricValues("streams.sqnr_db", pos, combine_sqnr_db(err2, ref2), err2, ref2, "sqnr_db"),
+        MetricValues("streams.rel_l2", pos, combine_rel_l2(s.err2, s.ref2), s.err2, s.ref2, "rel_l2"),
+        MetricValues("streams.sqnr_db", pos, combine_sqnr_db(s.err2, s.ref2), s.err2, s.ref2, "sqnr_db"),
         MetricValues("streams.cosine", pos, cos),
-        MetricValues("streams.max_abs", pos, diff.abs().amax(1).double()),
-        MetricValues("streams.bias", pos, diff.sum(1, dtype=torch.float64) / diff.shape[1]),
+        MetricValues("streams.max_abs", pos, s.max_abs.double()),
+        MetricValues("streams.bias", pos, s.diff_sum / n),
     ]
 
 
