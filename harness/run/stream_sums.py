@@ -13,11 +13,11 @@ the same fp32 value either way), ~1e-16 of each sum, and the maximum, whose orde
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import NamedTuple
 
 import torch
+
+from optimized.kernels import resolve_impl
 
 KERNEL_MIN_ELEMENTS = 1 << 20
 """Elements from which a pair on a GPU is summed by the kernel: a prefill chunk's streams are hundreds of millions;
@@ -49,11 +49,6 @@ def stream_sums(a: torch.Tensor, b: torch.Tensor) -> StreamSums:
 
 def kernel_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
     """A prefill-sized pair on a GPU with Triton, not forced onto torch (DSV4_DRIFT_KERNEL_IMPL=torch, the switch of
-    optimized.kernels, keeps the torch steps here too), not under CUDA graph capture."""
+    optimized.kernels, keeps the torch steps here too)."""
     return (a.is_cuda and b.is_cuda and a.numel() >= KERNEL_MIN_ELEMENTS and a.shape[0] > 0
-            and os.environ.get("DSV4_DRIFT_KERNEL_IMPL", "auto") != "torch" and _triton_importable()
-            and not torch.cuda.is_current_stream_capturing())
-
-
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
+            and resolve_impl("auto", a.device) == "triton")

@@ -10,9 +10,16 @@ is not the recipe (fp32 accumulation of exact products); bf16/tf32/fp32 operands
 The "fp32" FMA dot is contracted 16 dims at a time so its accumulator stays in registers. Shared memory per
 program, measured on an H200: 16 KB ("bf16"), 32 KB ("tf32"), 8 KB ("fp32") — within the 99 KB of sm_120;
 no Hopper-only code.
+
+Launches are serialised by a lock: the stock indexer runs this kernel for prefill blocks in both host lanes
+(optimized.base_ops.paged_logits_apply, harness.run.host_lanes), and a kernel's first launch compiles it, which
+Triton does not promise to be safe from two threads at once (as optimized/kernels/rounding_triton.py).
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import torch
 import triton
@@ -24,6 +31,7 @@ from optimized.paged_cache import PAGE_SIZE
 
 PRECISION_CODE = {"fp32": 0, "bf16": 1, "tf32": 2}
 LAST_COMPILED: dict[str, object] = {}
+_LAUNCH_LOCK = threading.Lock()
 
 
 @triton.jit
@@ -93,10 +101,11 @@ def fp8_paged_mqa_logits_triton(q_codes, weights, key_codes, key_scale, page_tab
         pad = page_table.new_zeros(*page_table.shape[:-1], triton.cdiv(n_cols, PAGE_SIZE) - n_pages)
         page_table = torch.cat([page_table, pad], -1)
     stride_pt_row = page_table.stride(0) if page_table.dim() == 2 else 0
-    LAST_COMPILED["logits"] = _logits_kernel[(n_rows, triton.cdiv(n_cols, PAGE_SIZE))](
-        q_codes.contiguous(), weights.float().contiguous(), key_codes.contiguous(), key_scale.float().contiguous(),
-        page_table, stride_pt_row, context_lens.to(torch.int32).contiguous(), out, n_cols, float(masked_value),
-        N_HEADS=n_heads, DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(n_heads)),
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), PAGE=PAGE_SIZE, PRECISION=PRECISION_CODE[dot_precision], FMA_K=16,
-        INTERPRET=triton_interpreting(), num_warps=4)
+    args = (q_codes.contiguous(), weights.float().contiguous(), key_codes.contiguous(), key_scale.float().contiguous(),
+            page_table, stride_pt_row, context_lens.to(torch.int32).contiguous(), out, n_cols, float(masked_value))
+    with _LAUNCH_LOCK, torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+        LAST_COMPILED["logits"] = _logits_kernel[(n_rows, triton.cdiv(n_cols, PAGE_SIZE))](
+            *args, N_HEADS=n_heads, DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(n_heads)),
+            BLOCK_D=max(16, triton.next_power_of_2(dim)), PAGE=PAGE_SIZE, PRECISION=PRECISION_CODE[dot_precision],
+            FMA_K=16, INTERPRET=triton_interpreting(), num_warps=4)
     return out
