@@ -395,15 +395,16 @@ def paged_logits_apply(ctx: OpContext, q: torch.Tensor, keys: IndexKeyCache) -> 
     (optimized.kernels.indexer_logits_triton at dot precision "tf32": e4m3 codes are exact in tf32, so its
     per-head dots are the same exact products summed in fp32, the head sum and the key scale in the recipe's order —
     DeepGEMM's semantics, which the torch steps emulate; only the fp32 accumulation order differs, as it already did
-    between the CPU's fp32 GEMM and the GPU's tensor cores): a prefill block on a GPU (tensor_core_queries) with
-    FP8 keys, not the benign twin (whose head sum is split in two), and Triton picked for the device
-    (optimized.kernels.resolve_impl, so DSV4_DRIFT_KERNEL_IMPL=torch keeps the torch steps).
+    between the CPU's fp32 GEMM and the GPU's tensor cores): TENSOR_CORE_MIN_ROWS queries or more on a GPU
+    (tensor_core_queries: a prefill block, or decode steps computed together) with FP8 keys, not the benign twin
+    (whose head sum is split in two), and Triton picked for the device (optimized.kernels.resolve_impl, so
+    DSV4_DRIFT_KERNEL_IMPL=torch keeps the torch steps).
 
     Why: the torch steps write the [queries, heads, rows] fp32 dots and pass over them three times more (ReLU, the
     head weights, the head sum) — 0.29 s of device time per Flash CSA layer at 30,720 tokens over the four engine
     runs of base and all (H100 profile, forty-third session: base_ops lines of the ReLU/weights and the sum) — where
-    the kernel reads the FP8 codes and writes only the [queries, rows] logits. A decode step keeps the torch steps
-    (one query: the few launches its graph replays)."""
+    the kernel reads the FP8 codes and writes only the [queries, rows] logits. A single decode step's query keeps
+    the torch steps: its products are microseconds either way."""
     return tensor_core_queries(q) and not keys.fp4 and not reassociated(ctx) \
         and resolve_impl("auto", q.device) == "triton"
 

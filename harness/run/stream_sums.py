@@ -8,7 +8,8 @@ for every variant and mode and chunk: ~0.15 s of device time per Flash CSA layer
 variants, two modes; forty-third session's profile, metrics.py's compare_streams lines). The kernel reads both once.
 On a GPU, for a prefill-sized pair, it runs (stream_sums_triton); elsewhere the torch steps do, so the CPU's bits —
 what tests/test_metrics_pin.py pins — do not change. The two differ only in the order of the fp64 sums (each term is
-the same fp32 value either way), ~1e-16 of each sum, and the maximum, whose order does not matter, not at all.
+the same fp32 value either way): by at most 2·n·2^-53 of the sum of the n terms' magnitudes; the maximum, whose
+order does not matter, not at all.
 """
 
 from __future__ import annotations
