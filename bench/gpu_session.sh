@@ -152,10 +152,11 @@ sys.exit(main(sys.argv[2:]))" "$1" "${B[@]}" --json "$2"
     flash27k|flash30k)
       # Resumable across calls while the machine stays warm: the run lives in /tmp/<stage>-<patches>, each call runs at
       # most RUN_LIMIT seconds, and the measured files come back under $OUT/<stage>-<patches> (report and gate run
-      # off-device). PATCHES (default none: reference, yardstick, base) picks the variants: base plus one with these
-      # patches. flash27k runs global mode only (the symptom's shape); flash30k is #14's budget shape (flash-30k:
-      # global and local, every probe), timed through the CLI as a user runs it.
-      P=${PATCHES:-none}; D=/tmp/$stage-$P
+      # off-device). PATCHES picks the variants: base plus one with these patches (none: reference, yardstick and base
+      # alone). flash27k runs global mode only (the symptom's shape; default none); flash30k is #14's budget shape
+      # (flash-30k with all six patches, global and local, every probe; default all), timed through the CLI as a user
+      # runs it.
+      if [ $stage = flash30k ]; then P=${PATCHES:-all}; else P=${PATCHES:-none}; fi; D=/tmp/$stage-$P
       if [ $stage = flash27k ]; then fresh=(run flash-27k --no-local); else fresh=(run flash-30k); fi
       if [ -f $D/manifest.json ]; then args=(run --resume $D); else
         args=("${fresh[@]}" --device cuda --patches "$P" --out $D); fi
