@@ -165,6 +165,26 @@ def test_indexer_triton_prefill_rows_and_zero_masking():
     print(f"\n[prefill 1024 rows] identical to emulation: {float((err == 0).float().mean()):.2%}")
 
 
+@pytest.mark.parametrize("dot_precision", ["bf16", "fp32", "tf32"])
+def test_indexer_triton_passes_a_nan_dot_on_as_the_recipe_does(dot_precision):
+    """A NaN query code (e4m3fn's 0x7F) makes every visible logit of its row NaN in the kernel as in the torch recipe
+    (torch.relu keeps NaN; tl.maximum's default would return 0.0 for it and hide the NaN — the stock indexer runs this
+    kernel for GPU prefill blocks, base_ops.paged_logits_apply); the other rows and the masked columns do not change.
+    The CPU's interpreter cannot check it: it decodes e4m3fn's NaN code as 480."""
+    case = make_indexer_case(batch=8, heads=64, dim=128, n_keys=700, device="cuda", seed=500)
+    q = case.q_codes.clone()
+    q[2, 5, 7] = float("nan")
+    args = (q, *case.args()[1:])
+    out = fp8_paged_mqa_logits(*args, dot_precision=dot_precision, impl="triton")
+    emu = fp8_paged_mqa_logits(*args, dot_precision=dot_precision, impl="torch")
+    clean = fp8_paged_mqa_logits(*case.args(), dot_precision=dot_precision, impl="triton")
+    visible = ~torch.isneginf(emu[2])
+    assert bool(visible.any()) and bool(torch.isnan(emu[2][visible]).all()), "the recipe passes the NaN on"
+    assert torch.equal(torch.isnan(out), torch.isnan(emu)), "the kernel's NaN logits are the recipe's"
+    others = torch.arange(8, device="cuda") != 2
+    assert torch.equal(out[others], clean[others]) and torch.equal(torch.isneginf(out[2]), ~visible)
+
+
 def test_indexer_triton_bf16_rounds_to_nearest_even():
     key_codes = torch.zeros(1, 64, 128, dtype=torch.float8_e4m3fn, device="cuda")
     key_codes[:, :, :3] = 1.0

@@ -80,7 +80,10 @@ def _logits_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, page_table_ptr, stride_
             dots = _bf16_rne(dots, INTERPRET).to(tl.float32)
 
     w = tl.load(w_ptr + b.to(tl.int64) * N_HEADS + heads, mask=head_ok, other=0.0)
-    head_sum = tl.sum(w[:, None] * tl.maximum(dots, 0.0), axis=0)  # [PAGE] fp32
+    # ReLU as torch.relu: a NaN dot stays NaN (tl.maximum's default would return 0.0 for it, hiding a NaN query or key
+    # that the recipe's torch steps — and the stock indexer on the CPU — pass on to the logits)
+    relu = tl.maximum(dots, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    head_sum = tl.sum(w[:, None] * relu, axis=0)  # [PAGE] fp32
     key_scale = tl.load(key_scale_ptr + key_row, mask=visible, other=0.0)
     logits = tl.where(visible, head_sum * key_scale, masked_value)
     tl.store(out_row + cols, logits, mask=col_ok)
