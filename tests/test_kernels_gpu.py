@@ -272,7 +272,7 @@ def test_the_stock_indexer_runs_a_prefill_block_as_the_paged_kernel(monkeypatch)
     launched = []
     kernel = indexer_logits_triton.fp8_paged_mqa_logits_triton
     monkeypatch.setattr(indexer_logits_triton, "fp8_paged_mqa_logits_triton",
-                        lambda *a, **k: launched.append(a[7]) or kernel(*a, **k))
+                        lambda *a, **k: launched.append(a[7]) or kernel(*a, **k))  # a[7]: the dot precision
     fused = base_ops.indexer_logits(ctx, q, weights, positions)
     assert launched == ["tf32"], "a prefill block on the GPU takes the paged kernel"
     monkeypatch.setenv(IMPL_ENV, "torch")

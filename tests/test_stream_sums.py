@@ -92,4 +92,5 @@ def test_a_prefill_chunks_streams_are_summed_by_the_kernel_on_the_gpu(monkeypatc
     assert not kernel_applies(a, b)
     want = stream_sums(a, b)
     assert_sums_agree(got, want, a, b)
-    print(f"\n[stream sums] rows identical to the torch steps (err2): {float((got.err2 == want.err2).float().mean()):.2%}")
+    same = float((got.err2 == want.err2).float().mean())
+    print(f"\n[stream sums] rows identical to the torch steps (err2): {same:.2%}")

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from harness.run.stream_sums import stream_sums
+from harness.run.stream_sums import flat32_pair, stream_sums
 
 KL_FLOOR = 1e-12
 """Probability floor in KL(ref‖opt): a key the variant never attended (another indexer pick) would make
@@ -155,16 +155,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(ref > 0, err / ref, torch.where(err > 0, torch.full_like(err, math.inf), torch.zeros_like(err)))
 
 
-def _flat32(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Both sides as fp32 rows [B, N] and their difference formed in fp32 (the fp32 difference of two fp32/bf16
-    tensors is within 2^-24 relative of exact, far below any drift measured; sums of it accumulate in fp64)."""
-    af, bf = a.float().flatten(1), b.float().flatten(1)
-    return af, bf, af - bf
-
-
 def ratio_metric(name: str, positions: torch.Tensor, a: torch.Tensor, b: torch.Tensor, combine: str) -> MetricValues:
     """A ratio metric of Σ(a−b)² and Σb² per row (a: variant, b: reference, any float dtype)."""
-    _, bf, diff = _flat32(a, b)
+    _, bf, diff = flat32_pair(a, b)
     err2, ref2 = diff.pow(2).sum(1, dtype=torch.float64), bf.pow(2).sum(1, dtype=torch.float64)
     return MetricValues(name, positions, RATIO_COMBINE[combine](err2, ref2), err2, ref2, combine)
 

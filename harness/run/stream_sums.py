@@ -4,12 +4,13 @@ fp32 as the torch steps form it.
 
 Why a kernel: the torch steps pass over a prefill chunk's streams (8,192 × 4 × 4,096 elements, 0.5 GB in fp32) about
 twenty times — the fp32 copy, the difference, each square and product, each sum — and a Flash layer compares them
-for every variant and mode and chunk: ~0.15 s of device time per Flash CSA layer at 30,720 tokens on an H100 (three
-variants, two modes; forty-third session's profile, metrics.py's compare_streams lines). The kernel reads both once.
-On a GPU, for a prefill-sized pair, it runs (stream_sums_triton); elsewhere the torch steps do, so the CPU's bits —
-what tests/test_metrics_pin.py pins — do not change. The two differ only in the order of the fp64 sums (each term is
-the same fp32 value either way): by at most 2·n·2^-53 of the sum of the n terms' magnitudes; the maximum, whose
-order does not matter, not at all.
+for every variant and mode and chunk: ~0.16 s of device time per Flash CSA layer at 30,720 tokens on an H100 (three
+variants, two modes; the forty-second session's profile, bench/results/flash-30k-layer-2-h100-2026-12-07-kernel-
+lines.txt: metrics.py's compare_streams lines 0.060 + 0.034 + 0.030 + 0.022 s and _flat32's 0.018 s). The kernel
+reads both once. On a GPU, for a prefill-sized pair, it runs (stream_sums_triton); elsewhere the torch steps do,
+so the CPU's bits — what tests/test_metrics_pin.py pins — do not change. The two differ only in the order of the
+fp64 sums (each term is the same fp32 value either way): by at most 2·n·2^-53 of the sum of the n terms'
+magnitudes; the maximum, whose order does not matter, not at all.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import torch
 from optimized.kernels import resolve_impl
 
 KERNEL_MIN_ELEMENTS = 1 << 20
-"""Elements from which a pair on a GPU is summed by the kernel: a prefill chunk's streams are hundreds of millions;
-a decode step's (4 × 4,096 per token) stay the torch steps, a few small launches either way."""
+"""Elements from which a pair on a GPU is summed by the kernel: a prefill chunk's streams (8,192 × 4 × 4,096 at
+Flash width) and a full batch of decode steps compared together (harness.run.probes' DEFER_EMISSIONS = 64 steps ×
+4 × 4,096 = 2^20) take it; a single decode step's streams, or a shorter batch, stay the torch steps, a few small
+launches either way."""
 
 
 class StreamSums(NamedTuple):
@@ -41,15 +44,21 @@ def stream_sums(a: torch.Tensor, b: torch.Tensor) -> StreamSums:
     if kernel_applies(a, b):
         from harness.run.stream_sums_triton import stream_sums_triton
         return StreamSums(*stream_sums_triton(a.flatten(1), b.flatten(1)))
-    af, bf = a.float().flatten(1), b.float().flatten(1)
-    diff = af - bf
+    af, bf, diff = flat32_pair(a, b)
     return StreamSums(diff.pow(2).sum(1, dtype=torch.float64), bf.pow(2).sum(1, dtype=torch.float64),
                       af.pow(2).sum(1, dtype=torch.float64), (af * bf).sum(1, dtype=torch.float64),
                       diff.sum(1, dtype=torch.float64), diff.abs().amax(1))
 
 
+def flat32_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both sides as fp32 rows [B, N] and their difference formed in fp32 (the fp32 difference of two fp32/bf16
+    tensors is within 2^-24 relative of exact, far below any drift measured; sums of it accumulate in fp64): the
+    torch steps' operands here and in harness.run.metrics.ratio_metric."""
+    af, bf = a.float().flatten(1), b.float().flatten(1)
+    return af, bf, af - bf
+
+
 def kernel_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
     """A prefill-sized pair on a GPU with Triton, not forced onto torch (DSV4_DRIFT_KERNEL_IMPL=torch, the switch of
     optimized.kernels, keeps the torch steps here too)."""
-    return (a.is_cuda and b.is_cuda and a.numel() >= KERNEL_MIN_ELEMENTS and a.shape[0] > 0
-            and resolve_impl("auto", a.device) == "triton")
+    return a.is_cuda and b.is_cuda and a.numel() >= KERNEL_MIN_ELEMENTS and resolve_impl("auto", a.device) == "triton"

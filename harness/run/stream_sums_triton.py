@@ -1,22 +1,19 @@
 """Triton kernel of harness.run.stream_sums: one program per row reads the row of a and of b once, forms each term in
 fp32 as the torch steps do ((a−b)², b², a², a·b, a−b after a cast of both to fp32) and adds it to fp64 sums; the
 row's maximum |a−b| propagates NaN as torch's amax does. Deterministic: each of BLOCK lanes adds its terms in column
-order, then the lanes are summed in a fixed tree — no atomics. Launches are serialised by a lock: both host lanes
-compare (harness.run.host_lanes), and a kernel's first launch compiles it, which Triton does not promise to be safe
-from two threads at once (as optimized/kernels/rounding_triton.py)."""
+order, then the lanes are summed in a fixed tree — no atomics. Launches are serialised
+(optimized.kernels.serialized_launch): both host lanes compare."""
 
 from __future__ import annotations
-
-import contextlib
-import threading
 
 import torch
 import triton
 import triton.language as tl
 
+from optimized.kernels import serialized_launch
+
 BLOCK = 1024
 """Columns per step of a row's program (4 per thread of 8 warps; five fp64 accumulators each). A choice, not tuned."""
-_LAUNCH_LOCK = threading.Lock()
 
 
 @triton.jit
@@ -64,6 +61,6 @@ def stream_sums_triton(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, 
     sums = torch.empty(5, rows, dtype=torch.float64, device=a.device)
     max_abs = torch.empty(rows, dtype=torch.float32, device=a.device)
     if rows:
-        with _LAUNCH_LOCK, torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+        with serialized_launch(a.device):
             _stream_sums_kernel[(rows,)](a, b, sums, max_abs, rows, n, BLOCK=BLOCK, num_warps=8)
     return (*sums.unbind(0), max_abs)

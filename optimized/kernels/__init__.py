@@ -12,14 +12,29 @@ See NOTES.md for the kernel designs and measured timings.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
+import threading
+from typing import Iterator
 
 import torch
 
 IMPLS = ("auto", "torch", "triton")
 IMPL_ENV = "DSV4_DRIFT_KERNEL_IMPL"
+
+_LAUNCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def serialized_launch(device: torch.device) -> Iterator[None]:
+    """Around a Triton kernel's launch: one launch at a time in this process, with `device` current (a CUDA device;
+    nothing to make current for the interpreter's CPU tensors). The engine's rounding, the stock indexer and the
+    stream comparison run in both host lanes (harness.run.host_lanes), and a kernel's first launch compiles it,
+    which Triton does not promise to be safe from two threads at once."""
+    with _LAUNCH_LOCK, torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        yield
 
 
 @functools.cache

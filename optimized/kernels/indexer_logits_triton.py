@@ -11,27 +11,22 @@ The "fp32" FMA dot is contracted 16 dims at a time so its accumulator stays in r
 program, measured on an H200: 16 KB ("bf16"), 32 KB ("tf32"), 8 KB ("fp32") — within the 99 KB of sm_120;
 no Hopper-only code.
 
-Launches are serialised by a lock: the stock indexer runs this kernel for prefill blocks in both host lanes
-(optimized.base_ops.paged_logits_apply, harness.run.host_lanes), and a kernel's first launch compiles it, which
-Triton does not promise to be safe from two threads at once (as optimized/kernels/rounding_triton.py).
+Launches are serialised (optimized.kernels.serialized_launch): the stock indexer runs this kernel for prefill
+blocks in both host lanes (optimized.base_ops.paged_logits_apply).
 """
 
 from __future__ import annotations
-
-import contextlib
-import threading
 
 import torch
 import triton
 import triton.language as tl
 
-from optimized.kernels import triton_interpreting
+from optimized.kernels import serialized_launch, triton_interpreting
 from optimized.kernels.sparse_decode_triton import _bf16_rne
 from optimized.paged_cache import PAGE_SIZE
 
 PRECISION_CODE = {"fp32": 0, "bf16": 1, "tf32": 2}
 LAST_COMPILED: dict[str, object] = {}
-_LAUNCH_LOCK = threading.Lock()
 
 
 @triton.jit
@@ -106,7 +101,7 @@ def fp8_paged_mqa_logits_triton(q_codes, weights, key_codes, key_scale, page_tab
     stride_pt_row = page_table.stride(0) if page_table.dim() == 2 else 0
     args = (q_codes.contiguous(), weights.float().contiguous(), key_codes.contiguous(), key_scale.float().contiguous(),
             page_table, stride_pt_row, context_lens.to(torch.int32).contiguous(), out, n_cols, float(masked_value))
-    with _LAUNCH_LOCK, torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+    with serialized_launch(out.device):
         LAST_COMPILED["logits"] = _logits_kernel[(n_rows, triton.cdiv(n_cols, PAGE_SIZE))](
             *args, N_HEADS=n_heads, DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(n_heads)),
             BLOCK_D=max(16, triton.next_power_of_2(dim)), PAGE=PAGE_SIZE, PRECISION=PRECISION_CODE[dot_precision],

@@ -21,18 +21,16 @@ way, the interpreter runs the GPU's arithmetic and tests/test_kernels_cpu.py can
 - The exponent field read above is a's only for a normal a, and 2^e is built from bits only for e ≥ −126: hence an
   amax floor of at least 2^−118 (rounding.MIN_AMAX_FLOOR; the engine's is 1e−4).
 
-Launches are serialised by a lock: the engine rounds in both host lanes (harness.run.host_lanes), and a kernel's
-first launch compiles it, which Triton does not promise to be safe from two threads at once.
+Launches are serialised (optimized.kernels.serialized_launch): the engine rounds in both host lanes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import torch
 import triton
 import triton.language as tl
+
+from optimized.kernels import serialized_launch
 
 BF16_BLOCK = 2048
 """Elements per program of the round trip (8 KiB in, 8 KiB out; 8 per thread of 8 warps). A choice, not tuned: the
@@ -41,7 +39,6 @@ less than before (0.456 → 0.233 and 0.295 → 0.170 s: Benchmarks)."""
 QUANT_ROWS = 16
 """Rows per program of the quantizer: a [16, block] tile, one scale per row (16 × 128 × 4 B = 8 KiB read). A choice,
 not tuned."""
-_LAUNCH_LOCK = threading.Lock()
 
 
 @triton.jit
@@ -91,7 +88,7 @@ def bf16_round_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        with _LAUNCH_LOCK, torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        with serialized_launch(x.device):
             _bf16_round_kernel[(triton.cdiv(n, BF16_BLOCK),)](x, out, n, BLOCK=BF16_BLOCK, num_warps=8)
     return out
 
@@ -102,7 +99,7 @@ def fp8_block_quant_triton(x: torch.Tensor, block: int, amax_floor: float) -> to
     rows = x.numel() // width if width else 0
     if rows:
         floor = float(torch.tensor(amax_floor, dtype=torch.float32))  # the fp32 floor torch.clamp compares with
-        with _LAUNCH_LOCK, torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        with serialized_launch(x.device):
             _fp8_block_quant_kernel[(triton.cdiv(rows, QUANT_ROWS), width // block)](
                 x, out, rows, width, floor, ROWS=QUANT_ROWS, BLOCK=block, num_warps=4)
     return out
